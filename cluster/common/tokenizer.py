@@ -1,0 +1,290 @@
+"""Torch-free tokenizer, chat template and incremental detokenizer.
+
+The router tokenizes without importing torch or transformers (whose import pulls torch), so this
+reads a transformers checkpoint's ``tokenizer.json`` with the ``tokenizers`` library and renders
+its chat template with jinja2 the way transformers does (sandboxed, same globals). The engine uses
+the same class, so the router and the pools always agree on token ids.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+class ChatTemplateError(ValueError):
+    pass
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+class Tokenizer:
+    """A transformers tokenizer directory (``tokenizer.json`` + config), loaded without torch."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        path = Path(model_dir)
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise FileNotFoundError(
+                f"{tok_file}: missing; pdserve needs a fast-tokenizer file (tokenizer.json) "
+                "in the model directory"
+            )
+        self._tok = _HFTokenizer.from_file(str(tok_file))
+        config = _read_json(path / "tokenizer_config.json")
+        model_config = _read_json(path / "config.json")
+        gen_config = _read_json(path / "generation_config.json")
+        self.bos_token: str | None = _token_str(config.get("bos_token"))
+        self.eos_token: str | None = _token_str(config.get("eos_token"))
+        self.clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
+        self.chat_template = _load_chat_template(path, config)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+        eos_ids: list[int] = []
+        for source in (gen_config.get("eos_token_id"), model_config.get("eos_token_id")):
+            if isinstance(source, int):
+                eos_ids.append(source)
+            elif isinstance(source, list):
+                eos_ids.extend(int(x) for x in source)
+        if self.eos_token is not None:
+            tid = self._tok.token_to_id(self.eos_token)
+            if tid is not None:
+                eos_ids.append(tid)
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_ids))
+        self._template: Any = None
+
+    # -- encoding ------------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        if not self.chat_template:
+            raise ChatTemplateError("messages: this model has no chat template; send a prompt")
+        validate_messages(messages)
+        if self._template is None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(
+                x, ensure_ascii=False, indent=indent
+            )
+            env.globals["raise_exception"] = _raise_exception
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(
+            messages=[dict(m) for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        # The template already places any special tokens (as transformers does).
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)
+
+    # -- decoding ------------------------------------------------------------------------------
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        text: str = self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        if self.clean_up_spaces:
+            text = _clean_up_tokenization(text)
+        return text
+
+    def token_to_id(self, token: str) -> int | None:
+        tid: int | None = self._tok.token_to_id(token)
+        return tid
+
+
+def validate_messages(messages: Sequence[Mapping[str, Any]]) -> None:
+    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
+        raise ValueError("messages: must be a list of {role, content} objects")
+    if not messages:
+        raise ValueError("messages: must not be empty")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ValueError(f"messages[{i}]: must be an object with role and content")
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"messages[{i}].role: must be a non-empty string")
+        if not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content: must be a string")
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas, safe for multi-token characters.
+
+    Decodes a short window (``prefix_offset:``) each step instead of the whole output, and holds
+    back text that may still become a stop string, so a streamed delta is never retracted.
+    """
+
+    __slots__ = (
+        "_emitted",
+        "_max_stop_len",
+        "_prefix_offset",
+        "_read_offset",
+        "_skip_special",
+        "_stops",
+        "_tokenizer",
+        "text",
+        "token_ids",
+    )
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        stop: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+        context_ids: Sequence[int] = (),
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._stops = tuple(stop)
+        self._max_stop_len = max((len(s) for s in self._stops), default=0)
+        self._skip_special = skip_special_tokens
+        # A few context tokens make the first output token decode with its leading space right.
+        self.token_ids: list[int] = list(context_ids[-4:])
+        self._prefix_offset = 0
+        self._read_offset = len(self.token_ids)
+        self.text = ""
+        self._emitted = 0
+
+    def add(self, token_id: int) -> str | None:
+        """Append one token. Returns the matched stop string if the text now contains one."""
+        self.token_ids.append(token_id)
+        prefix_text = self._tokenizer.decode(
+            self.token_ids[self._prefix_offset : self._read_offset], self._skip_special
+        )
+        new_text = self._tokenizer.decode(self.token_ids[self._prefix_offset :], self._skip_special)
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return None  # an incomplete UTF-8 sequence: wait for the next token
+        start = len(self.text)
+        self.text += new_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self.token_ids)
+        if not self._stops:
+            return None
+        window = self.text[max(0, start - self._max_stop_len + 1) :]
+        base = len(self.text) - len(window)
+        best: tuple[int, str] | None = None
+        for s in self._stops:
+            i = window.find(s)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return None
+        self.text = self.text[: base + best[0]]
+        return best[1]
+
+    def delta(self, finished: bool) -> str:
+        """Text not yet handed out; while running, keeps back what may start a stop string."""
+        end = (
+            len(self.text)
+            if finished
+            else max(self._emitted, len(self.text) - self._max_stop_len + 1)
+        )
+        if self._max_stop_len == 0:
+            end = len(self.text)
+        out = self.text[self._emitted : end]
+        self._emitted = end
+        return out
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with path.open() as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
+
+
+def _token_str(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+def _load_chat_template(path: Path, config: Mapping[str, Any]) -> str | None:
+    jinja = path / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    template = config.get("chat_template")
+    if isinstance(template, str):
+        return template
+    if isinstance(template, list):  # named templates: take "default"
+        for entry in template:
+            if isinstance(entry, dict) and entry.get("name") == "default":
+                return str(entry.get("template"))
+    ct_json = _read_json(path / "chat_template.json")
+    value = ct_json.get("chat_template")
+    return value if isinstance(value, str) else None
+
+
+def _clean_up_tokenization(text: str) -> str:
+    for a, b in (
+        (" .", "."),
+        (" ?", "?"),
+        (" !", "!"),
+        (" ,", ","),
+        (" ' ", "'"),
+        (" n't", "n't"),
+        (" 'm", "'m"),
+        (" 's", "'s"),
+        (" 've", "'ve"),
+        (" 're", "'re"),
+    ):
+        text = text.replace(a, b)
+    return text
+
+
+class FakeTokenizer:
+    """Tokenizer of the ``fake`` runner's model: token ``t`` reads `` t<t>``; id 0 is EOS."""
+
+    chat_template = "fake"
+
+    def __init__(self, vocab_size: int, eos_token_id: int = 0) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids: tuple[int, ...] = (eos_token_id,)
+        self.eos_token = f"t{eos_token_id}"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = []
+        for word in text.split():
+            if word[:1] == "t" and word[1:].isdigit() and 0 < int(word[1:]) < self.vocab_size:
+                ids.append(int(word[1:]))
+            else:
+                ids.append(1 + sum(word.encode()) % (self.vocab_size - 1))
+        return ids
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        validate_messages(messages)
+        text = " ".join(f"{m['role']}: {m['content']}" for m in messages)
+        return text + (" assistant:" if add_generation_prompt else "")
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "".join(
+            f" t{t}" for t in token_ids if not (skip_special_tokens and t in self.eos_token_ids)
+        )
+
+    def token_to_id(self, token: str) -> int | None:
+        ids = self.encode(token)
+        return ids[0] if len(ids) == 1 else None

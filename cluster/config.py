@@ -1,0 +1,372 @@
+"""One frozen configuration tree for every pdserve process.
+
+Loaded once from YAML (the same file the Kubernetes ConfigMap carries) plus overrides, validated
+with a ``ValueError`` that names the field, unknown keys rejected with the valid names listed.
+This module is the only reader of environment variables in the package. Facts measured at run
+time (how many KV blocks fit, the model's real context length) are return values of the code that
+measures them, never written back here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICES = ("auto", "cpu", "cuda")
+_RUNNERS = ("torch", "fake")
+
+
+def _fail(name: str, message: str) -> None:
+    raise ValueError(f"{name}: {message}")
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        _fail(name, message)
+
+
+def _check_choice(value: str, name: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        _fail(name, f"unknown value {value!r}; valid values: {', '.join(choices)}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str | None = None  # None: the default model, converted once into cache_dir
+    runner: str = "torch"  # model-runner registry key: torch | fake
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    max_model_len: int | None = None  # None: the model's own limit, capped at 8192
+    num_threads: int | None = None  # torch intra-op threads of this process; None: all cores
+    seed: int = 0  # seed for requests that bring none
+
+    def __post_init__(self) -> None:
+        _check_choice(self.runner, "model.runner", _RUNNERS)
+        _check_choice(self.dtype, "model.dtype", _DTYPES)
+        _check_choice(self.device, "model.device", _DEVICES)
+        if self.max_model_len is not None:
+            _check(self.max_model_len >= 2, "model.max_model_len", "must be >= 2")
+        if self.num_threads is not None:
+            _check(self.num_threads >= 1, "model.num_threads", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16  # tokens per KV block, the same everywhere (router hashes too)
+    memory_bytes: int = 1 << 30  # CPU: KV pool size in bytes
+    gpu_memory_fraction: float = 0.85  # CUDA: share of the free device memory for the KV pool
+    num_blocks: int | None = None  # explicit pool size, overriding the two budgets (tests)
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _check(
+            self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+            "cache.block_size",
+            f"must be a power of two >= 1, got {self.block_size}",
+        )
+        _check(self.memory_bytes > 0, "cache.memory_bytes", "must be > 0")
+        _check(
+            0.0 < self.gpu_memory_fraction <= 1.0,
+            "cache.gpu_memory_fraction",
+            "must be in (0, 1]",
+        )
+        if self.num_blocks is not None:
+            _check(self.num_blocks >= 1, "cache.num_blocks", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # sequences in one step's batch
+    max_num_batched_tokens: int = 2048  # tokens (prefill chunks + decodes) in one step
+    chunk_size: int | None = 256  # prefill tokens per request per step; None: no chunking
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_seqs >= 1, "scheduler.max_num_seqs", "must be >= 1")
+        _check(
+            self.max_num_batched_tokens >= self.max_num_seqs,
+            "scheduler.max_num_batched_tokens",
+            f"must be >= scheduler.max_num_seqs ({self.max_num_seqs})",
+        )
+        if self.chunk_size is not None:
+            _check(self.chunk_size >= 1, "scheduler.chunk_size", "must be >= 1 (or null)")
+
+
+@dataclass(frozen=True)
+class FakeModelConfig:
+    """The deterministic stand-in model of the ``fake`` runner (orchestration and fault tests)."""
+
+    vocab_size: int = 512
+    num_layers: int = 2
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    context_window: int = 4  # next token = f(the KV of the last context_window positions)
+    prefill_delay_per_token_s: float = 0.0
+    decode_delay_s: float = 0.0  # per step with at least one decode
+    eos_token_id: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.vocab_size >= 16, "testing.fake_model.vocab_size", "must be >= 16")
+        for name in ("num_layers", "num_kv_heads", "head_dim", "context_window"):
+            _check(getattr(self, name) >= 1, f"testing.fake_model.{name}", "must be >= 1")
+        _check(
+            self.prefill_delay_per_token_s >= 0,
+            "testing.fake_model.prefill_delay_per_token_s",
+            "must be >= 0",
+        )
+        _check(self.decode_delay_s >= 0, "testing.fake_model.decode_delay_s", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class TestingConfig:
+    # `<name>[:n][=action]`: act the n-th time (default 1st) a worker reaches the named point.
+    fault_points: tuple[str, ...] = ()
+    force_preempt_interval: int = 0  # preempt the newest running request every N steps (0: off)
+    fake_model: FakeModelConfig = field(default_factory=FakeModelConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.force_preempt_interval >= 0, "testing.force_preempt_interval", "must be >= 0")
+        for spec in self.fault_points:
+            _check(bool(spec.strip()), "testing.fault_points", "entries must be non-empty")
+
+
+@dataclass(frozen=True)
+class PathsConfig:
+    cache_dir: str = ""  # converted models and other caches; "" -> $PDSERVE_CACHE_DIR or XDG
+
+    @property
+    def resolved_cache_dir(self) -> Path:
+        return Path(self.cache_dir).expanduser()
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    testing: TestingConfig = field(default_factory=TestingConfig)
+
+    def __post_init__(self) -> None:
+        sched, model = self.scheduler, self.model
+        if sched.chunk_size is None and model.max_model_len is not None:
+            _check(
+                sched.max_num_batched_tokens >= model.max_model_len,
+                "scheduler.max_num_batched_tokens",
+                f"must be >= model.max_model_len ({model.max_model_len}) when chunked prefill "
+                "is off (scheduler.chunk_size: null), or a long prompt could never be scheduled",
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(self)
+
+    def replace(self, overrides: Mapping[str, Any]) -> ClusterConfig:
+        """A new validated config with dotted-key overrides (``{"cache.block_size": 32}``)."""
+        data = self.to_dict()
+        _apply_dotted(data, overrides)
+        return config_from_dict(data)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading: YAML + overrides -> validated frozen tree
+
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, tuple):
+        return [_to_plain(v) for v in obj]
+    return obj
+
+
+def _apply_dotted(data: dict[str, Any], overrides: Mapping[str, Any]) -> None:
+    for dotted, value in overrides.items():
+        parts = dotted.split(".")
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if not isinstance(child, dict):
+                prefix = ".".join(parts[: i + 1])
+                valid = ", ".join(sorted(k for k, v in node.items() if isinstance(v, dict)))
+                raise ValueError(f"{prefix}: unknown config section; valid sections: {valid}")
+            node = child
+        leaf = parts[-1]
+        if leaf not in node:
+            valid = ", ".join(sorted(node))
+            raise ValueError(f"{dotted}: unknown config key; valid keys here: {valid}")
+        node[leaf] = value
+
+
+def _coerce(value: Any, tp: Any, name: str) -> Any:
+    """Check (and gently coerce: int -> float, list -> tuple) a YAML value against a type hint."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            _fail(name, "must not be null")
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, name)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(errors[0] if errors else f"{name}: invalid value {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            _fail(name, f"must be a mapping (section), got {type(value).__name__}")
+        return _build(tp, value, name)
+    if origin is tuple:
+        if isinstance(value, str) or not isinstance(value, list | tuple):
+            _fail(name, f"must be a list, got {type(value).__name__}")
+        (item_tp, _ellipsis) = typing.get_args(tp)
+        return tuple(_coerce(v, item_tp, f"{name}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            _fail(name, f"must be a mapping, got {type(value).__name__}")
+        key_tp, val_tp = typing.get_args(tp)
+        return {
+            _coerce(k, key_tp, name): _coerce(v, val_tp, f"{name}.{k}") for k, v in value.items()
+        }
+    if value is None:
+        _fail(name, "must not be null")
+    if tp is bool:
+        if not isinstance(value, bool):
+            _fail(name, f"must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            _fail(name, f"must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            _fail(name, f"must be a number, got {value!r}")
+        if math.isnan(float(value)):
+            _fail(name, "must not be NaN")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            _fail(name, f"must be a string, got {value!r}")
+        return value
+    if tp is Any:
+        return value
+    raise TypeError(f"{name}: unsupported config type {tp!r}")  # a bug in this module
+
+
+def _build(cls: Any, data: Mapping[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ValueError(
+            f"{where}{unknown[0]}: unknown config key; valid keys"
+            f"{' in ' + prefix if prefix else ''}: {', '.join(names)}"
+        )
+    kwargs = {k: _coerce(v, hints[k], f"{prefix}.{k}" if prefix else k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def config_from_dict(data: Mapping[str, Any] | None) -> ClusterConfig:
+    """Validate a plain mapping (parsed YAML) into the frozen config tree."""
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ValueError(f"config: the top level must be a mapping, got {type(data).__name__}")
+    cfg: ClusterConfig = _build(ClusterConfig, data, "")
+    if not cfg.paths.cache_dir:
+        cfg = dataclasses.replace(cfg, paths=PathsConfig(cache_dir=str(_default_cache_dir())))
+    return cfg
+
+
+def _default_cache_dir() -> Path:
+    env = os.environ.get("PDSERVE_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "pdserve"
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``section.key=value``, the value parsed as YAML (``16``, ``null``, ``[a, b]``)."""
+    import yaml
+
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"override {text!r}: expected section.key=value")
+    return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> ClusterConfig:
+    """The config from a YAML file (or ``$PDSERVE_CONFIG``), with dotted-key overrides on top."""
+    import yaml
+
+    path = path if path is not None else os.environ.get("PDSERVE_CONFIG") or None
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"config file {str(p)!r} does not exist")
+        with p.open() as f:
+            loaded = yaml.safe_load(f)
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ValueError(f"config file {str(p)!r}: the top level must be a mapping")
+        data = loaded or {}
+    if overrides:
+        full = ClusterConfig().to_dict()
+        _deep_merge(full, data)
+        _apply_dotted(full, overrides)
+        data = full
+    return config_from_dict(data)
+
+
+def _deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> None:
+    for k, v in top.items():
+        if isinstance(v, Mapping) and isinstance(base.get(k), dict):
+            _deep_merge(base[k], v)
+        else:
+            base[k] = v
+
+
+def flat_key_index() -> dict[str, str]:
+    """Leaf name -> dotted path for every leaf whose name is unique in the tree.
+
+    Lets the offline API take ``LLM(block_size=16, max_num_seqs=8)``.
+    """
+    seen: dict[str, list[str]] = {}
+
+    def walk(cls: Any, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            dotted = f"{prefix}.{f.name}" if prefix else f.name
+            if dataclasses.is_dataclass(hints[f.name]):
+                walk(hints[f.name], dotted)
+            else:
+                seen.setdefault(f.name, []).append(dotted)
+
+    walk(ClusterConfig, "")
+    return {name: paths[0] for name, paths in seen.items() if len(paths) == 1}
+
+
+def cpu_count() -> int:
+    """Cores this process may use (affinity-aware)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1

@@ -1,0 +1,148 @@
+"""Paged attention over the block-major KV cache, in plain torch (CPU fp32, CUDA bf16/fp16).
+
+KV cache layout, chosen for the transfer (one block = one contiguous region across all layers):
+
+    kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+
+Per layer the runner takes strided views ``kv_cache[:, layer, 0]`` (K) and ``[:, layer, 1]`` (V),
+each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+
+A step's tokens are flattened: the decode tokens (one per request) first, then each prefill
+chunk. Decodes are attended in one batched pass over padded block tables; prefill chunks one
+sequence at a time (they are few per step and long).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillSeq:
+    start: int  # first row of this chunk in the flattened step
+    num_tokens: int  # rows of this chunk
+    num_context: int  # tokens whose KV precedes the chunk (cached or earlier chunks)
+    block_ids: torch.Tensor  # [num_blocks_needed] long: blocks covering context + chunk
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_blocks: torch.Tensor  # [num_tokens] long: block of each new token's KV
+    slot_offsets: torch.Tensor  # [num_tokens] long: offset inside that block
+    num_decodes: int
+    # Decodes: for layer 0's K, the row of every (kv head, request, context slot) in the cache
+    # viewed as [-1, head_dim]; other layers and V are a constant offset away.
+    decode_rows: torch.Tensor | None  # [Hkv * num_decodes * T] long, T = padded context
+    decode_mask: torch.Tensor | None  # [num_decodes, T] additive 0 / -inf
+    prefills: list[PrefillSeq]
+
+
+def decode_row_index(
+    block_tables: torch.Tensor, block_size: int, num_layers: int, num_kv_heads: int
+) -> torch.Tensor:
+    """Rows of layer 0's K for padded block tables [B, max_blocks] -> [Hkv * B * T]."""
+    nb = block_tables.shape[1]
+    t = nb * block_size
+    rows_per_block = num_layers * 2 * block_size * num_kv_heads
+    slot = torch.arange(t, device=block_tables.device)
+    blk = block_tables[:, slot // block_size]  # [B, T]
+    row_bt = blk * rows_per_block + (slot % block_size) * num_kv_heads  # [B, T]
+    heads = torch.arange(num_kv_heads, device=block_tables.device).view(-1, 1, 1)
+    return (row_bt.unsqueeze(0) + heads).reshape(-1)  # [Hkv * B * T]
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+) -> None:
+    # k_cache: [num_blocks, block_size, num_kv_heads, head_dim] (strided view); k: [N, Hkv, D]
+    k_cache.index_put_((meta.slot_blocks, meta.slot_offsets), k)
+    v_cache.index_put_((meta.slot_blocks, meta.slot_offsets), v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of the step's queries over each request's cached context (KV already written).
+
+    q: [N, Hq, D]; k, v: [N, Hkv, D] (this step's new keys and values, already in the cache).
+    Returns [N, Hq, D].
+    """
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        out[:nd] = _decode_attention(q[:nd], kv_cache, layer, meta, scale)
+    k_cache, v_cache = kv_cache[:, layer, 0], kv_cache[:, layer, 1]
+    for p in meta.prefills:
+        rows = slice(p.start, p.start + p.num_tokens)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, p, scale)
+    return out
+
+
+def _decode_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    assert meta.decode_rows is not None and meta.decode_mask is not None
+    b, hq, d = q.shape
+    _, _, _, block_size, hkv, _ = kv_cache.shape
+    g = hq // hkv
+    t = meta.decode_mask.shape[1]
+    flat = kv_cache.view(-1, d)  # rows of head_dim values
+    k_rows = meta.decode_rows + (layer * 2) * block_size * hkv
+    # One gather per K and V straight into [Hkv * B, T, D], the layout the matmuls want.
+    kh = flat.index_select(0, k_rows).view(hkv * b, t, d)
+    vh = flat.index_select(0, k_rows + block_size * hkv).view(hkv * b, t, d)
+    qh = q.view(b, hkv, g, d).transpose(0, 1).reshape(hkv * b, g, d)  # [Hkv*B, G, D]
+    scores = torch.bmm(qh, kh.transpose(1, 2)).view(hkv, b, g, t)  # [Hkv, B, G, T]
+    scores.mul_(scale).add_(meta.decode_mask.view(1, b, 1, t))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.bmm(probs.view(hkv * b, g, t), vh)  # [Hkv*B, G, D]
+    return out.view(hkv, b, g, d).transpose(0, 1).reshape(b, hq, d)
+
+
+def _prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    p: PrefillSeq,
+    scale: float,
+) -> torch.Tensor:
+    n = p.num_tokens
+    if p.num_context == 0:
+        # No earlier context: attend to this chunk's own keys, causally.
+        kc, vc = k, v  # [n, Hkv, D]
+        mask = None
+        causal = True
+    else:
+        total = p.num_context + n
+        kc = k_cache[p.block_ids].flatten(0, 1)[:total]  # [total, Hkv, D]
+        vc = v_cache[p.block_ids].flatten(0, 1)[:total]
+        # Query i (absolute position num_context + i) sees keys 0 .. num_context + i.
+        cols = torch.arange(total, device=q.device)
+        rows = torch.arange(n, device=q.device) + p.num_context
+        mask = cols[None, :] <= rows[:, None]  # [n, total] bool
+        causal = False
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),  # [1, Hq, n, D]
+        kc.transpose(0, 1).unsqueeze(0),  # [1, Hkv, total, D]
+        vc.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=True,
+    )  # [1, Hq, n, D]
+    return out[0].transpose(0, 1)

@@ -1,0 +1,271 @@
+"""Model runners: ``execute(batch) -> RunnerOutput``. The runner never decides who runs.
+
+A registry maps ``model.runner`` to an implementation: ``torch`` (Llama-family models with
+paged attention) and ``fake`` (a deterministic tiny model for orchestration and fault tests).
+Both own the KV cache tensor, whose layout every transfer relies on:
+
+    kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from cluster.common.kv_layout import KVLayout
+from cluster.common.model_paths import require_model_dir
+from cluster.common.tokenizer import Tokenizer
+from cluster.config import ClusterConfig, cpu_count
+from cluster.engine.attention import AttentionMetadata, PrefillSeq, decode_row_index
+from cluster.engine.models.default_model import ensure_default_model
+from cluster.engine.models.loader import load_llama
+from cluster.engine.sampler import SampleRequest, sample
+from cluster.engine.scheduler import ScheduledBatch, ScheduledRequest
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    # One entry per scheduled request whose step ended in a sampled token, in batch order.
+    request_ids: list[str]
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
+class ModelRunner(Protocol):
+    kv_cache: torch.Tensor
+    layout: KVLayout
+    num_blocks: int
+    vocab_size: int
+    max_model_len: int
+    tokenizer: Any  # Tokenizer-like: encode/decode/eos_token_ids
+
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput: ...
+
+
+def resolve_device(config: ClusterConfig) -> torch.device:
+    if config.model.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if config.model.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("model.device: cuda requested but no CUDA device is available")
+    return torch.device(config.model.device)
+
+
+def resolve_dtype(config: ClusterConfig, device: torch.device) -> torch.dtype:
+    if config.model.dtype == "auto":
+        # No bf16 hardware on most CPUs (4x slower here): fp32 there, bf16 on GPUs.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[config.model.dtype]
+
+
+def num_kv_blocks(config: ClusterConfig, bytes_per_block: int, device: torch.device) -> int:
+    """How many blocks the budget allows: a measured fact, returned, never written to config."""
+    cache = config.cache
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = int(free * cache.gpu_memory_fraction)
+    else:
+        budget = cache.memory_bytes
+    n = budget // bytes_per_block
+    if n < 1:
+        raise ValueError(
+            f"cache.memory_bytes: {budget} bytes hold no KV block ({bytes_per_block} bytes each)"
+        )
+    return n
+
+
+def set_torch_threads(config: ClusterConfig) -> int:
+    n = config.model.num_threads or cpu_count()
+    torch.set_num_threads(n)
+    return n
+
+
+class TorchModelRunner:
+    def __init__(self, config: ClusterConfig, model_dir: Path | None = None) -> None:
+        self.config = config
+        set_torch_threads(config)
+        self.device = resolve_device(config)
+        dtype = resolve_dtype(config, self.device)
+        if model_dir is None:
+            model_dir = ensure_default_model(config) if config.model.path is None else None
+            model_dir = model_dir or require_model_dir(config)
+        self.model, hf_config = load_llama(
+            model_dir, dtype, self.device, config.model.max_model_len
+        )
+        self.tokenizer = Tokenizer(model_dir)
+        arch = self.model.arch
+        self.vocab_size = arch.vocab_size
+        self.max_model_len = self.model.cos.shape[0]
+        self.block_size = config.cache.block_size
+        self.layout = KVLayout(
+            model=str(getattr(hf_config, "_name_or_path", "") or model_dir.name),
+            dtype=str(dtype).removeprefix("torch."),
+            block_size=self.block_size,
+            num_layers=arch.num_layers,
+            num_kv_heads=arch.num_kv_heads,
+            head_dim=arch.head_dim,
+        )
+        self.num_blocks = num_kv_blocks(config, self.layout.bytes_per_block, self.device)
+        # Zeros, not empty: padded attention rows multiply probabilities 0 by these values.
+        self.kv_cache = torch.zeros(
+            (
+                self.num_blocks,
+                arch.num_layers,
+                2,
+                self.block_size,
+                arch.num_kv_heads,
+                arch.head_dim,
+            ),
+            dtype=dtype,
+            device=self.device,
+        )
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            self.num_blocks,
+            self.block_size,
+            self.num_blocks * self.layout.bytes_per_block / 2**20,
+        )
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
+        inputs = self.prepare(batch)
+        logits = self.forward(inputs)
+        rows = [_sample_request(it) for it in inputs.sampled]
+        out = sample(logits, rows)
+        return RunnerOutput(
+            [it.request.request_id for it in inputs.sampled],
+            out.token_ids,
+            out.logprobs,
+            out.top_logprobs,
+        )
+
+    def forward(self, inputs: ForwardInputs) -> torch.Tensor:
+        """Logits [num_sampled, vocab] (fp32) of the rows that end a request's known tokens."""
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache)
+        return self.model.compute_logits(hidden[inputs.sample_rows])
+
+    def prepare(self, batch: ScheduledBatch) -> ForwardInputs:
+        bs = self.block_size
+        dev = self.device
+        decodes = [it for it in batch.items if it.num_new_tokens == 1]
+        prefills = [it for it in batch.items if it.num_new_tokens > 1]
+        ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []
+        sampled: list[ScheduledRequest] = []
+        # Decodes: one token each, attended in one batched pass.
+        dec_tables: list[list[int]] = []
+        dec_lens: list[int] = []
+        for it in decodes:
+            r = it.request
+            p = r.num_computed_tokens
+            ids.append(r.token_at(p))
+            positions.append(p)
+            dec_lens.append(p + 1)
+            dec_tables.append(it.block_ids[: p // bs + 1])
+            if it.samples:
+                sample_rows.append(len(ids) - 1)
+                sampled.append(it)
+        slot_blocks = [t[-1] for t in dec_tables]
+        slot_offsets = [p % bs for p in positions]
+        pref: list[PrefillSeq] = []
+        for it in prefills:
+            r = it.request
+            start, n = r.num_computed_tokens, it.num_new_tokens
+            end = start + n
+            if end <= r.num_prompt_tokens:
+                ids.extend(r.prompt_token_ids[start:end])
+            else:
+                ids.extend(r.all_token_ids[start:end])
+            row0 = len(positions)
+            positions.extend(range(start, end))
+            table = it.block_ids[: -(-end // bs)]
+            slot_blocks.extend(table[p // bs] for p in range(start, end))
+            slot_offsets.extend(p % bs for p in range(start, end))
+            pref.append(PrefillSeq(row0, n, start, torch.tensor(table, device=dev)))
+            if it.samples:
+                sample_rows.append(row0 + n - 1)
+                sampled.append(it)
+        dec_rows = dec_mask = None
+        if decodes:
+            width = max(len(t) for t in dec_tables)
+            dec_table_t = torch.tensor(
+                [t + [0] * (width - len(t)) for t in dec_tables], dtype=torch.long, device=dev
+            )
+            layout = self.layout
+            dec_rows = decode_row_index(dec_table_t, bs, layout.num_layers, layout.num_kv_heads)
+            lens = torch.tensor(dec_lens, device=dev)
+            cols = torch.arange(width * bs, device=dev)
+            dec_mask = torch.zeros(
+                (len(decodes), width * bs), dtype=self.kv_cache.dtype, device=dev
+            )
+            dec_mask.masked_fill_(cols[None, :] >= lens[:, None], float("-inf"))
+        meta = AttentionMetadata(
+            slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=dev),
+            slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=dev),
+            num_decodes=len(decodes),
+            decode_rows=dec_rows,
+            decode_mask=dec_mask,
+            prefills=pref,
+        )
+        return ForwardInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            meta=meta,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            sampled=sampled,
+        )
+
+
+@dataclass(slots=True)
+class ForwardInputs:
+    input_ids: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N]
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [S]: rows whose logits are sampled
+    sampled: list[ScheduledRequest]  # the requests of those rows, same order
+
+
+def _sample_request(it: ScheduledRequest) -> SampleRequest:
+    r = it.request
+    p = r.params
+    suppress: tuple[int, ...] = ()
+    if r.num_output_tokens < p.min_tokens:
+        suppress = tuple(set(r.eos_token_ids) | set(p.stop_token_ids))
+    return SampleRequest(
+        params=p,
+        seed=r.seed,
+        output_index=r.num_output_tokens,
+        prompt_token_ids=r.prompt_token_ids,
+        output_token_ids=r.output_token_ids,
+        suppress_token_ids=suppress,
+    )
+
+
+def _fake_runner(config: ClusterConfig) -> ModelRunner:
+    from cluster.engine.fake_runner import FakeModelRunner
+
+    return FakeModelRunner(config)
+
+
+# model.runner -> constructor. config.py validates names against the same list (a test checks).
+RUNNER_REGISTRY: dict[str, Callable[[ClusterConfig], ModelRunner]] = {
+    "torch": TorchModelRunner,
+    "fake": _fake_runner,
+}
+
+
+def create_runner(config: ClusterConfig) -> ModelRunner:
+    return RUNNER_REGISTRY[config.model.runner](config)

@@ -1,0 +1,132 @@
+"""Llama-family decoder (Llama, Qwen2, Mistral, SmolLM) with paged attention.
+
+GQA, RoPE with its scaling variants (inverse frequencies from transformers' own RoPE code),
+RMSNorm, SwiGLU, optional q/k/v bias (Qwen2), tied or untied embeddings. q/k/v and gate/up
+projections are fused into one matmul each. Numerics follow transformers' implementation so
+greedy outputs match a transformers run token for token (fp32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from cluster.engine.attention import AttentionMetadata, paged_attention, write_kv
+
+
+@dataclass(frozen=True)
+class LlamaArch:
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    max_position_embeddings: int
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [(Hq + 2*Hkv) * D, H]
+    qkv_bias: torch.Tensor | None  # [(Hq + 2*Hkv) * D]
+    o: torch.Tensor  # [H, Hq * D]
+    post_norm: torch.Tensor  # [H]
+    gate_up: torch.Tensor  # [2 * I, H]
+    down: torch.Tensor  # [H, I]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [N, heads, D]; cos, sin: [N, 1, D]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaModel:
+    def __init__(
+        self,
+        arch: LlamaArch,
+        embed: torch.Tensor,
+        layers: list[LayerWeights],
+        final_norm: torch.Tensor,
+        lm_head: torch.Tensor,
+        inv_freq: torch.Tensor,
+        attention_scaling: float,
+        max_model_len: int,
+    ) -> None:
+        self.arch = arch
+        self.embed = embed  # [V, H]
+        self.layers = layers
+        self.final_norm = final_norm
+        self.lm_head = lm_head  # [V, H] (the embedding itself when tied)
+        self.scale = arch.head_dim**-0.5
+        dtype, device = embed.dtype, embed.device
+        # RoPE tables for every position, as transformers computes them (fp32, then cast).
+        pos = torch.arange(max_model_len, dtype=torch.float32, device=device)
+        freqs = pos[:, None] * inv_freq.to(device=device, dtype=torch.float32)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * attention_scaling).to(dtype)  # [max_model_len, D]
+        self.sin = (emb.sin() * attention_scaling).to(dtype)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [N]
+        positions: torch.Tensor,  # [N]
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, Hkv, D]
+    ) -> torch.Tensor:
+        a = self.arch
+        n = input_ids.shape[0]
+        hq, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
+        q_size, kv_size = hq * d, hkv * d
+        cos = self.cos[positions].unsqueeze(1)  # [N, 1, D]
+        sin = self.sin[positions].unsqueeze(1)
+        h = F.embedding(input_ids, self.embed)  # [N, H]
+        for i, lw in enumerate(self.layers):
+            x = rms_norm(h, lw.input_norm, a.rms_norm_eps)
+            qkv = F.linear(x, lw.qkv, lw.qkv_bias)  # [N, (Hq + 2*Hkv) * D]
+            q = qkv[:, :q_size].view(n, hq, d)
+            k = qkv[:, q_size : q_size + kv_size].view(n, hkv, d)
+            v = qkv[:, q_size + kv_size :].view(n, hkv, d)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+            k_cache = kv_cache[:, i, 0]  # [num_blocks, block_size, Hkv, D]
+            v_cache = kv_cache[:, i, 1]
+            write_kv(k_cache, v_cache, k, v, meta)
+            attn = paged_attention(q, k, v, kv_cache, i, meta, self.scale)  # [N, Hq, D]
+            h = h + F.linear(attn.reshape(n, q_size), lw.o)
+            x = rms_norm(h, lw.post_norm, a.rms_norm_eps)
+            gu = F.linear(x, lw.gate_up)  # [N, 2 * I]
+            inter = a.intermediate_size
+            h = h + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], lw.down)
+        return h  # [N, H]
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [S, H] -> [S, V] in fp32
+        x = rms_norm(hidden, self.final_norm, self.arch.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()

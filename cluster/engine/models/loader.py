@@ -1,0 +1,181 @@
+"""Load a Llama-family transformers checkpoint directory into ``LlamaModel``."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cluster.engine.models.llama import LayerWeights, LlamaArch, LlamaModel
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+MAX_DEFAULT_MODEL_LEN = 8192
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+_STATIC_ROPE = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
+
+
+def read_hf_config(model_dir: Path) -> Any:
+    from transformers import AutoConfig
+
+    with (model_dir / "config.json").open() as f:
+        raw = json.load(f)
+    archs = raw.get("architectures") or []
+    if not archs and raw.get("model_type") in _MODEL_TYPES:
+        archs = [_MODEL_TYPES[raw["model_type"]]]
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(
+            f"model.path: unsupported architecture {archs or raw.get('model_type')!r} in "
+            f"{model_dir}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return AutoConfig.from_pretrained(model_dir, local_files_only=True), arch
+
+
+def resolve_max_model_len(hf_config: Any, requested: int | None) -> int:
+    limit = int(getattr(hf_config, "max_position_embeddings", MAX_DEFAULT_MODEL_LEN))
+    window = getattr(hf_config, "sliding_window", None)
+    if window is not None and getattr(hf_config, "use_sliding_window", True):
+        # Full attention equals sliding-window attention only inside the window.
+        limit = min(limit, int(window))
+    if requested is None:
+        return min(limit, MAX_DEFAULT_MODEL_LEN)
+    if requested > limit:
+        raise ValueError(
+            f"model.max_model_len: {requested} exceeds the model's limit of {limit} tokens"
+        )
+    return requested
+
+
+def _rope(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    legacy = getattr(hf_config, "rope_scaling", None) or {}
+    rope_type = (
+        params.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
+    )
+    if rope_type not in _STATIC_ROPE:
+        raise ValueError(f"model: unsupported RoPE type {rope_type!r}; supported: {_STATIC_ROPE}")
+    if rope_type in ("default", "dynamic"):
+        # dynamic NTK only changes frequencies beyond the original context, which
+        # resolve_max_model_len never exceeds.
+        theta = float(params.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 1e4)
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        return inv_freq, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    return inv_freq, float(scaling)
+
+
+class _WeightReader:
+    """Tensors by name from safetensors files (or ``*.bin`` with ``weights_only=True``)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        files = sorted(model_dir.glob("*.safetensors"))
+        self._tensors: dict[str, torch.Tensor] = {}
+        if files:
+            from safetensors.torch import load_file
+
+            for f in files:
+                self._tensors.update(load_file(str(f)))
+        else:
+            bins = sorted(model_dir.glob("pytorch_model*.bin"))
+            if not bins:
+                raise FileNotFoundError(
+                    f"model.path: no *.safetensors or pytorch_model*.bin weights in {model_dir}"
+                )
+            for f in bins:
+                self._tensors.update(torch.load(f, map_location="cpu", weights_only=True))
+        prefixes = ("model.", "")
+        self._prefix = next(
+            (p for p in prefixes if f"{p}embed_tokens.weight" in self._tensors), None
+        )
+        if self._prefix is None:
+            raise ValueError(f"model.path: {model_dir} has no embed_tokens weight")
+
+    def get(self, name: str, required: bool = True) -> torch.Tensor | None:
+        for key in (f"{self._prefix}{name}", name):
+            if key in self._tensors:
+                return self._tensors[key]
+        if required:
+            raise ValueError(f"model weights: missing tensor {self._prefix}{name}")
+        return None
+
+
+def load_llama(
+    model_dir: Path, dtype: torch.dtype, device: torch.device, max_model_len: int | None
+) -> tuple[LlamaModel, Any]:
+    hf_config, arch_name = read_hf_config(model_dir)
+    num_heads = int(hf_config.num_attention_heads)
+    head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads)
+    arch = LlamaArch(
+        architecture=arch_name,
+        num_layers=int(hf_config.num_hidden_layers),
+        hidden_size=int(hf_config.hidden_size),
+        num_heads=num_heads,
+        num_kv_heads=int(getattr(hf_config, "num_key_value_heads", None) or num_heads),
+        head_dim=head_dim,
+        intermediate_size=int(hf_config.intermediate_size),
+        vocab_size=int(hf_config.vocab_size),
+        rms_norm_eps=float(hf_config.rms_norm_eps),
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        qkv_bias=arch_name == "Qwen2ForCausalLM"
+        or bool(getattr(hf_config, "attention_bias", False)),
+        max_position_embeddings=int(hf_config.max_position_embeddings),
+    )
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"model: unsupported activation {hf_config.hidden_act!r} (need silu)")
+    max_len = resolve_max_model_len(hf_config, max_model_len)
+    reader = _WeightReader(model_dir)
+
+    def w(name: str) -> torch.Tensor:
+        t = reader.get(name)
+        assert t is not None
+        return t.to(device=device, dtype=dtype)
+
+    layers = []
+    for i in range(arch.num_layers):
+        p = f"layers.{i}."
+        bias = None
+        if arch.qkv_bias:
+            bias = torch.cat([w(f"{p}self_attn.{x}_proj.bias") for x in "qkv"]).contiguous()
+        layers.append(
+            LayerWeights(
+                input_norm=w(f"{p}input_layernorm.weight"),
+                qkv=torch.cat([w(f"{p}self_attn.{x}_proj.weight") for x in "qkv"]).contiguous(),
+                qkv_bias=bias,
+                o=w(f"{p}self_attn.o_proj.weight"),
+                post_norm=w(f"{p}post_attention_layernorm.weight"),
+                gate_up=torch.cat(
+                    [w(f"{p}mlp.gate_proj.weight"), w(f"{p}mlp.up_proj.weight")]
+                ).contiguous(),
+                down=w(f"{p}mlp.down_proj.weight"),
+            )
+        )
+    embed = w("embed_tokens.weight")
+    lm_head_raw = None if arch.tie_word_embeddings else reader.get("lm_head.weight", required=False)
+    lm_head = embed if lm_head_raw is None else lm_head_raw.to(device=device, dtype=dtype)
+    inv_freq, attention_scaling = _rope(hf_config, head_dim)
+    model = LlamaModel(
+        arch, embed, layers, w("norm.weight"), lm_head, inv_freq, attention_scaling, max_len
+    )
+    logger.info(
+        "loaded %s from %s: %d layers, %d/%d heads, max_model_len %d, %s on %s",
+        arch_name,
+        model_dir,
+        arch.num_layers,
+        arch.num_heads,
+        arch.num_kv_heads,
+        max_len,
+        dtype,
+        device,
+    )
+    return model, hf_config

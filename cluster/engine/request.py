@@ -1,0 +1,117 @@
+"""A request is counters: prefill, chunk and decode state derive from them, never from flags."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from cluster.common.hashing import NONE_HASH, hash_block_tokens
+from cluster.common.sampling_params import SamplingParams
+
+__all__ = ["FinishReason", "Request", "RequestStatus", "SamplingParams"]
+
+
+class RequestStatus(enum.IntEnum):
+    """One ordered lifecycle. Everything ``> PREEMPTED`` is finished."""
+
+    WAITING = 0
+    WAITING_FOR_KV = 1  # decode role: blocks reserved, KV arriving from a prefill replica
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # the effective seed (params.seed or one drawn by the engine)
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # Tokens whose KV is in the cache (prompt first, then outputs). All state derives from it.
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit at admission (for metrics)
+    num_preemptions: int = 0
+    # Prefill role: the request stops after its first token and its blocks stay held for a pull.
+    prefill_only: bool = False
+    stop_reason: int | str | None = None
+    error: str | None = None
+    first_token_time: float | None = None
+    # Hashes of the full blocks of all_token_ids computed so far (extended incrementally).
+    block_hashes: list[int] = field(default_factory=list)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        # A decoding request has exactly one: the token sampled last step, not yet fed back.
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_tokens - 1 or not self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self.status)
+
+    def update_block_hashes(self, block_size: int) -> list[int]:
+        """Extend the hash chain to every full block of the known tokens; returns all hashes."""
+        num_full = self.num_tokens // block_size
+        if len(self.block_hashes) < num_full:
+            parent = self.block_hashes[-1] if self.block_hashes else NONE_HASH
+            tokens = self.all_token_ids[: num_full * block_size]
+            self.block_hashes.extend(
+                hash_block_tokens(tokens, block_size, parent, start_block=len(self.block_hashes))
+            )
+        return self.block_hashes
