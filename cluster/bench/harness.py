@@ -1,0 +1,116 @@
+"""Shared benchmark plumbing: modes, progress, the human table, RESULT line and JSON file.
+
+Every benchmark is a ratio of arms measured side by side in one run (BENCHMARKS.md). A
+benchmark module exposes ``run(ctx: BenchContext) -> BenchReport``; this module prints and saves.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cluster.config import ClusterConfig
+
+RESULTS_DIR = Path("bench/results")
+MODES = ("full", "quick", "smoke")
+
+
+@dataclass
+class BenchContext:
+    name: str
+    mode: str  # full | quick | smoke
+    config: ClusterConfig
+    results_dir: Path = RESULTS_DIR
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def smoke(self) -> bool:
+        return self.mode == "smoke"
+
+    @property
+    def quick(self) -> bool:
+        return self.mode == "quick"
+
+    def pick(self, full: Any, quick: Any, smoke: Any) -> Any:
+        """The size for this mode: ``ctx.pick(64, 16, 4)``."""
+        return {"full": full, "quick": quick, "smoke": smoke}[self.mode]
+
+    def progress(self, message: str) -> None:
+        elapsed = time.monotonic() - self.started
+        print(f"[{self.name} {elapsed:7.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class BenchReport:
+    keys: dict[str, float]  # the RESULT line: ratios with targets
+    table: list[dict[str, Any]] = field(default_factory=list)  # rows of the human table
+    details: dict[str, Any] = field(default_factory=dict)  # everything else, into the JSON
+    targets: dict[str, str] = field(default_factory=dict)  # key -> ">= 2.5" (shown, not enforced)
+    files: list[str] = field(default_factory=list)  # extra artefacts written (PNG...)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]) as numpy's default; NaN when empty."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summary(values: Sequence[float]) -> dict[str, float]:
+    return {
+        "mean": statistics.fmean(values) if values else math.nan,
+        "p50": percentile(values, 50),
+        "p90": percentile(values, 90),
+        "p99": percentile(values, 99),
+        "n": float(len(values)),
+    }
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def emit(ctx: BenchContext, report: BenchReport) -> None:
+    """Print the table and write JSON; the RESULT line is the very last line on stdout."""
+    if report.table:
+        cols = list(dict.fromkeys(k for row in report.table for k in row))
+        widths = {c: max(len(c), *(len(_fmt(r.get(c, ""))) for r in report.table)) for c in cols}
+        print("  ".join(c.ljust(widths[c]) for c in cols))
+        for row in report.table:
+            print("  ".join(_fmt(row.get(c, "")).ljust(widths[c]) for c in cols))
+    for key, value in report.keys.items():
+        target = report.targets.get(key, "")
+        print(f"  {key:32s} {_fmt(value):>10s}  {('target ' + target) if target else ''}")
+    ctx.results_dir.mkdir(parents=True, exist_ok=True)
+    path = ctx.results_dir / f"{ctx.name}.json"
+    payload = {
+        "name": ctx.name,
+        "mode": ctx.mode,
+        "keys": report.keys,
+        "targets": report.targets,
+        "table": report.table,
+        "details": report.details,
+        "files": report.files,
+        "machine": {"python": platform.python_version(), "platform": platform.platform()},
+        "wall_s": time.monotonic() - ctx.started,
+    }
+    path.write_text(json.dumps(payload, indent=2, default=str))
+    print(f"wrote {path}", file=sys.stderr)
+    print(
+        f"RESULT {ctx.name} " + " ".join(f"{k}={_fmt(v)}" for k, v in report.keys.items()),
+        flush=True,
+    )

@@ -1,0 +1,38 @@
+"""Shared fixtures. Unit tests use a tiny random Llama or the fake runner; tests marked
+``integration`` use the real default model (converted once by ``make model``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Tests run several engines side by side on 2 cores: keep torch to the cores we have.
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+from tests.helpers import make_config  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from cluster.engine.models.tiny import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> Path:
+    """The converted default model; converting it here if `make model` has not."""
+    from cluster.engine.models.default_model import ensure_default_model
+
+    return ensure_default_model(make_config())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
