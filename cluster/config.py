@@ -101,6 +101,44 @@ class SchedulerConfig:
             _check(self.chunk_size >= 1, "scheduler.chunk_size", "must be >= 1 (or null)")
 
 
+_TRANSPORTS = ("loopback", "shm", "zmq", "torch_dist")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """kv_transfer: how KV blocks move from a prefill pool to a decode pool."""
+
+    # Preference list, chosen per peer pair: the first that both ends support (shm needs one host).
+    transports: tuple[str, ...] = ("shm", "zmq")
+    bind_host: str = "127.0.0.1"  # loopback unless a multi-node config says otherwise
+    advertise_host: str | None = None  # address peers dial; None: bind_host (node IP multi-node)
+    lease_s: float = 30.0  # prefill side holds a request's blocks this long without a heartbeat
+    heartbeat_s: float = 5.0  # decode side renews its leases this often while it waits
+    transfer_timeout_s: float = 60.0  # decode side gives up a pull after this long
+    max_message_bytes: int = 64 << 20  # larger frames are refused before allocation
+    checksum: bool = False  # per-frame checksums (debugging; costs a pass over the data)
+    on_failure: str = "recompute"  # recompute: prefill locally; fail: end the request
+    auth: str = "none"  # none | hmac | curve (required when bind_host is not loopback)
+    hmac_secret: str = ""  # or $PDSERVE_TRANSFER_SECRET
+    curve_secret_key: str = ""  # z85; or $PDSERVE_CURVE_SECRET_KEY
+    curve_public_key: str = ""  # z85; or $PDSERVE_CURVE_PUBLIC_KEY
+
+    def __post_init__(self) -> None:
+        _check(bool(self.transports), "transfer.transports", "must name at least one transport")
+        for t in self.transports:
+            _check_choice(t, "transfer.transports", _TRANSPORTS)
+        for name in ("lease_s", "heartbeat_s", "transfer_timeout_s"):
+            _check(getattr(self, name) > 0, f"transfer.{name}", "must be > 0")
+        _check(
+            self.heartbeat_s < self.lease_s,
+            "transfer.heartbeat_s",
+            f"must be < transfer.lease_s ({self.lease_s}) or leases expire between heartbeats",
+        )
+        _check(self.max_message_bytes >= 1 << 16, "transfer.max_message_bytes", "must be >= 64 KiB")
+        _check_choice(self.on_failure, "transfer.on_failure", ("recompute", "fail"))
+        _check_choice(self.auth, "transfer.auth", ("none", "hmac", "curve"))
+
+
 @dataclass(frozen=True)
 class FakeModelConfig:
     """The deterministic stand-in model of the ``fake`` runner (orchestration and fault tests)."""
@@ -153,6 +191,7 @@ class ClusterConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     testing: TestingConfig = field(default_factory=TestingConfig)
 
@@ -288,6 +327,23 @@ def config_from_dict(data: Mapping[str, Any] | None) -> ClusterConfig:
     cfg: ClusterConfig = _build(ClusterConfig, data, "")
     if not cfg.paths.cache_dir:
         cfg = dataclasses.replace(cfg, paths=PathsConfig(cache_dir=str(_default_cache_dir())))
+    return _fill_secrets_from_env(cfg)
+
+
+# Secrets may come from the environment (Kubernetes Secrets) instead of the YAML file.
+_SECRET_ENV = {
+    ("transfer", "hmac_secret"): "PDSERVE_TRANSFER_SECRET",
+    ("transfer", "curve_secret_key"): "PDSERVE_CURVE_SECRET_KEY",
+    ("transfer", "curve_public_key"): "PDSERVE_CURVE_PUBLIC_KEY",
+}
+
+
+def _fill_secrets_from_env(cfg: ClusterConfig) -> ClusterConfig:
+    for (section, key), env in _SECRET_ENV.items():
+        value = os.environ.get(env)
+        sec = getattr(cfg, section)
+        if value and not getattr(sec, key):
+            cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(sec, **{key: value})})
     return cfg
 
 
