@@ -11,7 +11,7 @@ import pytest
 # Tests run several engines side by side on 2 cores: keep torch to the cores we have.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
-from tests.helpers import make_config  # noqa: E402
+from tests.helpers import make_config
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,256 @@
+"""Continuous batching, chunked prefill, preemption and FCFS, driven step by step.
+
+Uses the fake runner (real block manager and scheduler, deterministic tiny "model" whose next
+token depends on the KV read back from the cache). Every test ends with the integrity check.
+"""
+
+from __future__ import annotations
+
+from cluster.engine.engine import LLMEngine
+from cluster.engine.request import RequestStatus
+from tests.helpers import fake_config, greedy, run_until_done
+
+
+def _engine(**overrides: object) -> LLMEngine:
+    return LLMEngine(fake_config(**overrides))
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    return [1 + (seed * 7 + i * 13) % 500 for i in range(n)]
+
+
+def _assert_idle_clean(eng: LLMEngine) -> None:
+    eng.check_integrity()
+    assert eng.block_manager.num_used_blocks == 0
+    assert not eng.requests and not eng.scheduler.held
+
+
+def _oracle(prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
+    """The same prompts run one at a time on a large pool: the reference output."""
+    out = {}
+    for rid, p in prompts.items():
+        eng = _engine(
+            **{
+                "cache.num_blocks": 256,
+                "scheduler.chunk_size": None,
+                "scheduler.max_num_batched_tokens": 4096,
+            }
+        )
+        eng.add_request(rid, p, greedy(max_tokens))
+        out.update(run_until_done(eng))
+    return out
+
+
+def test_requests_join_a_running_batch_and_share_steps() -> None:
+    eng = _engine()
+    eng.add_request("a", _prompt(10), greedy(20))
+    for _ in range(3):
+        eng.step()
+    eng.add_request("b", _prompt(40, 1), greedy(5))
+    batch = eng.scheduler.schedule()
+    # "a" decodes (1 token) in the same step as "b"'s first prefill chunk (16 tokens).
+    sizes = {it.request.request_id: it.num_new_tokens for it in batch.items}
+    assert sizes == {"a": 1, "b": 16}
+    eng.runner.execute(batch)  # keep the cache consistent with what was scheduled
+    for it in batch.items:
+        eng.scheduler.commit(it)
+    eng.abort_request("a")
+    eng.abort_request("b")
+    eng.step()
+    _assert_idle_clean(eng)
+
+
+def test_token_budget_and_max_num_seqs_are_respected() -> None:
+    eng = _engine(**{"scheduler.max_num_seqs": 3, "scheduler.max_num_batched_tokens": 20})
+    for i in range(6):
+        eng.add_request(f"r{i}", _prompt(30, i), greedy(4))
+    max_running = 0
+    while eng.has_unfinished_requests():
+        batch = eng.scheduler.schedule()
+        assert batch.num_batched_tokens <= 20
+        assert len(eng.scheduler.running) <= 3
+        max_running = max(max_running, len(eng.scheduler.running))
+        if batch.items:
+            result = eng.runner.execute(batch)
+            for it in batch.items:
+                eng.scheduler.commit(it)
+            for rid, tok in zip(result.request_ids, result.token_ids):
+                eng._append_token(eng.requests[rid], tok, None, None)
+    assert max_running == 3
+    _assert_idle_clean(eng)
+
+
+def test_fcfs_admission_order() -> None:
+    eng = _engine(**{"scheduler.max_num_seqs": 1})
+    for i in range(4):
+        eng.add_request(f"r{i}", _prompt(5, i), greedy(3))
+    order = []
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                order.append(out.request_id)
+    assert order == ["r0", "r1", "r2", "r3"]
+    _assert_idle_clean(eng)
+
+
+def test_chunked_output_equals_unchunked_and_oracle() -> None:
+    prompts = {f"r{i}": _prompt(n, i) for i, n in enumerate([3, 17, 33, 64, 90])}
+    ref = _oracle(prompts, 12)
+    for chunk in (4, 16, None):
+        over = {"scheduler.chunk_size": chunk}
+        if chunk is None:
+            over["scheduler.max_num_batched_tokens"] = 4096
+        eng = _engine(**over)
+        for rid, p in prompts.items():
+            eng.add_request(rid, p, greedy(12))
+        assert run_until_done(eng) == ref
+        _assert_idle_clean(eng)
+
+
+def test_preemption_under_pressure_is_exact_and_never_deadlocks() -> None:
+    prompts = {f"r{i}": _prompt(40, i) for i in range(8)}
+    ref = _oracle(prompts, 24)
+    eng = _engine(**{"cache.num_blocks": 12})  # 8 requests x 4 blocks do not fit
+    for rid, p in prompts.items():
+        eng.add_request(rid, p, greedy(24))
+    tokens: dict[str, list[int]] = {}
+    steps = 0
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        eng.block_manager.check_integrity()  # the invariant holds at every step
+        steps += 1
+        assert steps < 5000
+    assert eng.scheduler.num_preemptions > 0
+    assert tokens == ref
+    _assert_idle_clean(eng)
+
+
+def test_forced_preemption_churn_keeps_outputs_exact() -> None:
+    prompts = {f"r{i}": _prompt(20 + i, i) for i in range(6)}
+    ref = _oracle(prompts, 16)
+    eng = _engine(**{"testing.force_preempt_interval": 3})
+    for rid, p in prompts.items():
+        eng.add_request(rid, p, greedy(16))
+    assert run_until_done(eng) == ref
+    assert eng.scheduler.num_preemptions > 3
+    _assert_idle_clean(eng)
+
+
+def test_prefix_cache_hit_skips_computation_and_keeps_output() -> None:
+    eng = _engine()
+    p = _prompt(50)
+    eng.add_request("a", p, greedy(8))
+    first = run_until_done(eng)["a"]
+    eng.add_request("b", p, greedy(8))
+    batch = eng.scheduler.schedule()
+    (item,) = batch.items
+    assert item.request.num_cached_tokens == 48  # 3 full blocks; the last token is recomputed
+    assert item.num_new_tokens == 2
+    eng.runner.execute(batch)
+    for it in batch.items:
+        eng.scheduler.commit(it)
+    eng.abort_request("b")
+    eng.add_request("c", p, greedy(8))
+    assert run_until_done(eng)["c"] == first
+    _assert_idle_clean(eng)
+
+
+def test_abort_in_every_state_frees_everything() -> None:
+    eng = _engine(**{"scheduler.max_num_seqs": 2})
+    eng.add_request("run", _prompt(8), greedy(50))
+    eng.add_request("pre", _prompt(60, 1), greedy(50))
+    eng.add_request("wait", _prompt(8, 2), greedy(50))
+    eng.add_request("kv", _prompt(20, 3), greedy(50), kv_pending=True)
+    eng.add_request("held", _prompt(20, 4), greedy(50), prefill_only=True)
+    for _ in range(3):
+        eng.step()
+    assert eng.requests["run"].status == RequestStatus.RUNNING
+    assert eng.requests["wait"].status == RequestStatus.WAITING
+    for rid in ["run", "pre", "wait", "kv", "held"]:
+        eng.abort_request(rid)
+    assert not eng.abort_request("unknown")
+    outs = eng.step()
+    assert {o.request_id for o in outs if o.finished} >= {"run", "pre", "wait", "kv"}
+    _assert_idle_clean(eng)
+
+
+def test_prefill_role_holds_blocks_until_released() -> None:
+    eng = _engine()
+    p = _prompt(37)
+    eng.add_request("p", p, greedy(10), prefill_only=True)
+    (out,) = [o for o in run_until_done_outputs(eng) if o.request_id == "p"]
+    assert out.finished and out.finish_reason == "length" and len(out.new_token_ids) == 1
+    held = eng.held_block_ids("p")
+    assert len(held) == 3  # 37 prompt tokens -> 3 blocks, the first token's KV not computed
+    assert eng.block_manager.num_used_blocks == 3
+    eng.check_integrity()
+    assert eng.release("p")
+    assert not eng.release("p")
+    _assert_idle_clean(eng)
+
+
+def run_until_done_outputs(eng: LLMEngine) -> list:
+    outs = []
+    while eng.has_unfinished_requests():
+        outs.extend(eng.step())
+    return outs
+
+
+def test_decode_role_with_kv_copied_in_equals_local_run() -> None:
+    """Prefill on one engine, copy the held blocks into another's reservation, decode there."""
+    p = _prompt(45)
+    local = _engine()
+    local.add_request("x", p, greedy(12))
+    expected = run_until_done(local)["x"]
+
+    pre, dec = _engine(), _engine(**{"cache.num_blocks": 40})
+    pre.add_request("x", p, greedy(12), prefill_only=True, seed=7)
+    (first,) = [o for o in run_until_done_outputs(pre) if o.request_id == "x"]
+    src = pre.held_block_ids("x")
+
+    dec.add_request("x", p, greedy(12), kv_pending=True, seed=7)
+    dec.step()
+    (res,) = dec.take_reservations()
+    assert res.num_hit_blocks == 0 and len(res.block_ids) == len(src)
+    dec.runner.kv_cache[res.block_ids] = pre.runner.kv_cache[src]
+    assert pre.release("x")
+    delta = dec.accept_first_token("x", first.new_token_ids[0])
+    assert delta.new_token_ids == first.new_token_ids and not delta.finished
+    dec.kv_arrived("x")
+    rest = run_until_done(dec)["x"]
+    assert first.new_token_ids + rest == expected
+    _assert_idle_clean(pre)
+    _assert_idle_clean(dec)
+
+
+def test_decode_role_reuses_its_own_prefix_cache() -> None:
+    p = _prompt(40)
+    dec = _engine()
+    dec.add_request("warm", p, greedy(2))
+    run_until_done(dec)
+    dec.add_request("y", [*p, 5, 6, 7], greedy(4), kv_pending=True)
+    dec.step()
+    (res,) = dec.take_reservations()
+    assert res.num_hit_blocks == 2  # 40 tokens -> 2 full cached blocks; the 3rd must move
+    dec.abort_request("y")
+    dec.step()
+    _assert_idle_clean(dec)
+
+
+def test_failed_transfer_falls_back_to_exact_local_prefill() -> None:
+    p = _prompt(30)
+    ref = _oracle({"z": p}, 10)["z"]
+    dec = _engine()
+    dec.add_request("z", p, greedy(10), kv_pending=True)
+    dec.step()
+    dec.take_reservations()
+    dec.kv_failed("z", recompute=True)
+    assert run_until_done(dec)["z"] == ref
+    _assert_idle_clean(dec)
+    dec.add_request("w", p, greedy(10), kv_pending=True)
+    dec.step()
+    dec.kv_failed("w", recompute=False, error="peer gone")
+    outs = run_until_done_outputs(dec)
+    assert any(o.request_id == "w" and o.finish_reason == "error" for o in outs)
+    _assert_idle_clean(dec)

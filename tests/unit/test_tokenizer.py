@@ -1,0 +1,75 @@
+"""The torch-free tokenizer agrees with transformers', and streaming deltas are exact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster.common.tokenizer import IncrementalDetokenizer, Tokenizer
+
+TEXTS = ["Hello world", "  spaced   out ", "naïve café — 東京 🚀", "def f(x):\n    return x", ""]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model_dir: Path) -> tuple[Tokenizer, object]:
+    from transformers import AutoTokenizer
+
+    return Tokenizer(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def test_encode_decode_match_transformers(pair: tuple[Tokenizer, object]) -> None:
+    ours, hf = pair
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == hf.encode(text), text  # type: ignore[attr-defined]
+        assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)  # type: ignore[attr-defined]
+
+
+def test_chat_template_matches_transformers(pair: tuple[Tokenizer, object]) -> None:
+    ours, hf = pair
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2+2?"},
+    ]
+    expected = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)  # type: ignore[attr-defined]
+    assert ours.apply_chat_template(messages) == expected
+    assert ours.encode_chat(messages) == ours.encode(expected, add_special_tokens=False)
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content"):
+        ours.encode_chat([{"role": "user", "content": None}])
+    with pytest.raises(ValueError, match="messages: must not be empty"):
+        ours.encode_chat([])
+
+
+def test_eos_ids_come_from_the_checkpoint(pair: tuple[Tokenizer, object]) -> None:
+    ours, _ = pair
+    assert ours.eos_token_ids == (2,)
+
+
+def test_incremental_deltas_concatenate_to_the_full_text(pair: tuple[Tokenizer, object]) -> None:
+    ours, _ = pair
+    ids = ours.encode("naïve café — 東京 🚀 and more text")
+    detok = IncrementalDetokenizer(ours)
+    text = ""
+    for t in ids:
+        assert detok.add(t) is None
+        text += detok.delta(finished=False)
+    text += detok.delta(finished=True)
+    assert text == ours.decode(ids)
+    assert "\ufffd" not in text
+
+
+def test_stop_string_truncates_and_is_never_streamed(pair: tuple[Tokenizer, object]) -> None:
+    ours, _ = pair
+    ids = ours.encode("one, two, three, four")
+    detok = IncrementalDetokenizer(ours, stop=["three"])
+    streamed = ""
+    matched = None
+    for t in ids:
+        matched = detok.add(t)
+        streamed += detok.delta(finished=matched is not None)
+        if matched:
+            break
+    assert matched == "three"
+    assert streamed == "one, two, "
+    assert "thr" not in streamed

@@ -1,0 +1,30 @@
+"""`import cluster` and the torch-free layers must not pull torch (the router relies on it)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "cluster",
+        "cluster.common",
+        "cluster.common.tokenizer",
+        "cluster.common.sampling_params",
+        "cluster.common.hashing",
+        "cluster.config",
+        "cluster.common.kv_layout",
+    ],
+)
+def test_module_does_not_import_torch(module: str) -> None:
+    code = (
+        f"import sys, {module}\n"
+        "from cluster import SamplingParams\n"
+        "bad = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
