@@ -30,7 +30,8 @@ model: setup
 	$(VENV)/bin/pdserve model fetch
 
 run: model
-	$(VENV)/bin/pdserve serve
+	$(VENV)/bin/pdserve generate "What is the capital of France?"
+	@echo "Call it yourself: $(VENV)/bin/pdserve generate \"your prompt\"  (see README.md)"
 
 test: model
 	$(MAKE) --no-print-directory lint typecheck contracts unit
