@@ -1,0 +1,1 @@
+"""Generated protobuf/gRPC stubs (``make protos`` regenerates them from ``protos/``)."""
