@@ -1,0 +1,89 @@
+"""Messages between the pools (router -> decode -> prefill), torch-free.
+
+They ride on Ray Serve's handles, i.e. Ray's internal plane (protected by Ray's token auth and
+network policy), never on pdserve's own KV sockets. Each is a plain dataclass so every role can
+build and read it without importing another role.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.common.sampling_params import SamplingParams
+
+PHASES = (
+    "router_queue_ms",
+    "decode_queue_ms",
+    "prefill_queue_ms",
+    "prefill_ms",
+    "transfer_ms",
+    "decode_ms",
+)
+
+
+@dataclass(slots=True)
+class GenerateCall:
+    """Router -> decode replica: a validated, tokenized request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    block_hashes: list[int]  # of the prompt's full blocks (the routers' and pools' address)
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.time)  # wall clock at the router
+    deadline: float | None = None  # wall clock; None: none
+    router_queue_ms: float = 0.0
+
+    def remaining_s(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.time()
+
+
+@dataclass(slots=True)
+class PrefillCall:
+    """Decode replica -> prefill replica: compute the prompt's KV and the first token."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    block_hashes: list[int]
+    params: SamplingParams
+    seed: int  # the decode side's seed, so both sides sample the same tokens
+    decode_endpoint: str = ""  # who will pull (logging, affinity)
+    deadline: float | None = None
+
+
+@dataclass(slots=True)
+class PrefillReply:
+    """Prefill replica -> decode replica, as soon as prefill is done."""
+
+    request_id: str
+    first_token_id: int
+    first_logprob: float | None
+    first_top_logprobs: list[tuple[int, float]] | None
+    kv: dict[str, Any] | None  # KVTransferParams.to_dict(); None when nothing is to be pulled
+    finish_reason: str | None  # set when the first token already ends the request
+    num_cached_tokens: int  # the prefill replica's own prefix-cache hit
+    prefill_queue_ms: float
+    prefill_ms: float
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    prefill_mode: str = ""  # "remote" | "local"
+    phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+
+
+@dataclass(slots=True)
+class StreamChunk:
+    """Decode replica -> router: what one or more steps produced for a request."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None  # set on the last chunk
+    usage: Usage | None = None  # set on the last chunk
