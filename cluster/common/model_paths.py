@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cluster.config import DEFAULT_MODEL_NAME, ClusterConfig
 
@@ -44,3 +47,43 @@ def require_model_dir(config: ClusterConfig) -> Path:
             "checkpoint directories (config.json, *.safetensors, tokenizer.json)"
         )
     return path
+
+
+MAX_DEFAULT_MODEL_LEN = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    max_model_len: int
+    vocab_size: int
+
+
+def resolve_max_model_len(model_config: dict[str, Any], requested: int | None) -> int:
+    """The context length to serve: the model's limit (capped by default), or the config's.
+
+    A sliding window caps it too: full attention equals sliding-window attention only inside it.
+    """
+    limit = int(model_config.get("max_position_embeddings") or MAX_DEFAULT_MODEL_LEN)
+    window = model_config.get("sliding_window")
+    if window is not None and model_config.get("use_sliding_window", True):
+        limit = min(limit, int(window))
+    if requested is None:
+        return min(limit, MAX_DEFAULT_MODEL_LEN)
+    if requested > limit:
+        raise ValueError(
+            f"model.max_model_len: {requested} exceeds the model's limit of {limit} tokens"
+        )
+    return requested
+
+
+def model_limits(config: ClusterConfig) -> ModelLimits:
+    """What the router validates against, read from config.json without loading the model."""
+    if config.model.runner == "fake":
+        fm = config.testing.fake_model
+        return ModelLimits(config.model.max_model_len or 4096, fm.vocab_size)
+    path = require_model_dir(config)
+    with (path / "config.json").open() as f:
+        raw = json.load(f)
+    return ModelLimits(
+        resolve_max_model_len(raw, config.model.max_model_len), int(raw["vocab_size"])
+    )

@@ -15,6 +15,7 @@ import time
 import torch
 
 from cluster.common.kv_layout import KVLayout
+from cluster.common.model_paths import model_limits
 from cluster.common.tokenizer import FakeTokenizer
 from cluster.config import ClusterConfig
 from cluster.engine.model_runner import RunnerOutput, num_kv_blocks, set_torch_threads
@@ -32,7 +33,7 @@ class FakeModelRunner:
         self.device = torch.device("cpu")
         self.block_size = config.cache.block_size
         self.vocab_size = fm.vocab_size
-        self.max_model_len = config.model.max_model_len or 4096
+        self.max_model_len = model_limits(config).max_model_len
         self.tokenizer = FakeTokenizer(fm.vocab_size, fm.eos_token_id)
         self.layout = KVLayout(
             model="pdserve-fake",

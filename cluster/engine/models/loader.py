@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
+from cluster.common.model_paths import resolve_max_model_len
 from cluster.engine.models.llama import LayerWeights, LlamaArch, LlamaModel
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-MAX_DEFAULT_MODEL_LEN = 8192
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -38,21 +38,6 @@ def read_hf_config(model_dir: Path) -> Any:
             f"{model_dir}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     return AutoConfig.from_pretrained(model_dir, local_files_only=True), arch
-
-
-def resolve_max_model_len(hf_config: Any, requested: int | None) -> int:
-    limit = int(getattr(hf_config, "max_position_embeddings", MAX_DEFAULT_MODEL_LEN))
-    window = getattr(hf_config, "sliding_window", None)
-    if window is not None and getattr(hf_config, "use_sliding_window", True):
-        # Full attention equals sliding-window attention only inside the window.
-        limit = min(limit, int(window))
-    if requested is None:
-        return min(limit, MAX_DEFAULT_MODEL_LEN)
-    if requested > limit:
-        raise ValueError(
-            f"model.max_model_len: {requested} exceeds the model's limit of {limit} tokens"
-        )
-    return requested
 
 
 def _rope(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -133,7 +118,7 @@ def load_llama(
     )
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise ValueError(f"model: unsupported activation {hf_config.hidden_act!r} (need silu)")
-    max_len = resolve_max_model_len(hf_config, max_model_len)
+    max_len = resolve_max_model_len(hf_config.to_dict(), max_model_len)
     reader = _WeightReader(model_dir)
 
     def w(name: str) -> torch.Tensor:
