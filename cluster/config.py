@@ -24,6 +24,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 _RUNNERS = ("torch", "fake")
+_BACKENDS = ("auto", "native", "torch")
 
 
 def _fail(name: str, message: str) -> None:
@@ -48,12 +49,16 @@ class ModelConfig:
     device: str = "auto"
     max_model_len: int | None = None  # None: the model's own limit, capped at 8192
     num_threads: int | None = None  # torch intra-op threads of this process; None: all cores
+    # Decode attention: native (a small C kernel reading the paged cache in place, CPU fp32),
+    # torch (gather + batched matmul, any device), or auto (native where it applies).
+    attention_backend: str = "auto"
     seed: int = 0  # seed for requests that bring none
 
     def __post_init__(self) -> None:
         _check_choice(self.runner, "model.runner", _RUNNERS)
         _check_choice(self.dtype, "model.dtype", _DTYPES)
         _check_choice(self.device, "model.device", _DEVICES)
+        _check_choice(self.attention_backend, "model.attention_backend", _BACKENDS)
         if self.max_model_len is not None:
             _check(self.max_model_len >= 2, "model.max_model_len", "must be >= 2")
         if self.num_threads is not None:

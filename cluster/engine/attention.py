@@ -14,6 +14,7 @@ sequence at a time (they are few per step and long).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,10 @@ class AttentionMetadata:
     decode_rows: torch.Tensor | None  # [Hkv * num_decodes * T] long, T = padded context
     decode_mask: torch.Tensor | None  # [num_decodes, T] additive 0 / -inf
     prefills: list[PrefillSeq]
+    # The native path instead reads the cache in place through the block tables.
+    decode_kernel: Callable[..., torch.Tensor] | None = None
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] long
+    decode_ctx_lens: torch.Tensor | None = None  # [num_decodes] long
 
 
 def decode_row_index(
@@ -94,6 +99,10 @@ def paged_attention(
 def _decode_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
+    if meta.decode_kernel is not None:
+        return meta.decode_kernel(
+            q, kv_cache, meta.decode_block_tables, meta.decode_ctx_lens, layer, scale
+        )
     assert meta.decode_rows is not None and meta.decode_mask is not None
     b, hq, d = q.shape
     _, _, _, block_size, hkv, _ = kv_cache.shape

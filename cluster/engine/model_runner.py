@@ -22,6 +22,7 @@ from cluster.common.model_paths import require_model_dir
 from cluster.common.tokenizer import Tokenizer
 from cluster.config import ClusterConfig, cpu_count
 from cluster.engine.attention import AttentionMetadata, PrefillSeq, decode_row_index
+from cluster.engine.kernels import load_paged_decode
 from cluster.engine.models.default_model import ensure_default_model
 from cluster.engine.models.loader import load_llama
 from cluster.engine.sampler import SampleRequest, sample
@@ -117,6 +118,7 @@ class TorchModelRunner:
             head_dim=arch.head_dim,
         )
         self.num_blocks = num_kv_blocks(config, self.layout.bytes_per_block, self.device)
+        self.decode_kernel = self._load_decode_kernel(config, dtype)
         # Zeros, not empty: padded attention rows multiply probabilities 0 by these values.
         self.kv_cache = torch.zeros(
             (
@@ -136,6 +138,27 @@ class TorchModelRunner:
             self.block_size,
             self.num_blocks * self.layout.bytes_per_block / 2**20,
         )
+
+    def _load_decode_kernel(self, config: ClusterConfig, dtype: torch.dtype) -> Any:
+        backend = config.model.attention_backend
+        if backend == "torch":
+            return None
+        applies = self.device.type == "cpu" and dtype == torch.float32
+        kernel = None
+        if applies:
+            arch = self.model.arch
+            kernel = load_paged_decode(
+                config.paths.resolved_cache_dir,
+                torch.get_num_threads(),
+                arch.num_heads,
+                arch.num_kv_heads,
+            )
+        if kernel is None and backend == "native":
+            raise ValueError(
+                "model.attention_backend: native needs a CPU fp32 model and a C compiler "
+                "(cc); use auto or torch"
+            )
+        return kernel
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -198,15 +221,18 @@ class TorchModelRunner:
             if it.samples:
                 sample_rows.append(row0 + n - 1)
                 sampled.append(it)
-        dec_rows = dec_mask = None
+        dec_rows = dec_mask = dec_table_t = dec_lens_t = None
         if decodes:
             width = max(len(t) for t in dec_tables)
             dec_table_t = torch.tensor(
                 [t + [0] * (width - len(t)) for t in dec_tables], dtype=torch.long, device=dev
             )
+            dec_lens_t = torch.tensor(dec_lens, dtype=torch.long, device=dev)
+        if decodes and self.decode_kernel is None:
+            assert dec_table_t is not None and dec_lens_t is not None
             layout = self.layout
             dec_rows = decode_row_index(dec_table_t, bs, layout.num_layers, layout.num_kv_heads)
-            lens = torch.tensor(dec_lens, device=dev)
+            lens = dec_lens_t
             cols = torch.arange(width * bs, device=dev)
             dec_mask = torch.zeros(
                 (len(decodes), width * bs), dtype=self.kv_cache.dtype, device=dev
@@ -219,6 +245,9 @@ class TorchModelRunner:
             decode_rows=dec_rows,
             decode_mask=dec_mask,
             prefills=pref,
+            decode_kernel=self.decode_kernel,
+            decode_block_tables=dec_table_t,
+            decode_ctx_lens=dec_lens_t,
         )
         return ForwardInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
