@@ -217,8 +217,9 @@ def decode(data: bytes | memoryview) -> Message:
         raise KVTransferError(
             Reason.BAD_VERSION, f"protocol version {version!r}, expected {PROTOCOL_VERSION}"
         )
-    cls = MESSAGE_TYPES.get(obj.get("t"))  # type: ignore[arg-type]
+    tag = obj.get("t")
+    cls = MESSAGE_TYPES.get(tag) if isinstance(tag, str) else None
     if cls is None:
-        raise KVTransferError(Reason.MALFORMED, f"unknown message tag {str(obj.get('t'))[:32]!r}")
+        raise KVTransferError(Reason.MALFORMED, f"unknown message tag {str(tag)[:32]!r}")
     msg: Message = from_plain(cls, obj, skip=("t", "v"))
     return msg

@@ -35,7 +35,7 @@ import zmq
 
 from cluster.common.faults import FaultPoints
 from cluster.common.kv_messages import MAX_HEADER_BYTES, Message
-from cluster.common.kv_wire import KVTransferError, KVTransferParams
+from cluster.common.kv_wire import KVTransferError, KVTransferParams, Reason
 from cluster.config import TransferConfig
 from cluster.kv_transfer.commands import CommandQueue
 from cluster.kv_transfer.faulty import Buffer, FaultyTransport
@@ -53,7 +53,7 @@ from cluster.kv_transfer.stats import TransferStats
 from cluster.kv_transfer.transports import TRANSPORTS
 from cluster.kv_transfer.transports.base import Completion, PeerInfo, SenderContext
 from cluster.kv_transfer.transports.direct import LOCAL_POOLS
-from cluster.kv_transfer.wire import Wire
+from cluster.kv_transfer.wire import InboundError, Wire
 
 logger = logging.getLogger(__name__)
 
@@ -242,6 +242,8 @@ class KVSender:
                 return
             except KVTransferError as e:
                 self._stats.rejected(e.reason)
+                if isinstance(e, InboundError) and e.reason == Reason.BAD_VERSION:
+                    self._handlers.refuse_version(e.identity, e.detail)  # fail fast, K9
                 continue
             for inbound in batch:
                 self._handlers.handle(inbound)

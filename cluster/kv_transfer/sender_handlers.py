@@ -105,6 +105,11 @@ class SenderHandlers:
         self.stats.inc("handshakes")
         self._send(identity, self._hello_reply(True, "", ""))
 
+    def refuse_version(self, identity: bytes, detail: str) -> None:
+        """Answer a message of another protocol version in ours: the peer fails its handshake."""
+        if identity:
+            self._send(identity, self._hello_reply(False, Reason.BAD_VERSION, detail))
+
     def _hello_reply(self, ok: bool, reason: str, message: str) -> HelloReply:
         ctx, sender = self.ctx, self.sender
         offered = tuple(n for n in ctx.config.transports if TRANSPORTS[n].offered(ctx))

@@ -20,6 +20,14 @@ from cluster.kv_transfer.faulty import Buffer, FaultyTransport
 from cluster.kv_transfer.security import MAC_BYTES, HeaderSigner
 
 
+class InboundError(KVTransferError):
+    """A refused inbound message, with the routing id of who sent it (when known)."""
+
+    def __init__(self, reason: str, message: str, identity: bytes) -> None:
+        super().__init__(reason, message)
+        self.identity = identity
+
+
 @dataclass(slots=True)
 class Inbound:
     identity: bytes  # the peer's routing id on a ROUTER socket, b"" on a DEALER
@@ -93,7 +101,10 @@ class Wire:
                 raise KVTransferError(Reason.OVERSIZED, f"header of {len(parts[0])} bytes")
             header = parts[0].bytes
             payload = parts[1:]
-        msg = decode(header)
+        try:
+            msg = decode(header)
+        except KVTransferError as e:
+            raise InboundError(e.reason, e.detail, identity) from None
         frames: list[Buffer] = list(payload)
         if self.faults is None:
             return [Inbound(identity, msg, frames)]
