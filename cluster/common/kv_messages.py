@@ -31,7 +31,10 @@ from cluster.common.kv_wire import (
     to_plain,
 )
 
-MAX_HEADER_BYTES = 1 << 20  # headers are small; anything bigger is refused before decoding
+# Headers are small (a pull of 512 scattered blocks is ~5 KB); the limit fits under the smallest
+# transfer.max_message_bytes, so zmq's MAXMSGSIZE can be that setting on every socket.
+MAX_HEADER_BYTES = 1 << 16
+MAX_HEARTBEAT_IDS = 1024  # transfer ids per Heartbeat message (~35 KB)
 
 # A frame plan: per frame, the (first source block id, number of blocks) segments it carries.
 Segment = tuple[int, int]

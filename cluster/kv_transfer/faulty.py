@@ -55,15 +55,23 @@ class FaultyTransport:
         self._lock = threading.Lock()
         self.injected: Counter[str] = Counter()
 
+    def set_rules(self, rules: Sequence[FaultRule]) -> None:
+        """Swap the script mid-test (partition now, heal later); counts start afresh."""
+        with self._lock:
+            self.rules = tuple(rules)
+            self._seen = [0] * len(self.rules)
+
     def apply(self, direction: str, tag: str, frames: list[Buffer]) -> list[list[Buffer]]:
         """The messages to deliver instead of one with ``frames`` (empty list: none)."""
         out = [frames]
-        for i, rule in enumerate(self.rules):
+        with self._lock:
+            rules, seen = self.rules, self._seen
+        for i, rule in enumerate(rules):
             if rule.direction != direction or rule.tag not in ("*", tag):
                 continue
             with self._lock:
-                self._seen[i] += 1
-                n = self._seen[i]
+                seen[i] += 1
+                n = seen[i]
             due = n >= rule.nth if rule.action == "blackhole" else n == rule.nth
             if not due:
                 continue

@@ -248,12 +248,19 @@ class KVReceiver:
         if conn is None:
             conn = PeerConnection(self, params)
             self._conns[params.peer_key] = conn
-            self._by_socket[conn.sock] = (conn, False)
-            self._by_socket[conn.monitor] = (conn, True)
-            self._poller.register(conn.sock, zmq.POLLIN)
-            self._poller.register(conn.monitor, zmq.POLLIN)
             self.stats_obj.inc("connections_opened")
         return conn
+
+    def watch(self, conn: PeerConnection) -> None:
+        self._by_socket[conn.sock] = (conn, False)
+        self._by_socket[conn.monitor] = (conn, True)
+        self._poller.register(conn.sock, zmq.POLLIN)
+        self._poller.register(conn.monitor, zmq.POLLIN)
+
+    def unwatch(self, conn: PeerConnection) -> None:
+        for sock in (conn.sock, conn.monitor):
+            if self._by_socket.pop(sock, None) is not None:
+                self._poller.unregister(sock)
 
     def finish_ok(self, pull: RecvPull) -> None:
         self._release(pull, TransferState.DONE)
@@ -340,9 +347,6 @@ class KVReceiver:
                 self._forget(conn)
 
     def _forget(self, conn: PeerConnection) -> None:
-        for sock in (conn.sock, conn.monitor):
-            self._poller.unregister(sock)
-            self._by_socket.pop(sock, None)
         conn.close()
 
     def _shutdown(self) -> None:

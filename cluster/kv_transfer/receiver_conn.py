@@ -20,7 +20,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from cluster.common.kv_layout import KVLayout
 from cluster.common.kv_messages import (
-    MAX_HEADER_BYTES,
+    MAX_HEARTBEAT_IDS,
     Abort,
     Ack,
     AckReply,
@@ -34,7 +34,7 @@ from cluster.common.kv_messages import (
     PullRequest,
     Ready,
 )
-from cluster.common.kv_wire import MAX_LIST_LEN, KVTransferError, KVTransferParams, Reason
+from cluster.common.kv_wire import KVTransferError, KVTransferParams, Reason
 from cluster.common.kv_wire import TransferState as State
 from cluster.kv_transfer.plan import plan_frames
 from cluster.kv_transfer.security import secure_client_socket
@@ -70,13 +70,24 @@ class PeerConnection:
         self.r = receiver
         self.key = params.peer_key
         cfg = receiver.config
-        local = receiver.rctx.local
-        use_ipc = cfg.ipc and params.ipc_endpoint and params.host_id == local.host_id
+        use_ipc = cfg.ipc and params.ipc_endpoint and params.host_id == receiver.rctx.local.host_id
         self.endpoint = params.ipc_endpoint if use_ipc else params.endpoint
-        sock = receiver.zmq_ctx.socket(zmq.DEALER)
+        self.pulls: dict[int, RecvPull] = {}  # in flight (sent), by pull id
+        self.waiting: list[RecvPull] = []  # admitted before the handshake finished
+        self.outbox: list[Message] = []  # control messages held until the handshake
+        self.backlog: list[Message] = []  # sent while no pipe was up (zmq.Again), in order
+        self.holds: dict[str, KVTransferParams] = {}  # leases to heartbeat, by transfer id
+        self.failing: list[tuple[RecvPull, Completion, str, str]] = []
+        self.last_active = receiver.clock()
+        self._open()
+
+    def _open(self) -> None:
+        """A fresh socket and handshake (at start, and after the connection dropped)."""
+        cfg, local = self.r.config, self.r.rctx.local
+        sock = self.r.zmq_ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTING_ID, receiver.next_routing_id())  # kept across reconnects
-        sock.setsockopt(zmq.MAXMSGSIZE, max(cfg.max_message_bytes, MAX_HEADER_BYTES + 64))
+        sock.setsockopt(zmq.ROUTING_ID, self.r.next_routing_id())  # kept across reconnects
+        sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)  # >= MAX_HEADER_BYTES
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         ivl = int(min(cfg.heartbeat_s, 5.0) * 1000)
@@ -90,22 +101,35 @@ class PeerConnection:
         self.reply: HelloReply | None = None
         self.side: ReceiverSide | None = None
         self.transport = ""
-        self.pulls: dict[int, RecvPull] = {}  # in flight (sent), by pull id
-        self.waiting: list[RecvPull] = []  # admitted before the handshake finished
-        self.outbox: list[Message] = []  # control messages held until the handshake
-        self.holds: dict[str, KVTransferParams] = {}  # leases to heartbeat, by transfer id
-        self.failing: list[tuple[RecvPull, Completion, str, str]] = []
-        self.next_heartbeat = receiver.clock() + cfg.heartbeat_s
-        self.last_active = receiver.clock()
+        self.next_heartbeat = self.r.clock() + cfg.heartbeat_s
+        self.r.watch(self)
         self._send(
             Hello(
                 local.instance_id,
                 local.host_id,
                 local.pid,
-                receiver.pool.layout.to_dict(),  # type: ignore[arg-type]
+                self.r.pool.layout.to_dict(),  # type: ignore[arg-type]
                 tuple(cfg.transports),
             )
         )
+
+    def _reopen(self) -> None:
+        """The connection dropped (peer died, or zmq cut it for an oversized frame, which it
+        never redials): fail what was in flight, keep the holds, start over on a new socket."""
+        self.state = self.HANDSHAKING  # the aborts below wait for the new handshake
+        for pull in list(self.pulls.values()):
+            self.fail_pull(
+                pull,
+                Reason.PEER_DISCONNECTED,
+                "connection dropped mid-transfer (sender died, or a frame exceeded "
+                "transfer.max_message_bytes)",
+            )
+        self.outbox = [*self.backlog, *self.outbox]  # these go out after the new handshake
+        self.backlog = []
+        self.r.unwatch(self)
+        self._close_sockets()
+        self.r.stats_obj.inc("reconnects")
+        self._open()
 
     @property
     def busy(self) -> bool:
@@ -156,17 +180,10 @@ class PeerConnection:
                 event = recv_monitor_message(self.monitor, flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            kind = event["event"]
-            if kind == zmq.EVENT_DISCONNECTED:
-                for pull in list(self.pulls.values()):
-                    self.fail_pull(
-                        pull,
-                        Reason.PEER_DISCONNECTED,
-                        "connection dropped mid-transfer (sender died, or a frame exceeded "
-                        "transfer.max_message_bytes)",
-                    )
-            else:
-                self.fail(Reason.BAD_AUTH, "the transport handshake was refused (CURVE keys?)")
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._reopen()
+                return  # the old monitor is closed
+            self.fail(Reason.BAD_AUTH, "the transport handshake was refused (CURVE keys?)")
 
     def _handle(self, inbound: Inbound) -> None:
         msg = inbound.msg
@@ -335,6 +352,7 @@ class PeerConnection:
     # -- time ---------------------------------------------------------------------------------
 
     def tick(self, now: float) -> None:
+        self._flush_backlog()
         timeout = self.r.config.transfer_timeout_s
         for pull in [*self.pulls.values(), *self.waiting]:
             if now >= pull.deadline:
@@ -357,19 +375,39 @@ class PeerConnection:
         if self.state == self.READY and self.holds and now >= self.next_heartbeat:
             self.next_heartbeat = now + self.r.config.heartbeat_s
             ids = list(self.holds)
-            for i in range(0, len(ids), MAX_LIST_LEN):
-                self._send(Heartbeat(tuple(ids[i : i + MAX_LIST_LEN])))
+            for i in range(0, len(ids), MAX_HEARTBEAT_IDS):
+                self._send(Heartbeat(tuple(ids[i : i + MAX_HEARTBEAT_IDS])))
             self.r.stats_obj.inc("heartbeats_sent")
 
     def _send(self, msg: Message) -> None:
+        if self.backlog:
+            self.backlog.append(msg)  # keep the order
+            return
         try:
             self.r.wire.send(self.sock, msg)
-        except zmq.ZMQError as e:  # queue full towards a dead peer: the pull will time out
+        except zmq.Again:  # no live pipe right now (reconnecting): retry on the next tick
+            self.backlog.append(msg)
+        except zmq.ZMQError as e:
             logger.debug("kv-receiver: cannot send %s: %s", msg.TAG, e)
 
+    def _flush_backlog(self) -> None:
+        while self.backlog:
+            try:
+                self.r.wire.send(self.sock, self.backlog[0])
+            except zmq.Again:
+                return
+            except zmq.ZMQError as e:
+                logger.debug("kv-receiver: dropping %s: %s", self.backlog[0].TAG, e)
+            self.backlog.pop(0)
+
     def close(self) -> None:
+        self.r.unwatch(self)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
         if self.side is not None:
             self.side.close()
+            self.side = None
         with contextlib.suppress(zmq.ZMQError):
             self.sock.disable_monitor()
         self.monitor.close(linger=0)

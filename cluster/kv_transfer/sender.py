@@ -122,7 +122,7 @@ class KVSender:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable replies raise, never vanish
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting receiver keeps its identity
         sock.setsockopt(zmq.SNDHWM, 0)  # zero-copy frames queue by reference, not by copy
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_HEADER_BYTES + 64)  # receivers send headers only
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_HEADER_BYTES)  # receivers send headers only
         ivl = int(min(cfg.heartbeat_s, 5.0) * 1000)
         sock.setsockopt(zmq.HEARTBEAT_IVL, ivl)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ivl)

@@ -134,6 +134,12 @@ class SenderHandlers:
 
     def _pull(self, identity: bytes, peer: _Peer, msg: PullRequest) -> None:
         sender = self.sender
+        lease = sender.lease_for(msg.transfer_id)
+        if lease is not None and (lease.peer, lease.pull_id) == (identity, msg.pull_id):
+            # A replay of the pull being served (K5): drop it without an answer, which the
+            # receiver would take as the failure of its pull.
+            self.stats.rejected(Reason.DUPLICATE)
+            return
         try:
             lease = self._check_pull(msg)
             side = self._side(peer, msg.transport)
