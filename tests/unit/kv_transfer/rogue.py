@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import queue
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -68,6 +69,8 @@ class RogueSender:
         self.respond = respond
         self.num_blocks = num_blocks
         self.seen: list[Message] = []
+        self.identities: list[bytes] = []  # receivers that connected, in order
+        self._outbox: queue.SimpleQueue[list[bytes]] = queue.SimpleQueue()
         self._stop = False
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -87,11 +90,19 @@ class RogueSender:
             layout=self.layout.to_dict(),  # type: ignore[arg-type]
         )
 
+    def push(self, parts: list[bytes]) -> None:
+        """Queue raw parts (identity first) for the rogue's own thread to send."""
+        self._outbox.put(parts)
+
     def _run(self) -> None:
         while not self._stop:
-            if not self.sock.poll(20):
+            while not self._outbox.empty():
+                self.sock.send_multipart(self._outbox.get())
+            if not self.sock.poll(5):
                 continue
             identity, *parts = self.sock.recv_multipart()
+            if identity not in self.identities:
+                self.identities.append(identity)
             msg = decode(parts[0])
             self.seen.append(msg)
             if isinstance(msg, Hello):
