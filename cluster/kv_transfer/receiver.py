@@ -91,7 +91,8 @@ class KVReceiver:
         self._dst_in_use: set[int] = set()
         self._active: set[str] = set()  # transfer ids with a pull in flight
         self._states: OrderedDict[str, TransferState] = OrderedDict()
-        self._lost: OrderedDict[str, None] = OrderedDict()
+        # Leases known to be gone, with why: a later pull fails at once with that reason.
+        self._lost: OrderedDict[str, tuple[str, str]] = OrderedDict()
         self._pull_ids = itertools.count(1)
         self._routing_ids = itertools.count(1)
         self._commands = CommandQueue()
@@ -208,7 +209,7 @@ class KVReceiver:
         tid = params.transfer_id
         error = None
         if tid in self._lost:
-            error = KVTransferError(Reason.LEASE_EXPIRED, "the sender dropped this lease")
+            error = KVTransferError(*self._lost[tid])
         elif tid in self._active:
             error = KVTransferError(Reason.DUPLICATE, "a pull of this transfer is in flight")
         elif not self._dst_in_use.isdisjoint(dst):
@@ -287,8 +288,8 @@ class KVReceiver:
         if not pull.future.done():
             pull.future.set_exception(KVTransferError(reason, message))
 
-    def mark_lost(self, transfer_id: str) -> None:
-        self._lost[transfer_id] = None
+    def mark_lost(self, transfer_id: str, reason: str, message: str) -> None:
+        self._lost[transfer_id] = (reason, message)
         if len(self._lost) > _REMEMBERED:
             self._lost.popitem(last=False)
         self.stats_obj.inc("leases_lost")

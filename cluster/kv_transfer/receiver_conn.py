@@ -180,10 +180,14 @@ class PeerConnection:
                 event = recv_monitor_message(self.monitor, flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if event["event"] == zmq.EVENT_DISCONNECTED:
+            kind = event["event"]
+            if kind == zmq.EVENT_DISCONNECTED:
                 self._reopen()
                 return  # the old monitor is closed
-            self.fail(Reason.BAD_AUTH, "the transport handshake was refused (CURVE keys?)")
+            if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self.fail(Reason.BAD_AUTH, "the sender refused our CURVE key")
+            else:  # e.g. a peer dying mid-handshake, or wrong keys: zmq retries, pulls time out
+                self.r.stats_obj.inc("handshake_failures")
 
     def _handle(self, inbound: Inbound) -> None:
         msg = inbound.msg
@@ -213,7 +217,7 @@ class PeerConnection:
         elif isinstance(msg, HeartbeatReply):
             for tid in msg.unknown:
                 if self.holds.pop(tid, None) is not None:
-                    self.r.mark_lost(tid)
+                    self.r.mark_lost(tid, Reason.LEASE_EXPIRED, "the sender no longer holds it")
         else:
             self.r.stats_obj.rejected(Reason.UNEXPECTED)
 
@@ -346,7 +350,7 @@ class PeerConnection:
         for pull in [*self.pulls.values(), *self.waiting]:
             self.fail_pull(pull, reason, message, notify=False)
         for tid in self.holds:
-            self.r.mark_lost(tid)
+            self.r.mark_lost(tid, reason, message)
         self.holds.clear()
 
     # -- time ---------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ MakeR = Callable[..., KVReceiver]
 
 def _pull_fails(receiver: KVReceiver, h: SenderHandle, rid: str, reason: str) -> None:
     before = crcs(receiver.pool)
+    num_released = len(h.released)
     params = h.sender.register(rid, SRC, num_tokens=16 * 16)
     t0 = time.monotonic()
     with pytest.raises(KVTransferError) as e:
@@ -35,7 +36,7 @@ def _pull_fails(receiver: KVReceiver, h: SenderHandle, rid: str, reason: str) ->
     assert receiver.state(params.transfer_id) is TransferState.FAILED
     assert_untouched(receiver.pool, before) if reason != Reason.TIMEOUT else None
     # The receiver told the sender: the lease is freed now (a timeout may race the expiry).
-    released = dict(h.wait_released(len(h.released) + 1))
+    released = dict(h.wait_released(num_released + 1))
     assert released[rid] in (
         ("peer_aborted", "expired") if reason == Reason.TIMEOUT else ("peer_aborted",)
     )
