@@ -10,6 +10,7 @@ measures them, never written back here.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 import os
 import types
@@ -121,6 +122,10 @@ class TransferConfig:
     heartbeat_s: float = 5.0  # decode side renews its leases this often while it waits
     transfer_timeout_s: float = 60.0  # decode side gives up a pull after this long
     max_message_bytes: int = 64 << 20  # larger frames are refused before allocation
+    # KV bytes per data frame (capped by max_message_bytes): >= 64 KiB so pyzmq sends it
+    # zero-copy, small enough that the receiver copies one frame while the next is in flight.
+    frame_bytes: int = 4 << 20
+    ipc: bool = True  # zmq over ipc:// (not tcp) when both ends share a host
     checksum: bool = False  # per-frame checksums (debugging; costs a pass over the data)
     on_failure: str = "recompute"  # recompute: prefill locally; fail: end the request
     auth: str = "none"  # none | hmac | curve (required when bind_host is not loopback)
@@ -140,8 +145,24 @@ class TransferConfig:
             f"must be < transfer.lease_s ({self.lease_s}) or leases expire between heartbeats",
         )
         _check(self.max_message_bytes >= 1 << 16, "transfer.max_message_bytes", "must be >= 64 KiB")
+        _check(self.frame_bytes >= 1 << 16, "transfer.frame_bytes", "must be >= 64 KiB")
         _check_choice(self.on_failure, "transfer.on_failure", ("recompute", "fail"))
         _check_choice(self.auth, "transfer.auth", ("none", "hmac", "curve"))
+        _check(
+            self.auth != "none" or self.is_loopback_bind,
+            "transfer.auth",
+            f"transfer.bind_host {self.bind_host!r} is not a loopback address: set transfer.auth "
+            "to hmac or curve (with its secret) before exposing the KV transfer socket",
+        )
+
+    @property
+    def is_loopback_bind(self) -> bool:
+        if self.bind_host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.bind_host).is_loopback
+        except ValueError:
+            return False
 
 
 @dataclass(frozen=True)

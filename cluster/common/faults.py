@@ -1,0 +1,117 @@
+"""Deterministic fault points ("buggify") for fault tests (torch-free, shared by every role).
+
+``testing.fault_points`` holds specs ``<name>[:n][=action]``: the n-th time (default the 1st) a
+worker reaches the named point it performs the action:
+
+  * ``kill`` (default): SIGKILL itself, as a crash would;
+  * ``raise``: raise ``FaultInjected`` at the point;
+  * ``hang``: block forever (a deadlocked or stuck worker);
+  * ``pause``: block until a test calls ``release(name)`` (phase-precise cancel tests).
+
+Production code calls ``fault_points.hit("p.mid_send_frame_k")`` at each named point; with no
+spec for the name that is a dict lookup and a counter bump.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+ACTIONS = ("kill", "raise", "hang", "pause")
+
+
+class FaultInjected(RuntimeError):
+    """Raised by a fault point whose action is ``raise``."""
+
+
+@dataclass(frozen=True, slots=True)
+class FaultSpec:
+    name: str
+    nth: int = 1
+    action: str = "kill"
+
+    @classmethod
+    def parse(cls, text: str) -> FaultSpec:
+        spec, _, action = text.strip().partition("=")
+        name, sep, nth_text = spec.partition(":")
+        name = name.strip()
+        where = f"testing.fault_points: {text!r}"
+        if not name:
+            raise ValueError(f"{where}: empty fault point name")
+        nth = 1
+        if sep:
+            try:
+                nth = int(nth_text)
+            except ValueError:
+                raise ValueError(f"{where}: n must be an integer >= 1") from None
+            if nth < 1:
+                raise ValueError(f"{where}: n must be an integer >= 1")
+        action = action.strip() or "kill"
+        if action not in ACTIONS:
+            raise ValueError(f"{where}: unknown action {action!r}; valid: {', '.join(ACTIONS)}")
+        return cls(name, nth, action)
+
+
+class FaultPoints:
+    """Counts hits per point name and performs the configured action when one is due.
+
+    Thread-safe: points may be hit from several threads; counting is atomic, the action runs
+    outside the lock (so a paused thread does not block others).
+    """
+
+    def __init__(self, specs: Iterable[str] = ()) -> None:
+        self._specs: dict[str, list[FaultSpec]] = {}
+        for text in specs:
+            spec = FaultSpec.parse(text)
+            self._specs.setdefault(spec.name, []).append(spec)
+        self._counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._released: dict[str, threading.Event] = {}
+        self._paused: dict[str, threading.Event] = {}
+
+    def armed(self, name: str) -> bool:
+        return name in self._specs
+
+    def count(self, name: str) -> int:
+        with self._lock:
+            return self._counts.get(name, 0)
+
+    def hit(self, name: str) -> None:
+        specs = self._specs.get(name)
+        if specs is None:
+            return
+        with self._lock:
+            n = self._counts.get(name, 0) + 1
+            self._counts[name] = n
+        for spec in specs:
+            if spec.nth == n:
+                self._act(spec)
+
+    def release(self, name: str) -> None:
+        """Let threads paused at ``name`` (now or later) continue."""
+        self._event(self._released, name).set()
+
+    def wait_paused(self, name: str, timeout: float | None = None) -> bool:
+        """Block until some thread is paused at ``name`` (tests)."""
+        return self._event(self._paused, name).wait(timeout)
+
+    def _event(self, table: dict[str, threading.Event], name: str) -> threading.Event:
+        with self._lock:
+            return table.setdefault(name, threading.Event())
+
+    def _act(self, spec: FaultSpec) -> None:
+        if spec.action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(60)  # SIGKILL is asynchronous on some kernels; never run past the point
+        elif spec.action == "raise":
+            raise FaultInjected(f"fault point {spec.name}:{spec.nth}")
+        elif spec.action == "hang":
+            while True:
+                time.sleep(3600)
+        else:  # pause
+            self._event(self._paused, spec.name).set()
+            self._event(self._released, spec.name).wait()

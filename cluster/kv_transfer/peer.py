@@ -1,0 +1,210 @@
+"""A ``KVSender`` in a child process, driven over its stdin/stdout (tests and ``bench``).
+
+The parent sends length-prefixed msgpack commands (never pickle), the child answers each:
+
+    register {request_id, block_ids, num_tokens}   -> {params}
+    abort {request_id}                             -> {ok}
+    stats                                          -> {stats, released: [[request_id, reason]]}
+    crc {block_ids}                                -> {crcs}
+    exit                                           -> {ok}, then the child exits
+
+The child's pool is filled with ``fill_pattern(seed)`` so a receiver can check what landed
+without asking. Fault points (``testing.fault_points``) and wire fault rules come in the spec.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import torch
+
+from cluster.common.faults import FaultPoints
+from cluster.common.kv_layout import KVLayout
+from cluster.common.kv_wire import KVTransferParams
+from cluster.config import config_from_dict
+from cluster.kv_transfer.faulty import FaultRule, FaultyTransport
+from cluster.kv_transfer.pool import TORCH_DTYPES, KVPool
+from cluster.kv_transfer.sender import KVSender
+
+_LEN = struct.Struct(">I")
+
+
+def fill_pattern(pool: KVPool, seed: int, block_ids: Sequence[int] | None = None) -> None:
+    """Write deterministic, block-distinct values (a function of seed and block id)."""
+    ids = list(range(pool.num_blocks)) if block_ids is None else list(block_ids)
+    for b in ids:
+        pool.block_tensor(b, 1).copy_(pattern_block(pool.layout, seed, b))
+
+
+def pattern_block(layout: KVLayout, seed: int, block_id: int) -> torch.Tensor:
+    # [1, num_layers, 2, block_size, num_kv_heads, head_dim]
+    dtype = TORCH_DTYPES[layout.dtype]
+    numel = layout.bytes_per_block * 8 // torch.finfo(dtype).bits
+    values = torch.arange(numel, dtype=torch.int64) * 2654435761 + block_id * 40503 + seed * 9973
+    values = (values % 60013).to(torch.float32) / 7.0
+    return values.to(dtype).view(1, *layout.block_shape)
+
+
+def _write(stream: Any, obj: Any) -> None:
+    data = msgpack.packb(obj, use_bin_type=True)
+    stream.write(_LEN.pack(len(data)) + data)
+    stream.flush()
+
+
+def _read(stream: Any) -> Any:
+    head = stream.read(_LEN.size)
+    if len(head) < _LEN.size:
+        raise EOFError("peer closed its pipe")
+    (n,) = _LEN.unpack(head)
+    return msgpack.unpackb(stream.read(n), raw=False, strict_map_key=False)
+
+
+def _child(spec: dict[str, Any]) -> None:
+    torch.set_num_threads(1)
+    cfg = config_from_dict(
+        {"transfer": spec.get("transfer", {}), "testing": {"fault_points": spec.get("faults", [])}}
+    )
+    layout = KVLayout(**spec["layout"])
+    pool = KVPool.allocate(layout, spec["num_blocks"], shared=spec.get("shared", False))
+    fill_pattern(pool, spec.get("seed", 0))
+    released: list[list[str]] = []
+    lock = threading.Lock()
+
+    def on_release(request_id: str, reason: str) -> None:
+        with lock:
+            released.append([request_id, reason])
+
+    rules = [FaultRule(**r) for r in spec.get("wire_faults", [])]
+    sender = KVSender(
+        cfg.transfer,
+        pool,
+        on_release=on_release,
+        instance_id=spec.get("instance_id"),
+        epoch=spec.get("epoch", 0),
+        fault_points=FaultPoints(cfg.testing.fault_points),
+        faults=FaultyTransport(rules) if rules else None,
+    )
+    sender.start()
+    out, inp = sys.stdout.buffer, sys.stdin.buffer
+    _write(out, {"endpoint": sender.endpoint, "ipc": sender.ipc_endpoint, "pid": os.getpid()})
+    while True:
+        try:
+            cmd = _read(inp)
+        except EOFError:
+            break
+        op = cmd.get("op")
+        if op == "register":
+            p = sender.register(cmd["request_id"], cmd["block_ids"], num_tokens=cmd["num_tokens"])
+            _write(out, {"params": p.to_dict()})
+        elif op == "abort":
+            _write(out, {"ok": sender.abort(cmd["request_id"])})
+        elif op == "stats":
+            with lock:
+                rel = list(released)
+            _write(
+                out, {"stats": _plain(sender.stats()), "released": rel, "alive": sender.is_alive()}
+            )
+        elif op == "crc":
+            _write(out, {"crcs": pool.crc32(cmd["block_ids"])})
+        else:
+            break
+    sender.close()
+    _write(out, {"ok": True})
+
+
+def _plain(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, float) and obj == float("inf"):
+        return 1e308
+    return obj
+
+
+class SenderProcess:
+    """Parent-side handle of a child running a ``KVSender``."""
+
+    def __init__(self, spec: dict[str, Any], *, start_timeout: float = 60.0) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cluster.kv_transfer.peer"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL if spec.get("quiet", True) else None,
+            env=env,
+            start_new_session=True,
+        )
+        assert self.proc.stdin is not None
+        _write(self.proc.stdin, spec)
+        self.info = self._reply(start_timeout)
+        self.pid: int = self.info["pid"]
+        self.endpoint: str = self.info["endpoint"]
+
+    def _reply(self, timeout: float) -> Any:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            raise TimeoutError("the sender process did not answer")
+        return _read(self.proc.stdout)
+
+    def call(self, cmd: dict[str, Any], timeout: float = 30.0) -> Any:
+        assert self.proc.stdin is not None
+        _write(self.proc.stdin, cmd)
+        return self._reply(timeout)
+
+    def register(
+        self, request_id: str, block_ids: Sequence[int], num_tokens: int
+    ) -> KVTransferParams:
+        reply = self.call(
+            {
+                "op": "register",
+                "request_id": request_id,
+                "block_ids": list(block_ids),
+                "num_tokens": num_tokens,
+            }
+        )
+        return KVTransferParams.from_dict(reply["params"])
+
+    def stats(self) -> dict[str, Any]:
+        reply: dict[str, Any] = self.call({"op": "stats"})
+        return reply
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.call({"op": "exit"}, timeout=15)
+                self.proc.wait(timeout=15)
+            except (TimeoutError, EOFError, BrokenPipeError, OSError, subprocess.TimeoutExpired):
+                self.kill()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()
+
+    def wait_until(self, predicate: Any, timeout: float = 10.0) -> dict[str, Any]:
+        """Poll ``stats()`` until ``predicate(stats)`` holds; returns the last stats."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.stats()
+            if predicate(st) or time.monotonic() > deadline:
+                return st
+            time.sleep(0.02)
+
+
+if __name__ == "__main__":
+    _child(_read(sys.stdin.buffer))

@@ -1,0 +1,123 @@
+"""A pool's KV cache as the data plane sees it: whole blocks as contiguous byte ranges.
+
+    kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], contiguous
+
+so ``kv_cache[b : b + n]`` is one contiguous region of ``n * layout.bytes_per_block`` bytes that
+a transport sends or fills in place. ``KVPool.allocate(..., shared=True)`` puts the pool in a
+memfd that a same-host receiver maps read-only (the ``shm`` transport: one copy, pool to pool).
+A memfd has no name in /dev/shm, so a SIGKILLed sender leaks nothing: the memory goes away with
+the last process that maps it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import zlib
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from cluster.common.kv_layout import KVLayout
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class KVPool:
+    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, *, shm_path: str = "") -> None:
+        expected = layout.block_shape
+        if kv_cache.dim() != 6 or tuple(kv_cache.shape[1:]) != expected:
+            raise ValueError(
+                f"kv_cache: shape {tuple(kv_cache.shape)} does not match the layout "
+                f"[num_blocks, {', '.join(map(str, expected))}]"
+            )
+        if kv_cache.dtype != TORCH_DTYPES[layout.dtype]:
+            raise ValueError(f"kv_cache: dtype {kv_cache.dtype} but the layout says {layout.dtype}")
+        if not kv_cache.is_contiguous():
+            raise ValueError("kv_cache: must be contiguous (one block = one byte range)")
+        self.tensor = kv_cache
+        self.layout = layout
+        self.num_blocks = int(kv_cache.shape[0])
+        self.bytes_per_block = layout.bytes_per_block
+        self.shm_path = shm_path  # /proc/<pid>/fd/<n> of the memfd holding the pool, or ""
+        self._memfd = -1
+        # [num_blocks, bytes_per_block] uint8 over the same memory (CPU pools; the zmq and shm
+        # paths need host memory, torch_dist works on the tensor itself).
+        self.bytes: np.ndarray | None = None
+        if kv_cache.device.type == "cpu":
+            self.bytes = kv_cache.view(torch.uint8).view(self.num_blocks, -1).numpy()
+
+    @classmethod
+    def allocate(
+        cls, layout: KVLayout, num_blocks: int, *, shared: bool = False, device: str = "cpu"
+    ) -> KVPool:
+        """A zeroed pool; ``shared`` backs it with a memfd a same-host receiver can map."""
+        shape = (num_blocks, *layout.block_shape)
+        dtype = TORCH_DTYPES[layout.dtype]
+        if not shared:
+            return cls(torch.zeros(shape, dtype=dtype, device=device), layout)
+        if device != "cpu":
+            raise ValueError("a shared KV pool lives in host memory (device must be cpu)")
+        nbytes = num_blocks * layout.bytes_per_block
+        fd = os.memfd_create("pdserve-kv-pool", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)  # zero-filled
+            region = mmap.mmap(fd, nbytes)
+        except BaseException:
+            os.close(fd)
+            raise
+        tensor = torch.frombuffer(region, dtype=dtype).view(shape)
+        pool = cls(tensor, layout, shm_path=f"/proc/{os.getpid()}/fd/{fd}")
+        pool._memfd = fd
+        return pool
+
+    def check_range(self, start: int, count: int) -> bool:
+        return count >= 1 and start >= 0 and start + count <= self.num_blocks
+
+    def byte_view(self, start: int, count: int) -> np.ndarray:
+        """[count, bytes_per_block] uint8 view of blocks ``start .. start + count - 1``."""
+        assert self.bytes is not None, "byte views need a CPU pool"
+        return self.bytes[start : start + count]
+
+    def block_tensor(self, start: int, count: int) -> torch.Tensor:
+        # [count, num_layers, 2, block_size, num_kv_heads, head_dim], a view
+        return self.tensor[start : start + count]
+
+    def crc32(self, block_ids: Sequence[int]) -> list[int]:
+        """Per-block crc32 (integrity checks in tests and debugging)."""
+        assert self.bytes is not None
+        return [zlib.crc32(self.bytes[b]) for b in block_ids]
+
+    def close(self) -> None:
+        """Drop the memfd descriptor; the memory lives on while the tensor or a peer maps it."""
+        if self._memfd >= 0:
+            os.close(self._memfd)
+            self._memfd = -1
+            self.shm_path = ""
+
+
+class MappedPool:
+    """A same-host sender's shared pool, mapped read-only by a receiver (never written)."""
+
+    def __init__(self, path: str, num_blocks: int, bytes_per_block: int) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            if size != num_blocks * bytes_per_block:
+                raise ValueError(f"shared pool {path}: {size} bytes, expected {num_blocks} blocks")
+            self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        # [num_blocks, bytes_per_block] uint8, read-only
+        self.bytes: np.ndarray | None = np.frombuffer(self._map, dtype=np.uint8).reshape(
+            num_blocks, bytes_per_block
+        )
+        self.num_blocks = num_blocks
+
+    def close(self) -> None:
+        self.bytes = None
+        # A view may still be alive somewhere; then the GC unmaps it later.
+        with contextlib.suppress(BufferError):
+            self._map.close()

@@ -1,0 +1,418 @@
+"""The receiver's connection to one sender incarnation (endpoint, instance id, epoch).
+
+Owned by the receiver's I/O thread. States: HANDSHAKING -> READY, or FAILED (layout or version
+mismatch, a restarted peer, refused auth, no common transport): a failed connection fails its
+pulls with the reason and is replaced by a fresh one on the next pull.
+
+A pull's data is validated against its plan before any write into the destination blocks; a
+pull that fails stays "failing" until its transport confirms nothing can still write those
+blocks (torch_dist), and only then does the caller hear about it and may reuse them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from cluster.common.kv_layout import KVLayout
+from cluster.common.kv_messages import (
+    MAX_HEARTBEAT_IDS,
+    Abort,
+    Ack,
+    AckReply,
+    Chunk,
+    Heartbeat,
+    HeartbeatReply,
+    Hello,
+    HelloReply,
+    Message,
+    PullError,
+    PullRequest,
+    Ready,
+)
+from cluster.common.kv_wire import KVTransferError, KVTransferParams, Reason
+from cluster.common.kv_wire import TransferState as State
+from cluster.kv_transfer.plan import plan_frames
+from cluster.kv_transfer.security import secure_client_socket
+from cluster.kv_transfer.transports import TRANSPORTS
+from cluster.kv_transfer.transports.base import Completion, ReceiverSide, RecvPull
+from cluster.kv_transfer.transports.zmq_frames import Rejected
+from cluster.kv_transfer.wire import Inbound
+
+if TYPE_CHECKING:
+    from cluster.kv_transfer.receiver import KVReceiver
+
+logger = logging.getLogger(__name__)
+
+_MONITOR_EVENTS = (
+    zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+# The sender no longer holds these leases, or never did: no point telling it to free them.
+_NO_ABORT_REASONS = (
+    Reason.UNKNOWN_TRANSFER,
+    Reason.STALE_TRANSFER,
+    Reason.STALE_EPOCH,
+    Reason.NO_HANDSHAKE,
+)
+
+
+class PeerConnection:
+    HANDSHAKING, READY, FAILED = "handshaking", "ready", "failed"
+
+    def __init__(self, receiver: KVReceiver, params: KVTransferParams) -> None:
+        self.r = receiver
+        self.key = params.peer_key
+        cfg = receiver.config
+        use_ipc = cfg.ipc and params.ipc_endpoint and params.host_id == receiver.rctx.local.host_id
+        self.endpoint = params.ipc_endpoint if use_ipc else params.endpoint
+        self.pulls: dict[int, RecvPull] = {}  # in flight (sent), by pull id
+        self.waiting: list[RecvPull] = []  # admitted before the handshake finished
+        self.outbox: list[Message] = []  # control messages held until the handshake
+        self.backlog: list[Message] = []  # sent while no pipe was up (zmq.Again), in order
+        self.holds: dict[str, KVTransferParams] = {}  # leases to heartbeat, by transfer id
+        self.failing: list[tuple[RecvPull, Completion, str, str]] = []
+        self.last_active = receiver.clock()
+        self._open()
+
+    def _open(self) -> None:
+        """A fresh socket and handshake (at start, and after the connection dropped)."""
+        cfg, local = self.r.config, self.r.rctx.local
+        sock = self.r.zmq_ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTING_ID, self.r.next_routing_id())  # kept across reconnects
+        sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)  # >= MAX_HEADER_BYTES
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        ivl = int(min(cfg.heartbeat_s, 5.0) * 1000)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, ivl)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ivl)
+        secure_client_socket(sock, cfg)
+        self.monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
+        sock.connect(self.endpoint)
+        self.sock = sock
+        self.state = self.HANDSHAKING
+        self.reply: HelloReply | None = None
+        self.side: ReceiverSide | None = None
+        self.transport = ""
+        self.next_heartbeat = self.r.clock() + cfg.heartbeat_s
+        self.r.watch(self)
+        self._send(
+            Hello(
+                local.instance_id,
+                local.host_id,
+                local.pid,
+                self.r.pool.layout.to_dict(),  # type: ignore[arg-type]
+                tuple(cfg.transports),
+            )
+        )
+
+    def _reopen(self) -> None:
+        """The connection dropped (peer died, or zmq cut it for an oversized frame, which it
+        never redials): fail what was in flight, keep the holds, start over on a new socket."""
+        self.state = self.HANDSHAKING  # the aborts below wait for the new handshake
+        for pull in list(self.pulls.values()):
+            self.fail_pull(
+                pull,
+                Reason.PEER_DISCONNECTED,
+                "connection dropped mid-transfer (sender died, or a frame exceeded "
+                "transfer.max_message_bytes)",
+            )
+        self.outbox = [*self.backlog, *self.outbox]  # these go out after the new handshake
+        self.backlog = []
+        self.r.unwatch(self)
+        self._close_sockets()
+        self.r.stats_obj.inc("reconnects")
+        self._open()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.pulls or self.waiting or self.holds or self.failing)
+
+    # -- requests from the receiver (I/O thread) ----------------------------------------------
+
+    def add_pull(self, pull: RecvPull) -> None:
+        self.last_active = self.r.clock()
+        if self.state == self.READY:
+            self._start_pull(pull)
+        else:
+            self.waiting.append(pull)
+
+    def abort(self, transfer_id: str, reason: str) -> None:
+        self.holds.pop(transfer_id, None)
+        for pull in [*self.pulls.values(), *self.waiting]:
+            if pull.params.transfer_id == transfer_id:
+                self.fail_pull(pull, Reason.ABORTED, f"aborted here ({reason})")
+                return
+        self.send(Abort(transfer_id, 0, reason))
+
+    def send(self, msg: Message) -> None:
+        if self.state == self.READY:
+            self._send(msg)
+        else:
+            self.outbox.append(msg)
+
+    # -- inbound ------------------------------------------------------------------------------
+
+    def on_readable(self) -> None:
+        for _ in range(256):
+            try:
+                batch = self.r.wire.recv(self.sock)
+            except zmq.Again:
+                return
+            except KVTransferError as e:
+                self.r.stats_obj.rejected(e.reason)
+                if self.state == self.HANDSHAKING and e.reason == Reason.BAD_VERSION:
+                    self.fail(e.reason, f"the sender speaks another protocol ({e.detail})")
+                continue
+            for inbound in batch:
+                self._handle(inbound)
+
+    def on_monitor(self) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(self.monitor, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            kind = event["event"]
+            if kind == zmq.EVENT_DISCONNECTED:
+                self._reopen()
+                return  # the old monitor is closed
+            if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self.fail(Reason.BAD_AUTH, "the sender refused our CURVE key")
+            else:  # e.g. a peer dying mid-handshake, or wrong keys: zmq retries, pulls time out
+                self.r.stats_obj.inc("handshake_failures")
+
+    def _handle(self, inbound: Inbound) -> None:
+        msg = inbound.msg
+        self.last_active = self.r.clock()
+        if isinstance(msg, HelloReply):
+            self._on_hello_reply(msg)
+        elif self.state != self.READY:
+            self.r.stats_obj.rejected(Reason.UNEXPECTED)
+        elif isinstance(msg, Chunk | Ready):
+            self._on_data(inbound, msg.pull_id)
+        elif isinstance(msg, PullError):
+            pull = self.pulls.get(msg.pull_id)
+            if pull is None or pull.params.transfer_id != msg.transfer_id:
+                self.r.stats_obj.rejected(Reason.UNEXPECTED)
+                return
+            notify = msg.reason not in _NO_ABORT_REASONS
+            self.fail_pull(pull, msg.reason, f"refused by the sender: {msg.message}", notify)
+        elif isinstance(msg, AckReply):
+            pull = self.pulls.get(msg.pull_id)
+            if pull is None or not pull.confirming:
+                self.r.stats_obj.rejected(Reason.UNEXPECTED)
+            elif msg.ok:
+                self._complete(pull)
+            else:
+                reason = Reason.LEASE_EXPIRED
+                self.fail_pull(pull, reason, "the lease ended before the ack", notify=False)
+        elif isinstance(msg, HeartbeatReply):
+            for tid in msg.unknown:
+                if self.holds.pop(tid, None) is not None:
+                    self.r.mark_lost(tid, Reason.LEASE_EXPIRED, "the sender no longer holds it")
+        else:
+            self.r.stats_obj.rejected(Reason.UNEXPECTED)
+
+    def _on_hello_reply(self, msg: HelloReply) -> None:
+        if self.state != self.HANDSHAKING:
+            self.r.stats_obj.rejected(Reason.UNEXPECTED)
+            return
+        if not msg.ok:
+            self.fail(msg.reason or Reason.MALFORMED, f"handshake refused: {msg.message}")
+            return
+        if (msg.instance_id, msg.epoch) != self.key[1:]:
+            self.fail(
+                Reason.STALE_EPOCH,
+                f"{self.endpoint} is now instance {msg.instance_id} epoch {msg.epoch}, "
+                f"the handle names {self.key[1]} epoch {self.key[2]} (the sender restarted)",
+            )
+            return
+        try:
+            mismatch = self.r.pool.layout.mismatch(KVLayout(**msg.layout))  # type: ignore[arg-type]
+        except (TypeError, ValueError) as e:
+            mismatch = f"unreadable layout ({e})"
+        if mismatch is not None:
+            self.fail(Reason.LAYOUT_MISMATCH, f"KV layout differs: {mismatch}")
+            return
+        self.reply = msg
+        local, tried = self.r.rctx.local, []
+        for name in self.r.config.transports:
+            spec = TRANSPORTS[name]
+            if name not in msg.transports or not spec.pair_ok(local, msg):
+                continue
+            try:
+                self.side = spec.open_receiver(self.r.rctx, msg)
+            except KVTransferError as e:
+                tried.append(f"{name}: {e.detail}")
+                continue
+            self.transport = name
+            break
+        if self.side is None:
+            self.fail(
+                Reason.NO_TRANSPORT,
+                f"no common transport: this side {list(self.r.config.transports)}, sender "
+                f"{list(msg.transports)} {'; '.join(tried)}",
+            )
+            return
+        self.state = self.READY
+        self.r.stats_obj.inc(f"connections_{self.transport}")
+        for m in self.side.control_messages() + self.outbox:
+            self._send(m)
+        self.outbox = []
+        waiting, self.waiting = self.waiting, []
+        for pull in waiting:
+            self._start_pull(pull)
+
+    # -- pulls --------------------------------------------------------------------------------
+
+    def _start_pull(self, pull: RecvPull) -> None:
+        assert self.side is not None and self.reply is not None
+        self.pulls[pull.pull_id] = pull
+        if max(pull.src_ids) >= self.reply.num_blocks:
+            self.fail_pull(pull, Reason.BAD_BLOCKS, "source block ids outside the sender pool")
+            return
+        cfg = self.r.config
+        limit = min(cfg.frame_bytes, cfg.max_message_bytes, self.reply.max_frame_bytes)
+        bpb = self.r.pool.bytes_per_block
+        pull.plan = plan_frames(pull.src_ids, pull.dst_ids, bpb, limit)
+        for m in self.side.control_messages():
+            self._send(m)
+        self.holds.pop(pull.params.transfer_id, None)  # the pull itself keeps the lease now
+        p = pull.params
+        fields: dict[str, Any] = {"dist_generation": 0, **self.side.pull_fields()}
+        request = PullRequest(
+            pull_id=pull.pull_id,
+            transfer_id=p.transfer_id,
+            request_id=p.request_id,
+            epoch=p.epoch,
+            transport=self.transport,
+            frames=pull.plan.wire_frames(),
+            checksum=pull.checksum,
+            **fields,
+        )
+        pull.transport = self.transport
+        pull.state = State.TRANSFERRING
+        self._send(request)
+
+    def _on_data(self, inbound: Inbound, pull_id: int) -> None:
+        pull = self.pulls.get(pull_id)
+        if pull is None or pull.state is not State.TRANSFERRING or pull.confirming:
+            self.r.stats_obj.rejected(Reason.UNEXPECTED)  # e.g. late frames of a failed pull
+            return
+        assert self.side is not None
+        try:
+            landed = self.side.on_data(pull, inbound)
+        except Rejected as e:
+            self.r.stats_obj.rejected(e.reason)
+            return
+        except KVTransferError as e:
+            self.r.stats_obj.rejected(e.reason)
+            self.fail_pull(pull, e.reason, e.detail)
+            return
+        if landed:
+            self._landed(pull)
+
+    def _landed(self, pull: RecvPull) -> None:
+        self._send(Ack(pull.pull_id, pull.params.transfer_id))
+        if TRANSPORTS[self.transport].needs_confirm:
+            pull.confirming = True
+        else:
+            self._complete(pull)
+
+    def _complete(self, pull: RecvPull) -> None:
+        del self.pulls[pull.pull_id]
+        pull.state = State.DONE
+        self.r.finish_ok(pull)
+
+    def fail_pull(self, pull: RecvPull, reason: str, message: str, notify: bool = True) -> None:
+        if pull.state in (State.DONE, State.FAILED):
+            return
+        pull.state = State.FAILED
+        self.pulls.pop(pull.pull_id, None)
+        if pull in self.waiting:
+            self.waiting.remove(pull)
+        done = self.side.abort(pull) if self.side is not None else Completion()
+        if notify:
+            self.send(Abort(pull.params.transfer_id, pull.pull_id, reason))
+        self.failing.append((pull, done, reason, message))
+
+    def fail(self, reason: str, message: str) -> None:
+        """The whole connection is unusable: fail everything on it."""
+        self.state = self.FAILED
+        for pull in [*self.pulls.values(), *self.waiting]:
+            self.fail_pull(pull, reason, message, notify=False)
+        for tid in self.holds:
+            self.r.mark_lost(tid, reason, message)
+        self.holds.clear()
+
+    # -- time ---------------------------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        self._flush_backlog()
+        timeout = self.r.config.transfer_timeout_s
+        for pull in [*self.pulls.values(), *self.waiting]:
+            if now >= pull.deadline:
+                self.fail_pull(pull, Reason.TIMEOUT, f"no complete transfer within {timeout} s")
+            elif pull.state is State.TRANSFERRING and self.side is not None:
+                try:
+                    landed = self.side.poll(pull)
+                except KVTransferError as e:
+                    self.fail_pull(pull, e.reason, e.detail)
+                    continue
+                if landed:
+                    self._landed(pull)
+        still = []
+        for pull, done, reason, message in self.failing:
+            if done.done():
+                self.r.finish_failed(pull, reason, message)
+            else:
+                still.append((pull, done, reason, message))
+        self.failing = still
+        if self.state == self.READY and self.holds and now >= self.next_heartbeat:
+            self.next_heartbeat = now + self.r.config.heartbeat_s
+            ids = list(self.holds)
+            for i in range(0, len(ids), MAX_HEARTBEAT_IDS):
+                self._send(Heartbeat(tuple(ids[i : i + MAX_HEARTBEAT_IDS])))
+            self.r.stats_obj.inc("heartbeats_sent")
+
+    def _send(self, msg: Message) -> None:
+        if self.backlog:
+            self.backlog.append(msg)  # keep the order
+            return
+        try:
+            self.r.wire.send(self.sock, msg)
+        except zmq.Again:  # no live pipe right now (reconnecting): retry on the next tick
+            self.backlog.append(msg)
+        except zmq.ZMQError as e:
+            logger.debug("kv-receiver: cannot send %s: %s", msg.TAG, e)
+
+    def _flush_backlog(self) -> None:
+        while self.backlog:
+            try:
+                self.r.wire.send(self.sock, self.backlog[0])
+            except zmq.Again:
+                return
+            except zmq.ZMQError as e:
+                logger.debug("kv-receiver: dropping %s: %s", self.backlog[0].TAG, e)
+            self.backlog.pop(0)
+
+    def close(self) -> None:
+        self.r.unwatch(self)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        if self.side is not None:
+            self.side.close()
+            self.side = None
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)

@@ -1,0 +1,343 @@
+"""Prefill side of the data plane: hold finished prefills' blocks under leases, serve pulls.
+
+Lifecycle (one ``KVSender`` per prefill replica):
+  1. ``start()`` binds one ROUTER socket (tcp on ``bind_host``, port 0, plus ipc when enabled)
+     and starts the serving thread ``kv-sender``; ``endpoint`` is the real address.
+  2. ``register(request_id, block_ids, num_tokens=...)`` (any thread) leases the blocks and
+     returns the ``KVTransferParams`` handle to give the decode side. The caller keeps the blocks
+     referenced in its engine until the release callback names the request.
+  3. A receiver handshakes (layout, version, transports), heartbeats the lease while it waits,
+     pulls the blocks it lacks and acks.
+  4. ``on_release(request_id, reason)`` fires exactly once per lease, ON THE ``kv-sender``
+     THREAD, with reason ``acked | expired | aborted | peer_aborted | closed``, and never while a
+     transport may still read the blocks. The server core should only enqueue
+     ``engine.release(request_id)`` for its engine thread there (the callback must not block).
+  5. ``abort(request_id)`` (any thread) ends a lease early; ``close()`` releases what is left.
+
+The serving thread reads ``kv_cache[b]`` of leased blocks while the engine thread writes other
+blocks: leased blocks are never written, so no lock is shared with the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import zmq
+
+from cluster.common.faults import FaultPoints
+from cluster.common.kv_messages import MAX_HEADER_BYTES, Message
+from cluster.common.kv_wire import KVTransferError, KVTransferParams, Reason
+from cluster.config import TransferConfig
+from cluster.kv_transfer.commands import CommandQueue
+from cluster.kv_transfer.faulty import Buffer, FaultyTransport
+from cluster.kv_transfer.leases import Lease, LeaseState, LeaseTable
+from cluster.kv_transfer.pool import KVPool
+from cluster.kv_transfer.security import (
+    HeaderSigner,
+    check_auth_config,
+    host_id,
+    secure_server_socket,
+    start_server_auth,
+)
+from cluster.kv_transfer.sender_handlers import SenderHandlers
+from cluster.kv_transfer.stats import TransferStats
+from cluster.kv_transfer.transports import TRANSPORTS
+from cluster.kv_transfer.transports.base import Completion, PeerInfo, SenderContext
+from cluster.kv_transfer.transports.direct import LOCAL_POOLS
+from cluster.kv_transfer.wire import InboundError, Wire
+
+logger = logging.getLogger(__name__)
+
+ReleaseCallback = Callable[[str, str], None]  # (request_id, reason)
+_TICK_S = 0.05  # reaper / completion polling period of the serving thread
+
+
+class ReleaseReason:
+    ACKED = "acked"
+    EXPIRED = "expired"
+    ABORTED = "aborted"
+    PEER_ABORTED = "peer_aborted"
+    CLOSED = "closed"
+
+
+class KVSender:
+    def __init__(
+        self,
+        config: TransferConfig,
+        pool: KVPool,
+        *,
+        on_release: ReleaseCallback,
+        instance_id: str | None = None,
+        epoch: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+        fault_points: FaultPoints | None = None,
+        faults: FaultyTransport | None = None,
+    ) -> None:
+        check_auth_config(config)
+        self.config = config
+        self.pool = pool
+        self.instance_id = instance_id or uuid.uuid4().hex
+        self.epoch = epoch
+        self.clock = clock
+        self.endpoint = ""
+        self.ipc_endpoint = ""
+        self._on_release = on_release
+        self._stats = TransferStats()
+        self._leases = LeaseTable(config.lease_s, clock)
+        self._lock = threading.Lock()  # guards the lease table (register runs on callers)
+        self._pending: dict[str, Completion] = {}  # transfer_id -> reads still in flight
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._commands = CommandQueue()
+        self._ipc_path = ""
+        self._zmq: zmq.Context[Any] = zmq.Context(io_threads=1)
+        self._sock: zmq.Socket[Any] = self._zmq.socket(zmq.ROUTER)
+        self._auth: Any = None
+        self._wire = Wire(HeaderSigner.from_config(config), router=True, faults=faults)
+        self._ctx = SenderContext(
+            pool=pool,
+            config=config,
+            local=PeerInfo(self.instance_id, host_id(), os.getpid()),
+            send=self._send,
+            fault_points=fault_points or FaultPoints(),
+            stats=self._stats,
+        )
+        self._handlers = SenderHandlers(self)
+
+    # -- caller API (any thread) --------------------------------------------------------------
+
+    def start(self) -> str:
+        sock, cfg = self._sock, self.config
+        self._auth = start_server_auth(self._zmq, cfg)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable replies raise, never vanish
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting receiver keeps its identity
+        sock.setsockopt(zmq.SNDHWM, 0)  # zero-copy frames queue by reference, not by copy
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_HEADER_BYTES)  # receivers send headers only
+        ivl = int(min(cfg.heartbeat_s, 5.0) * 1000)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, ivl)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ivl)
+        secure_server_socket(sock, cfg)
+        sock.bind(f"tcp://{cfg.bind_host}:0")
+        port = sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
+        self.endpoint = f"tcp://{_advertise_host(cfg)}:{port}"
+        if cfg.ipc:
+            self._ipc_path = os.path.join(
+                tempfile.gettempdir(), f"pdserve-kv-{self.instance_id[:16]}-{os.getpid()}.sock"
+            )
+            sock.bind(f"ipc://{self._ipc_path}")
+            self.ipc_endpoint = f"ipc://{self._ipc_path}"
+        if "torch_dist" in cfg.transports:
+            from cluster.kv_transfer.transports.rendezvous import start_store
+
+            self._ctx.dist_store = start_store(cfg)
+        if "loopback" in cfg.transports:
+            LOCAL_POOLS[self.instance_id] = self.pool
+        self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
+        self._thread.start()
+        return self.endpoint
+
+    def register(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        *,
+        num_tokens: int,
+        block_hashes: Sequence[int] = (),
+    ) -> KVTransferParams:
+        """Lease ``block_ids`` (source pool ids, prompt order) for ``request_id``'s pull."""
+        ids = tuple(int(b) for b in block_ids)
+        if not ids or len(set(ids)) != len(ids):
+            raise ValueError("block_ids: must be non-empty and unique")
+        if not all(0 <= b < self.pool.num_blocks for b in ids):
+            raise ValueError(f"block_ids: outside the pool of {self.pool.num_blocks} blocks")
+        if -(-num_tokens // self.pool.layout.block_size) > len(ids):
+            raise ValueError(f"num_tokens: {num_tokens} tokens need more than {len(ids)} blocks")
+        transfer_id = uuid.uuid4().hex
+        params = KVTransferParams(
+            request_id=request_id,
+            transfer_id=transfer_id,
+            endpoint=self.endpoint,
+            ipc_endpoint=self.ipc_endpoint,
+            instance_id=self.instance_id,
+            epoch=self.epoch,
+            host_id=self._ctx.local.host_id,
+            block_ids=ids,
+            block_hashes=tuple(block_hashes),
+            num_tokens=num_tokens,
+            layout=self.pool.layout.to_dict(),  # type: ignore[arg-type]
+        )
+        with self._lock:
+            self._leases.add(request_id, transfer_id, ids)
+            self._stats.set_gauge("leases_active", len(self._leases))
+        self._stats.inc("leases_registered")
+        return params
+
+    def abort(self, request_id: str, reason: str = ReleaseReason.ABORTED) -> bool:
+        """End ``request_id``'s lease; True if it had one. The release callback follows."""
+        with self._lock:
+            lease = self._leases.by_request(request_id)
+        if lease is None:
+            return False
+        self._commands.call_soon(lambda: self.end_lease(lease, reason))
+        return True
+
+    @property
+    def num_active_leases(self) -> int:
+        with self._lock:
+            return len(self._leases)
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stats(self) -> dict[str, Any]:
+        return self._stats.snapshot()
+
+    def close(self) -> None:
+        """Stop serving; leases still held are released with reason ``closed``."""
+        self._stopping = True
+        self._commands.wake()
+        if self._thread is not None:
+            self._thread.join(timeout=10.0)
+        else:
+            self._shutdown()
+
+    # -- serving thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._commands.fileno(), zmq.POLLIN)
+        next_reap = 0.0
+        while not self._stopping:
+            try:
+                events = dict(poller.poll(int(_TICK_S * 1000)))
+                if self._sock in events:
+                    self._drain_socket()
+                self._commands.run_pending()
+                self._poll_pending()
+                if time.monotonic() >= next_reap:
+                    next_reap = time.monotonic() + _TICK_S
+                    for lease in self._expired():
+                        self.end_lease(lease, ReleaseReason.EXPIRED)
+            except Exception:  # the serving thread must outlive any one bad message or bug
+                logger.exception("kv-sender: unexpected error; still serving")
+                self._stats.inc("internal_errors")
+        self._shutdown()
+
+    def _drain_socket(self) -> None:
+        for _ in range(256):  # bounded, so commands and the reaper still get their turn
+            try:
+                batch = self._wire.recv(self._sock)
+            except zmq.Again:
+                return
+            except KVTransferError as e:
+                self._stats.rejected(e.reason)
+                if isinstance(e, InboundError) and e.reason == Reason.BAD_VERSION:
+                    self._handlers.refuse_version(e.identity, e.detail)  # fail fast, K9
+                continue
+            for inbound in batch:
+                self._handlers.handle(inbound)
+
+    def _expired(self) -> list[Lease]:
+        with self._lock:
+            return self._leases.expired()
+
+    def _poll_pending(self) -> None:
+        for transfer_id, done in list(self._pending.items()):
+            if not done.done():
+                continue
+            del self._pending[transfer_id]
+            if not done.ok:
+                self._stats.failed(done.reason or "transport_error")
+            with self._lock:
+                lease = self._leases.get(transfer_id)
+            if lease is None:
+                continue
+            if lease.state is LeaseState.DRAINING:
+                self._release(lease, lease.end_reason)
+            elif lease.state is LeaseState.SENDING:
+                lease.state = LeaseState.SENT
+                with self._lock:
+                    self._leases.renew(transfer_id)  # the ack is due within one lease
+
+    def end_lease(self, lease: Lease, reason: str) -> None:
+        """Release now, or once the lease's in-flight reads finish (serving thread)."""
+        with self._lock:
+            if self._leases.get(lease.transfer_id) is not lease:
+                return  # already released
+            if lease.transfer_id in self._pending:
+                if lease.state is not LeaseState.DRAINING:
+                    lease.state, lease.end_reason = LeaseState.DRAINING, reason
+                return
+        self._release(lease, reason)
+
+    def _release(self, lease: Lease, reason: str) -> None:
+        with self._lock:
+            self._leases.remove(lease.transfer_id)
+            self._stats.set_gauge("leases_active", len(self._leases))
+        self._stats.inc("leases_released")
+        self._stats.inc(f"leases_{reason}")
+        try:
+            self._on_release(lease.request_id, reason)
+        except Exception:
+            logger.exception("kv-sender: release callback raised for %s", lease.request_id)
+
+    def track(self, transfer_id: str, done: Completion) -> None:
+        self._pending[transfer_id] = done
+
+    def lease_for(self, transfer_id: str) -> Lease | None:
+        with self._lock:
+            return self._leases.get(transfer_id)
+
+    def lease_is_finished(self, transfer_id: str) -> bool:
+        with self._lock:
+            return self._leases.is_finished(transfer_id)
+
+    def renew(self, transfer_id: str) -> bool:
+        with self._lock:
+            return self._leases.renew(transfer_id)
+
+    def _send(
+        self, identity: bytes, msg: Message, frames: Sequence[Buffer], track: bool
+    ) -> list[zmq.MessageTracker]:
+        return self._wire.send(self._sock, msg, frames, identity=identity, track=track)
+
+    def _shutdown(self) -> None:
+        self._handlers.close()
+        self._sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+        self._zmq.term()  # drops queued frames: no transport reads the pool after this
+        if self._ctx.dist_store is not None:
+            self._ctx.dist_store.close()
+            self._ctx.dist_store = None
+        LOCAL_POOLS.pop(self.instance_id, None)
+        if self._ipc_path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._ipc_path)
+        self._pending.clear()
+        self._commands.run_pending()
+        for lease in list(self._leases):
+            self._release(lease, ReleaseReason.CLOSED)
+        self._commands.close()
+
+
+def _advertise_host(config: TransferConfig) -> str:
+    if config.advertise_host:
+        return config.advertise_host
+    if config.bind_host in ("0.0.0.0", "::", "*"):
+        return socket.gethostbyname(socket.gethostname())
+    return config.bind_host
+
+
+__all__ = ["TRANSPORTS", "KVSender", "ReleaseCallback", "ReleaseReason"]

@@ -1,0 +1,251 @@
+"""The sender's side of the conversation: one handler per message, on the serving thread.
+
+Every request is validated before it touches a lease or the pool; a refusal is counted by reason
+(``rejected``) and, where the peer waits for an answer, answered with the reason. Nothing a peer
+sends can end the serving thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from cluster.common.kv_layout import KVLayout
+from cluster.common.kv_messages import (
+    Abort,
+    Ack,
+    AckReply,
+    DistSetup,
+    Heartbeat,
+    HeartbeatReply,
+    Hello,
+    HelloReply,
+    Message,
+    PullError,
+    PullRequest,
+)
+from cluster.common.kv_wire import KVTransferError, Reason
+from cluster.kv_transfer.leases import LeaseState
+from cluster.kv_transfer.plan import check_source_frames
+from cluster.kv_transfer.transports import TRANSPORTS
+from cluster.kv_transfer.transports.base import PeerInfo, SenderSide, ServeJob
+from cluster.kv_transfer.wire import Inbound
+
+if TYPE_CHECKING:
+    from cluster.kv_transfer.sender import KVSender
+
+logger = logging.getLogger(__name__)
+_MAX_PEERS = 1024
+
+
+@dataclass
+class _Peer:
+    info: PeerInfo
+    sides: dict[str, SenderSide] = field(default_factory=dict)
+    transports: dict[str, str] = field(default_factory=dict)  # transfer_id -> transport used
+
+
+class SenderHandlers:
+    def __init__(self, sender: KVSender) -> None:
+        self.sender = sender
+        self.ctx = sender._ctx
+        self.stats = sender._stats
+        self.peers: OrderedDict[bytes, _Peer] = OrderedDict()  # routing id -> handshaken peer
+
+    def handle(self, inbound: Inbound) -> None:
+        msg = inbound.msg
+        if isinstance(msg, Hello):
+            self._hello(inbound.identity, msg)
+            return
+        peer = self.peers.get(inbound.identity)
+        if peer is None:
+            self.stats.rejected(Reason.NO_HANDSHAKE)
+            if isinstance(msg, PullRequest):
+                self._refuse(inbound.identity, msg, Reason.NO_HANDSHAKE, "handshake first")
+            return
+        self.peers.move_to_end(inbound.identity)
+        if isinstance(msg, PullRequest):
+            self._pull(inbound.identity, peer, msg)
+        elif isinstance(msg, Heartbeat):
+            self._heartbeat(inbound.identity, msg)
+        elif isinstance(msg, Ack):
+            self._ack(inbound.identity, peer, msg)
+        elif isinstance(msg, Abort):
+            self._abort(inbound.identity, peer, msg)
+        elif isinstance(msg, DistSetup):
+            try:
+                self._side(peer, "torch_dist").on_setup(msg.generation)
+            except KVTransferError as e:
+                self.stats.rejected(e.reason)
+        else:
+            self.stats.rejected(Reason.UNEXPECTED)
+
+    # -- handshake ----------------------------------------------------------------------------
+
+    def _hello(self, identity: bytes, msg: Hello) -> None:
+        mine = self.ctx.pool.layout
+        try:
+            theirs = KVLayout(**msg.layout)  # type: ignore[arg-type]
+            mismatch = mine.mismatch(theirs)
+        except (TypeError, ValueError) as e:
+            mismatch = f"unreadable layout ({e})"
+        if mismatch is not None:
+            self.stats.rejected(Reason.LAYOUT_MISMATCH)
+            self._send(identity, self._hello_reply(False, Reason.LAYOUT_MISMATCH, mismatch))
+            return
+        if len(self.peers) >= _MAX_PEERS and identity not in self.peers:
+            _, old = self.peers.popitem(last=False)
+            for side in old.sides.values():
+                side.close()
+        self.peers[identity] = _Peer(PeerInfo(msg.instance_id, msg.host_id, msg.pid))
+        self.stats.inc("handshakes")
+        self._send(identity, self._hello_reply(True, "", ""))
+
+    def refuse_version(self, identity: bytes, detail: str) -> None:
+        """Answer a message of another protocol version in ours: the peer fails its handshake."""
+        if identity:
+            self._send(identity, self._hello_reply(False, Reason.BAD_VERSION, detail))
+
+    def _hello_reply(self, ok: bool, reason: str, message: str) -> HelloReply:
+        ctx, sender = self.ctx, self.sender
+        offered = tuple(n for n in ctx.config.transports if TRANSPORTS[n].offered(ctx))
+        store = ctx.dist_store
+        return HelloReply(
+            ok=ok,
+            reason=reason,
+            message=message,
+            instance_id=sender.instance_id,
+            epoch=sender.epoch,
+            host_id=ctx.local.host_id,
+            pid=ctx.local.pid,
+            layout=ctx.pool.layout.to_dict(),  # type: ignore[arg-type]
+            transports=offered,
+            num_blocks=ctx.pool.num_blocks,
+            shm_name=ctx.pool.shm_path,
+            dist_store=store.address if store is not None else "",
+            max_frame_bytes=min(ctx.config.frame_bytes, ctx.config.max_message_bytes),
+        )
+
+    # -- pulls --------------------------------------------------------------------------------
+
+    def _pull(self, identity: bytes, peer: _Peer, msg: PullRequest) -> None:
+        sender = self.sender
+        lease = sender.lease_for(msg.transfer_id)
+        if lease is not None and (lease.peer, lease.pull_id) == (identity, msg.pull_id):
+            # A replay of the pull being served (K5): drop it without an answer, which the
+            # receiver would take as the failure of its pull.
+            self.stats.rejected(Reason.DUPLICATE)
+            return
+        try:
+            lease = self._check_pull(msg)
+            side = self._side(peer, msg.transport)
+            side.check_pull(msg)
+        except KVTransferError as e:
+            self.stats.rejected(e.reason)
+            self._refuse(identity, msg, e.reason, e.detail)
+            return
+        lease.state, lease.pull_id, lease.peer = LeaseState.SENDING, msg.pull_id, identity
+        sender.renew(lease.transfer_id)
+        peer.transports[lease.transfer_id] = msg.transport
+        job = ServeJob(identity, msg, msg.frames)
+        try:
+            done = side.serve(job)
+        except zmq.ZMQError as e:  # e.g. the peer vanished (ROUTER_MANDATORY)
+            lease.state = LeaseState.SENT
+            self.stats.failed(Reason.PEER_DISCONNECTED)
+            logger.info("kv-sender: pull %s: %s", lease.request_id, e)
+            return
+        sender.track(lease.transfer_id, done)
+        num_blocks = sum(n for frame in msg.frames for _, n in frame)
+        self.stats.inc("pulls_served")
+        self.stats.inc("blocks_sent", num_blocks)
+        self.stats.inc("bytes_sent", num_blocks * self.ctx.pool.bytes_per_block)
+
+    def _check_pull(self, msg: PullRequest) -> Any:
+        sender = self.sender
+        if msg.epoch != sender.epoch:
+            raise KVTransferError(Reason.STALE_EPOCH, f"epoch {msg.epoch}, this is {sender.epoch}")
+        if msg.transport not in TRANSPORTS or not TRANSPORTS[msg.transport].offered(self.ctx):
+            raise KVTransferError(Reason.NO_TRANSPORT, f"{msg.transport!r} is not offered")
+        lease = sender.lease_for(msg.transfer_id)
+        if lease is None or lease.request_id != msg.request_id:
+            if sender.lease_is_finished(msg.transfer_id):
+                raise KVTransferError(Reason.STALE_TRANSFER, "this transfer already ended")
+            raise KVTransferError(Reason.UNKNOWN_TRANSFER, "no such lease (expired or never)")
+        if lease.state is not LeaseState.LEASED:
+            raise KVTransferError(Reason.DUPLICATE, f"lease is {lease.state.value}")
+        pool = self.ctx.pool
+        check_source_frames(
+            msg.frames,
+            frozenset(lease.block_ids),
+            pool.num_blocks,
+            pool.bytes_per_block,
+            self.ctx.config.max_message_bytes,
+        )
+        return lease
+
+    def _refuse(self, identity: bytes, msg: PullRequest, reason: str, message: str) -> None:
+        self._send(identity, PullError(msg.pull_id, msg.transfer_id, reason, message[:500]))
+
+    # -- lease messages -----------------------------------------------------------------------
+
+    def _heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
+        unknown = tuple(tid for tid in msg.transfer_ids if not self.sender.renew(tid))
+        self.stats.inc("heartbeats_received")
+        self._send(identity, HeartbeatReply(unknown))
+
+    def _ack(self, identity: bytes, peer: _Peer, msg: Ack) -> None:
+        lease = self.sender.lease_for(msg.transfer_id)
+        transport = peer.transports.pop(msg.transfer_id, "")
+        valid = (
+            lease is not None
+            and lease.peer == identity
+            and lease.pull_id == msg.pull_id
+            and lease.state in (LeaseState.SENDING, LeaseState.SENT)
+        )
+        if not valid:
+            self.stats.rejected(Reason.STALE_ACK)
+            self._send(identity, AckReply(msg.pull_id, False, Reason.STALE_ACK))
+            return
+        assert lease is not None
+        if transport and TRANSPORTS[transport].needs_confirm:  # the receiver waits for this
+            self._send(identity, AckReply(msg.pull_id, True, ""))
+        self.sender.end_lease(lease, "acked")
+
+    def _abort(self, identity: bytes, peer: _Peer, msg: Abort) -> None:
+        lease = self.sender.lease_for(msg.transfer_id)
+        if lease is None:
+            self.stats.rejected(Reason.UNKNOWN_TRANSFER)
+            return
+        transport = peer.transports.pop(msg.transfer_id, "")
+        side = peer.sides.get(transport)
+        if side is not None and msg.transfer_id in self.sender._pending:
+            side.abort_pull(msg.pull_id)
+        self.sender.end_lease(lease, "peer_aborted")
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _side(self, peer: _Peer, name: str) -> SenderSide:
+        side = peer.sides.get(name)
+        if side is None:
+            if name not in TRANSPORTS or not TRANSPORTS[name].offered(self.ctx):
+                raise KVTransferError(Reason.NO_TRANSPORT, f"{name!r} is not offered")
+            side = TRANSPORTS[name].open_sender(self.ctx, peer.info)
+            peer.sides[name] = side
+        return side
+
+    def _send(self, identity: bytes, msg: Message) -> None:
+        try:
+            self.ctx.send(identity, msg, [], False)
+        except zmq.ZMQError as e:  # the peer is gone; nothing to answer
+            logger.debug("kv-sender: cannot answer %s: %s", msg.TAG, e)
+
+    def close(self) -> None:
+        for peer in self.peers.values():
+            for side in peer.sides.values():
+                side.close()
+        self.peers.clear()

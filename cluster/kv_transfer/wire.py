@@ -1,0 +1,111 @@
+"""Framing on a transfer socket: ``[identity] [mac] header *frames`` in, typed messages out.
+
+Every inbound message is checked here before anyone acts on it: the part count, the header size
+(before it is even copied out of zmq's buffer), the MAC in hmac mode, then the header schema
+and protocol version (``kv_messages.decode``). Raw frames stay zmq frames (zero-copy) until a
+transport has validated their count and lengths against its plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from cluster.common.kv_messages import MAX_HEADER_BYTES, Message, decode, encode
+from cluster.common.kv_wire import KVTransferError, Reason
+from cluster.kv_transfer.faulty import Buffer, FaultyTransport
+from cluster.kv_transfer.security import MAC_BYTES, HeaderSigner
+
+
+class InboundError(KVTransferError):
+    """A refused inbound message, with the routing id of who sent it (when known)."""
+
+    def __init__(self, reason: str, message: str, identity: bytes) -> None:
+        super().__init__(reason, message)
+        self.identity = identity
+
+
+@dataclass(slots=True)
+class Inbound:
+    identity: bytes  # the peer's routing id on a ROUTER socket, b"" on a DEALER
+    msg: Message
+    frames: list[Buffer]  # raw payload frames after the header
+
+
+class Wire:
+    def __init__(
+        self, signer: HeaderSigner, *, router: bool, faults: FaultyTransport | None = None
+    ) -> None:
+        self.signer = signer
+        self.router = router
+        self.faults = faults
+
+    def send(
+        self,
+        sock: zmq.Socket[Any],
+        msg: Message,
+        frames: Sequence[Buffer] = (),
+        *,
+        identity: bytes = b"",
+        track: bool = False,
+    ) -> list[zmq.MessageTracker]:
+        """Send one message (non-blocking; large frames zero-copy).
+
+        With ``track``, returns one tracker per payload frame: the frame's memory may be
+        reused only once every tracker is done (zmq has handed the bytes to the kernel).
+        """
+        header = encode(msg)
+        prefix: list[Buffer] = [identity] if self.router else []
+        if self.signer.enabled:
+            prefix.append(self.signer.sign(header))
+        prefix.append(header)
+        variants = [list(frames)]
+        if self.faults is not None:
+            variants = self.faults.apply("send", msg.TAG, variants[0])
+        trackers: list[zmq.MessageTracker] = []
+        for variant in variants:
+            parts = prefix + variant
+            last = len(parts) - 1
+            for i, part in enumerate(parts):
+                flags = zmq.NOBLOCK | (zmq.SNDMORE if i < last else 0)
+                if track and i >= len(prefix):
+                    trackers.append(sock.send(part, flags=flags, copy=False, track=True))
+                else:
+                    sock.send(part, flags=flags, copy=False)
+        return trackers
+
+    def recv(self, sock: zmq.Socket[Any]) -> list[Inbound]:
+        """One message off the socket (non-blocking), or ``KVTransferError`` with a reason.
+
+        Usually one ``Inbound``; a fault rule may turn it into none or several.
+        """
+        parts: list[zmq.Frame] = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+        identity = b""
+        if self.router:
+            identity = parts[0].bytes
+            parts = parts[1:]
+        if self.signer.enabled:
+            if len(parts) < 2 or len(parts[0]) != MAC_BYTES or len(parts[1]) > MAX_HEADER_BYTES:
+                raise KVTransferError(Reason.BAD_AUTH, "missing or malformed MAC frame")
+            header = parts[1].bytes
+            if not self.signer.verify(parts[0].bytes, header):
+                raise KVTransferError(Reason.BAD_AUTH, "header MAC does not verify")
+            payload = parts[2:]
+        else:
+            if not parts:
+                raise KVTransferError(Reason.MALFORMED, "empty message")
+            if len(parts[0]) > MAX_HEADER_BYTES:
+                raise KVTransferError(Reason.OVERSIZED, f"header of {len(parts[0])} bytes")
+            header = parts[0].bytes
+            payload = parts[1:]
+        try:
+            msg = decode(header)
+        except KVTransferError as e:
+            raise InboundError(e.reason, e.detail, identity) from None
+        frames: list[Buffer] = list(payload)
+        if self.faults is None:
+            return [Inbound(identity, msg, frames)]
+        return [Inbound(identity, msg, f) for f in self.faults.apply("recv", msg.TAG, frames)]
