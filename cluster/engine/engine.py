@@ -42,6 +42,10 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    # Monotonic timestamps (this process's clock): arrival, first scheduled, first token.
+    arrival_time: float = 0.0
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
 
 
 @dataclass(slots=True)
@@ -211,8 +215,6 @@ class LLMEngine:
             req = self.requests[rid]
             lp = result.logprobs[i] if result.logprobs is not None else None
             top = result.top_logprobs[i] if result.top_logprobs is not None else None
-            if req.first_token_time is None:
-                req.first_token_time = time.monotonic()
             outputs.append(self._append_token(req, result.token_ids[i], lp, top))
         self.counters.num_steps += 1
         self.counters.step_times.append(time.perf_counter() - t0)
@@ -228,6 +230,8 @@ class LLMEngine:
         top: list[tuple[int, float]] | None,
     ) -> RequestOutput:
         p = req.params
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
         req.output_token_ids.append(token_id)
         if logprob is not None and p.logprobs is not None:
             req.output_logprobs.append(logprob)
@@ -266,6 +270,9 @@ class LLMEngine:
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens,
+            arrival_time=req.arrival_time,
+            scheduled_time=req.scheduled_time,
+            first_token_time=req.first_token_time,
         )
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
@@ -287,6 +294,9 @@ class LLMEngine:
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens,
             error=req.error,
+            arrival_time=req.arrival_time,
+            scheduled_time=req.scheduled_time,
+            first_token_time=req.first_token_time,
         )
 
     # -- introspection ------------------------------------------------------------------------

@@ -18,7 +18,13 @@ from cluster.common.kv_layout import KVLayout
 from cluster.common.model_paths import model_limits
 from cluster.common.tokenizer import FakeTokenizer
 from cluster.config import ClusterConfig
-from cluster.engine.model_runner import RunnerOutput, num_kv_blocks, set_torch_threads
+from cluster.engine.model_runner import (
+    KVAllocator,
+    RunnerOutput,
+    default_kv_allocator,
+    num_kv_blocks,
+    set_torch_threads,
+)
 from cluster.engine.sampler import draw_seed
 from cluster.engine.scheduler import ScheduledBatch
 
@@ -26,7 +32,9 @@ _MOD = 2039  # KV values are integers below this: exact in fp16
 
 
 class FakeModelRunner:
-    def __init__(self, config: ClusterConfig) -> None:
+    def __init__(
+        self, config: ClusterConfig, kv_allocator: KVAllocator = default_kv_allocator
+    ) -> None:
         set_torch_threads(config)
         fm = config.testing.fake_model
         self.fm = fm
@@ -44,8 +52,7 @@ class FakeModelRunner:
             head_dim=fm.head_dim,
         )
         self.num_blocks = num_kv_blocks(config, self.layout.bytes_per_block, self.device)
-        shape = (self.num_blocks, fm.num_layers, 2, self.block_size, fm.num_kv_heads, fm.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=torch.float16)
+        self.kv_cache = kv_allocator(self.layout, self.num_blocks, self.device)
         # Per-element offset of (layer, k/v, head, dim): [L, 2, H, D]
         lg = torch.arange(fm.num_layers).view(-1, 1, 1, 1) * 17
         jg = torch.arange(2).view(1, -1, 1, 1) * 7

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from cluster.common.kv_layout import KVLayout
-from cluster.common.model_paths import require_model_dir
+from cluster.common.model_paths import model_name, require_model_dir
 from cluster.common.tokenizer import Tokenizer
 from cluster.config import ClusterConfig, cpu_count
 from cluster.engine.attention import AttentionMetadata, PrefillSeq, decode_row_index
@@ -51,6 +51,18 @@ class ModelRunner(Protocol):
     tokenizer: Any  # Tokenizer-like: encode/decode/eos_token_ids
 
     def execute(self, batch: ScheduledBatch) -> RunnerOutput: ...
+
+
+# (layout, num_blocks, device) -> a zeroed, contiguous KV tensor of that layout. Servers pass one
+# to place the pool in shared memory (the shm transport); the default is plain torch.zeros.
+KVAllocator = Callable[[KVLayout, int, torch.device], torch.Tensor]
+
+
+def default_kv_allocator(layout: KVLayout, num_blocks: int, device: torch.device) -> torch.Tensor:
+    # Zeros, not empty: padded attention rows multiply probabilities 0 by these values.
+    return torch.zeros(
+        (num_blocks, *layout.block_shape), dtype=_DTYPES[layout.dtype], device=device
+    )
 
 
 def resolve_device(config: ClusterConfig) -> torch.device:
@@ -93,7 +105,12 @@ def set_torch_threads(config: ClusterConfig) -> int:
 
 
 class TorchModelRunner:
-    def __init__(self, config: ClusterConfig, model_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        model_dir: Path | None = None,
+        kv_allocator: KVAllocator = default_kv_allocator,
+    ) -> None:
         self.config = config
         set_torch_threads(config)
         self.device = resolve_device(config)
@@ -101,7 +118,7 @@ class TorchModelRunner:
         if model_dir is None:
             model_dir = ensure_default_model(config) if config.model.path is None else None
             model_dir = model_dir or require_model_dir(config)
-        self.model, hf_config = load_llama(
+        self.model, _hf_config = load_llama(
             model_dir, dtype, self.device, config.model.max_model_len
         )
         self.tokenizer = Tokenizer(model_dir)
@@ -110,7 +127,7 @@ class TorchModelRunner:
         self.max_model_len = self.model.cos.shape[0]
         self.block_size = config.cache.block_size
         self.layout = KVLayout(
-            model=str(getattr(hf_config, "_name_or_path", "") or model_dir.name),
+            model=model_name(config),
             dtype=str(dtype).removeprefix("torch."),
             block_size=self.block_size,
             num_layers=arch.num_layers,
@@ -119,19 +136,7 @@ class TorchModelRunner:
         )
         self.num_blocks = num_kv_blocks(config, self.layout.bytes_per_block, self.device)
         self.decode_kernel = self._load_decode_kernel(config, dtype)
-        # Zeros, not empty: padded attention rows multiply probabilities 0 by these values.
-        self.kv_cache = torch.zeros(
-            (
-                self.num_blocks,
-                arch.num_layers,
-                2,
-                self.block_size,
-                arch.num_kv_heads,
-                arch.head_dim,
-            ),
-            dtype=dtype,
-            device=self.device,
-        )
+        self.kv_cache = kv_allocator(self.layout, self.num_blocks, self.device)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
             self.num_blocks,
@@ -283,18 +288,24 @@ def _sample_request(it: ScheduledRequest) -> SampleRequest:
     )
 
 
-def _fake_runner(config: ClusterConfig) -> ModelRunner:
+def _torch_runner(config: ClusterConfig, kv_allocator: KVAllocator) -> ModelRunner:
+    return TorchModelRunner(config, kv_allocator=kv_allocator)
+
+
+def _fake_runner(config: ClusterConfig, kv_allocator: KVAllocator) -> ModelRunner:
     from cluster.engine.fake_runner import FakeModelRunner
 
-    return FakeModelRunner(config)
+    return FakeModelRunner(config, kv_allocator=kv_allocator)
 
 
 # model.runner -> constructor. config.py validates names against the same list (a test checks).
-RUNNER_REGISTRY: dict[str, Callable[[ClusterConfig], ModelRunner]] = {
-    "torch": TorchModelRunner,
+RUNNER_REGISTRY: dict[str, Callable[[ClusterConfig, KVAllocator], ModelRunner]] = {
+    "torch": _torch_runner,
     "fake": _fake_runner,
 }
 
 
-def create_runner(config: ClusterConfig) -> ModelRunner:
-    return RUNNER_REGISTRY[config.model.runner](config)
+def create_runner(
+    config: ClusterConfig, kv_allocator: KVAllocator = default_kv_allocator
+) -> ModelRunner:
+    return RUNNER_REGISTRY[config.model.runner](config, kv_allocator)

@@ -64,6 +64,7 @@ class Request:
     prefill_only: bool = False
     stop_reason: int | str | None = None
     error: str | None = None
+    scheduled_time: float | None = None  # first admitted to a batch (or blocks reserved)
     first_token_time: float | None = None
     # Hashes of the full blocks of all_token_ids computed so far (extended incrementally).
     block_hashes: list[int] = field(default_factory=list)

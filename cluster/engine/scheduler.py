@@ -15,6 +15,7 @@ it hands the runner a plain ``ScheduledBatch``.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -124,6 +125,7 @@ class Scheduler:
             if reservation is None:
                 break
             req = self.kv_waiting.popleft()
+            req.scheduled_time = time.monotonic()
             self.kv_reserved[req.request_id] = req
             batch.reservations.append(reservation)
 
@@ -136,6 +138,8 @@ class Scheduler:
             if n == 0:
                 break
             self.waiting.popleft()
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             batch.items.append(

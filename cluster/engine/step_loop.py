@@ -41,6 +41,7 @@ class EngineLoop:
         idle_wait_s: float = 0.05,
         liveness_s: float = 60.0,
         before_step: Callable[[], None] | None = None,
+        after_step: Callable[[LLMEngine], None] | None = None,
     ) -> None:
         self.engine = engine
         self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Future[Any]]] = (
@@ -52,6 +53,7 @@ class EngineLoop:
         self._idle_wait_s = idle_wait_s
         self._liveness_s = liveness_s
         self._before_step = before_step  # fault-injection hook (tests)
+        self._after_step = after_step  # e.g. hand new KV reservations to the transfer side
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.heartbeat = time.monotonic()
         self.fatal_error: str | None = None
@@ -140,6 +142,8 @@ class EngineLoop:
                 outputs = engine.step()
                 self.peak_running = max(self.peak_running, len(engine.scheduler.running))
                 self._dispatch(outputs)
+                if self._after_step is not None:
+                    self._after_step(engine)
                 self._stats = engine.stats()
         except Exception as e:  # a broken step: fail everything in flight, loudly
             logger.exception("engine step failed; failing all in-flight requests")
