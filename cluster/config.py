@@ -204,6 +204,54 @@ class TestingConfig:
 
 
 @dataclass(frozen=True)
+class PoolConfig:
+    """One pool (prefill or decode): its replicas and the Ray Serve settings that matter."""
+
+    num_replicas: int = 1
+    num_cpus: float = 0.5  # Ray logical CPUs per replica (fractional: 2-core machines)
+    num_threads: int | None = None  # torch threads per replica; None: model.num_threads
+    scheduler: SchedulerConfig | None = None  # this pool's batching; None: the scheduler section
+    max_ongoing_requests: int | None = None  # None: sized to the batch (max_num_seqs + leases)
+    max_queued_requests: int = 64  # beyond this, callers get RESOURCE_EXHAUSTED / 429 at once
+    graceful_shutdown_timeout_s: float = 60.0  # must exceed the KV lease plus drain time
+    health_check_period_s: float = 5.0
+    health_check_timeout_s: float = 30.0
+    resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources (multi-node)
+
+    def _validate(self, name: str) -> None:
+        _check(self.num_replicas >= 0, f"{name}.num_replicas", "must be >= 0")
+        _check(self.num_cpus > 0, f"{name}.num_cpus", "must be > 0")
+        if self.num_threads is not None:
+            _check(self.num_threads >= 1, f"{name}.num_threads", "must be >= 1")
+        if self.max_ongoing_requests is not None:
+            _check(self.max_ongoing_requests >= 1, f"{name}.max_ongoing_requests", "must be >= 1")
+        _check(self.max_queued_requests >= 0, f"{name}.max_queued_requests", "must be >= 0")
+        _check(
+            self.graceful_shutdown_timeout_s > 0,
+            f"{name}.graceful_shutdown_timeout_s",
+            "must be > 0",
+        )
+        _check(self.health_check_period_s > 0, f"{name}.health_check_period_s", "must be > 0")
+
+
+@dataclass(frozen=True)
+class PrefillPoolConfig(PoolConfig):
+    def __post_init__(self) -> None:
+        self._validate("prefill")
+
+
+@dataclass(frozen=True)
+class DecodePoolConfig(PoolConfig):
+    # A request whose uncached prompt part is at most this many tokens is prefilled locally on
+    # its decode replica (no transfer); longer ones go to the prefill pool. 0: always remote.
+    local_prefill_threshold: int = 64
+
+    def __post_init__(self) -> None:
+        self._validate("decode")
+        _check(self.local_prefill_threshold >= 0, "decode.local_prefill_threshold", "must be >= 0")
+
+
+@dataclass(frozen=True)
 class PathsConfig:
     cache_dir: str = ""  # converted models and other caches; "" -> $PDSERVE_CACHE_DIR or XDG
 
@@ -218,6 +266,8 @@ class ClusterConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    prefill: PrefillPoolConfig = field(default_factory=PrefillPoolConfig)
+    decode: DecodePoolConfig = field(default_factory=DecodePoolConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     testing: TestingConfig = field(default_factory=TestingConfig)
 
@@ -231,8 +281,28 @@ class ClusterConfig:
                 "is off (scheduler.chunk_size: null), or a long prompt could never be scheduled",
             )
 
+        for pool in (self.prefill, self.decode):
+            _check(
+                pool.graceful_shutdown_timeout_s > self.transfer.lease_s,
+                f"{'prefill' if pool is self.prefill else 'decode'}.graceful_shutdown_timeout_s",
+                f"must exceed transfer.lease_s ({self.transfer.lease_s}), or a draining prefill "
+                "replica drops leased KV",
+            )
+
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(self)
+
+    def for_pool(self, role: str) -> ClusterConfig:
+        """This config as one pool's engine sees it: the pool's scheduler and threads applied."""
+        pool: PoolConfig = self.prefill if role == "prefill" else self.decode
+        cfg = self
+        if pool.scheduler is not None:
+            cfg = dataclasses.replace(cfg, scheduler=pool.scheduler)
+        if pool.num_threads is not None:
+            cfg = dataclasses.replace(
+                cfg, model=dataclasses.replace(cfg.model, num_threads=pool.num_threads)
+            )
+        return cfg
 
     def replace(self, overrides: Mapping[str, Any]) -> ClusterConfig:
         """A new validated config with dotted-key overrides (``{"cache.block_size": 32}``)."""

@@ -180,7 +180,8 @@ class LLMEngine:
 
     def kv_failed(self, request_id: str, recompute: bool, error: str = "") -> None:
         """The transfer failed: prefill locally (exact, thanks to seeded sampling) or fail."""
-        if recompute and request_id in self.scheduler.kv_reserved:
+        req = self.requests.get(request_id)
+        if recompute and req is not None and req.status == RequestStatus.WAITING_FOR_KV:
             self.scheduler.kv_failed_recompute(request_id)
         else:
             self.abort_request(request_id, error=error or "KV transfer failed")

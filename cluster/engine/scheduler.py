@@ -245,9 +245,13 @@ class Scheduler:
         return req
 
     def kv_failed_recompute(self, request_id: str) -> Request:
-        """Decode role: the transfer failed; prefill the request locally instead."""
-        req = self.kv_reserved.pop(request_id)
-        self.block_manager.free(request_id)
+        """Decode role: the transfer (or the prefill call) failed; prefill locally instead."""
+        req = self.kv_reserved.pop(request_id, None)
+        if req is None:  # not reserved yet: it holds no blocks
+            req = next(r for r in self.kv_waiting if r.request_id == request_id)
+            self.kv_waiting.remove(req)
+        else:
+            self.block_manager.free(request_id)
         req.num_computed_tokens = 0
         req.num_cached_tokens = 0
         self._insert_waiting_by_arrival(req)

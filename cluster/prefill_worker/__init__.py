@@ -1,0 +1,1 @@
+"""The prefill pool: an engine in prefill role behind a KV sender."""

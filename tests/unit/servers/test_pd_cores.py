@@ -1,0 +1,168 @@
+"""Prefill and decode server cores together in one process (engines apart, real KV transfer).
+
+The fake runner's next token depends on the KV read back from the cache, so a request that
+completes oracle-identical proves its KV arrived intact. Every test ends clean on both pools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from cluster.common.hashing import hash_block_tokens
+from cluster.common.protocol import GenerateCall, PrefillCall, PrefillReply, StreamChunk
+from cluster.decode_worker.server import DecodeServer
+from cluster.engine.engine import LLMEngine
+from cluster.prefill_worker.server import PrefillServer
+from tests.helpers import fake_config, greedy, run_until_done
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class InProcessPrefill:
+    def __init__(self, server: PrefillServer) -> None:
+        self.server = server
+        self.calls = 0
+
+    def prefill(self, call: PrefillCall) -> AsyncIterator[PrefillReply]:
+        self.calls += 1
+        return self.server.prefill(call)
+
+
+def _cfg(transport: str = "zmq", **overrides: Any) -> Any:
+    base = {
+        "cache.num_blocks": 128,
+        "transfer.transports": [transport],
+        "transfer.lease_s": 2.0,
+        "transfer.heartbeat_s": 0.2,
+        "transfer.transfer_timeout_s": 2.0,
+        "decode.local_prefill_threshold": 8,
+        "prefill.graceful_shutdown_timeout_s": 5.0,
+        "decode.graceful_shutdown_timeout_s": 5.0,
+    }
+    base.update(overrides)
+    return fake_config(**base)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return [1 + (seed * 37 + i * 11) % 500 for i in range(n)]
+
+
+def _oracle(prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
+    eng = LLMEngine(_cfg())
+    for rid, p in prompts.items():
+        eng.add_request(rid, p, greedy(max_tokens))
+    return run_until_done(eng)
+
+
+async def _collect(decode: DecodeServer, call: GenerateCall) -> list[StreamChunk]:
+    return [chunk async for chunk in decode.generate(call)]
+
+
+def _call(rid: str, prompt: list[int], max_tokens: int, **kw: Any) -> GenerateCall:
+    return GenerateCall(rid, prompt, hash_block_tokens(prompt, 16), greedy(max_tokens), **kw)
+
+
+class Pair:
+    def __init__(self, **overrides: Any) -> None:
+        cfg = _cfg(**overrides)
+        self.prefill = PrefillServer(cfg).start()
+        self.client = InProcessPrefill(self.prefill)
+        self.decode = DecodeServer(cfg, self.client).start()
+
+    def wait_idle_clean(self, timeout: float = 5.0) -> None:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            p = self.prefill.loop.call(lambda e: e.block_manager.num_used_blocks).result(5)
+            d = self.decode.loop.call(lambda e: e.block_manager.num_used_blocks).result(5)
+            if p == 0 and d == 0 and self.prefill.num_active_leases == 0:
+                break
+            time.sleep(0.05)
+        self.prefill.check_integrity()
+        self.decode.check_integrity()
+        assert self.prefill.loop.call(lambda e: e.block_manager.num_used_blocks).result(5) == 0
+        assert self.decode.loop.call(lambda e: e.block_manager.num_used_blocks).result(5) == 0
+        assert self.prefill.num_active_leases == 0
+
+    def close(self) -> None:
+        self.decode.close()
+        self.prefill.close()
+
+
+@pytest.mark.parametrize("transport", ["zmq", "shm", "loopback"])
+def test_remote_prefill_matches_oracle(transport: str) -> None:
+    prompts = {f"r{i}": _prompt(20 + 13 * i, i) for i in range(6)}
+    expected = _oracle(prompts, 12)
+    pair = Pair(transport=transport)
+    try:
+
+        async def main() -> dict[str, list[StreamChunk]]:
+            tasks = {
+                rid: asyncio.create_task(_collect(pair.decode, _call(rid, p, 12)))
+                for rid, p in prompts.items()
+            }
+            return {rid: await t for rid, t in tasks.items()}
+
+        results = asyncio.run(main())
+        for rid, chunks in results.items():
+            assert [t for c in chunks for t in c.token_ids] == expected[rid], rid
+            assert chunks[-1].finish_reason == "length"
+            assert chunks[-1].usage is not None and chunks[-1].usage.prefill_mode == "remote"
+        assert pair.decode.counters["remote_prefills"] == 6
+        assert pair.decode.stats()["transfer"]["transfers_ok"] == 6
+        pair.wait_idle_clean()
+    finally:
+        pair.close()
+
+
+def test_short_uncached_prompts_prefill_locally_without_transfer() -> None:
+    pair = Pair()
+    try:
+        prompt = _prompt(6, 3)
+        expected = _oracle({"x": prompt}, 5)["x"]
+        chunks = asyncio.run(_collect(pair.decode, _call("x", prompt, 5)))
+        assert [t for c in chunks for t in c.token_ids] == expected
+        assert chunks[-1].usage is not None and chunks[-1].usage.prefill_mode == "local"
+        assert pair.client.calls == 0
+        assert pair.decode.stats()["transfer"].get("transfers_ok", 0) == 0
+        pair.wait_idle_clean()
+    finally:
+        pair.close()
+
+
+def test_only_blocks_missing_on_decode_move() -> None:
+    pair = Pair()
+    try:
+        shared = _prompt(64, 5)  # 4 full blocks
+        asyncio.run(_collect(pair.decode, _call("warm", shared, 2)))
+        before = pair.decode.counters["pulled_blocks"]
+        prompt = shared + _prompt(40, 9)  # 104 tokens -> 7 blocks, 4 cached here
+        expected = _oracle({"y": prompt}, 6)["y"]
+        chunks = asyncio.run(_collect(pair.decode, _call("y", prompt, 6)))
+        assert [t for c in chunks for t in c.token_ids] == expected
+        assert pair.decode.counters["pulled_blocks"] - before == 3
+        assert pair.decode.counters["reused_blocks"] >= 4
+        pair.wait_idle_clean()
+    finally:
+        pair.close()
+
+
+def test_cancelling_the_stream_frees_both_pools() -> None:
+    pair = Pair(**{"testing.fake_model.decode_delay_s": 0.02})
+    try:
+
+        async def main() -> None:
+            gen = pair.decode.generate(_call("c", _prompt(50, 2), 200))
+            async for _chunk in gen:
+                break  # the first token arrived: cancel mid-stream
+            await gen.aclose()
+
+        asyncio.run(main())
+        pair.wait_idle_clean()
+    finally:
+        pair.close()
