@@ -1,0 +1,74 @@
+"""Test-only launcher: pool workers as real processes on 127.0.0.1 (RELIABILITY.md, Harness)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cluster.config import ClusterConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Worker:
+    role: str
+    popen: subprocess.Popen[bytes]
+    endpoint: str
+    pid: int
+    log: Path
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        try:
+            os.kill(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+
+def start_worker(
+    role: str, config: ClusterConfig, workdir: Path, prefill: list[str] = (), name: str = ""
+) -> Worker:
+    name = name or role
+    ready = workdir / f"{name}.ready"
+    log = workdir / f"{name}.log"
+    cmd = [sys.executable, "-m", "tests.harness.worker", role,
+           "--config-json", json.dumps(config.to_dict()), "--ready-file", str(ready)]
+    for ep in prefill:
+        cmd += ["--prefill", ep]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    with log.open("wb") as out:
+        popen = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        if popen.poll() is not None:
+            raise RuntimeError(f"{name} exited with {popen.returncode}:\n{log.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            popen.kill()
+            raise TimeoutError(f"{name} did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.05)
+    info: dict[str, Any] = json.loads(ready.read_text())
+    return Worker(role, popen, info["endpoint"], info["pid"], log)
+
+
+def stop_workers(workers: list[Worker]) -> None:
+    for w in workers:
+        if w.alive():
+            w.kill(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    for w in workers:
+        try:
+            w.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            w.kill(signal.SIGKILL)
+            w.popen.wait(timeout=10)
