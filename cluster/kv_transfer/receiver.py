@@ -178,6 +178,8 @@ class KVReceiver:
         timeout: float,
         future: Future[PullResult],
     ) -> None:
+        if not future.set_running_or_notify_cancel():
+            return  # cancelled before it started; once started, cancel with abort(params)
         tid = params.transfer_id
         error = None
         if tid in self._lost:
