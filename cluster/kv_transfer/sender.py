@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -122,11 +123,15 @@ class KVSender:
         port = sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
         self.endpoint = f"tcp://{_advertise_host(cfg)}:{port}"
         if cfg.ipc:
-            self._ipc_path = os.path.join(
-                tempfile.gettempdir(), f"pdserve-kv-{self.instance_id[:16]}-{os.getpid()}.sock"
-            )
-            sock.bind(f"ipc://{self._ipc_path}")
-            self.ipc_endpoint = f"ipc://{self._ipc_path}"
+            name = f"pdserve-kv-{self.instance_id[:16]}-{os.getpid()}"
+            if sys.platform.startswith("linux"):
+                # Abstract namespace: no file to leak when the process is killed, and reachable
+                # exactly like 127.0.0.1 (same network namespace).
+                self.ipc_endpoint = f"ipc://@{name}"
+            else:
+                self._ipc_path = os.path.join(tempfile.gettempdir(), f"{name}.sock")
+                self.ipc_endpoint = f"ipc://{self._ipc_path}"
+            sock.bind(self.ipc_endpoint)
         if "torch_dist" in cfg.transports:
             from cluster.kv_transfer.transports.rendezvous import start_store
 
