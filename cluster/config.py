@@ -124,7 +124,7 @@ class TransferConfig:
     max_message_bytes: int = 64 << 20  # larger frames are refused before allocation
     # KV bytes per data frame (capped by max_message_bytes): >= 64 KiB so pyzmq sends it
     # zero-copy, small enough that the receiver copies one frame while the next is in flight.
-    frame_bytes: int = 4 << 20
+    frame_bytes: int = 8 << 20
     ipc: bool = True  # zmq over ipc:// (not tcp) when both ends share a host
     checksum: bool = False  # per-frame checksums (debugging; costs a pass over the data)
     on_failure: str = "recompute"  # recompute: prefill locally; fail: end the request

@@ -11,7 +11,9 @@ from cluster.bench.harness import MODES, BenchContext, emit
 from cluster.config import ClusterConfig
 
 # name -> module (imported on demand: each pulls its own heavy dependencies)
-BENCHMARKS: dict[str, str] = {}
+BENCHMARKS: dict[str, str] = {
+    "kv-transfer": "cluster.bench.kv_transfer",
+}
 
 
 def run_benchmark(name: str, mode: str, config: ClusterConfig) -> int:

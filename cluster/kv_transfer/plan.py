@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cluster.common.kv_messages import Segment
-from cluster.common.kv_wire import KVTransferError, Reason
+from cluster.common.kv_wire import KVTransferError, KVTransferParams, Reason
+from cluster.kv_transfer.pool import KVPool
 
 MIN_FRAME_BYTES = 1 << 16
 MAX_FRAMES = 1 << 14
@@ -120,3 +121,31 @@ def crc_segments(views: Sequence[memoryview | object]) -> int:
     for v in views:
         crc = zlib.crc32(v, crc)  # type: ignore[arg-type]
     return crc
+
+
+def check_pull_request(
+    pool: KVPool, params: KVTransferParams, dst_block_ids: Sequence[int], first_block: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Receiver side, before anything is queued: (source ids, destination ids) or an error."""
+    if not isinstance(params, KVTransferParams):
+        raise KVTransferError(Reason.MALFORMED, "params must be a KVTransferParams")
+    mismatch = pool.layout.mismatch(params.kv_layout())
+    if mismatch is not None:
+        raise KVTransferError(Reason.LAYOUT_MISMATCH, f"KV layout differs: {mismatch}")
+    if not 0 <= first_block < len(params.block_ids):
+        raise KVTransferError(
+            Reason.BAD_DESTINATION,
+            f"first_block {first_block}: nothing to pull of {len(params.block_ids)} blocks "
+            "(abort(params) releases a lease that is not needed)",
+        )
+    src = params.block_ids[first_block:]
+    dst = tuple(int(b) for b in dst_block_ids)
+    if len(dst) != len(src):
+        raise KVTransferError(
+            Reason.BAD_DESTINATION, f"{len(dst)} destination blocks for {len(src)} to pull"
+        )
+    if len(set(dst)) != len(dst) or not all(0 <= b < pool.num_blocks for b in dst):
+        raise KVTransferError(
+            Reason.BAD_DESTINATION, f"destination ids repeat or leave the pool: {dst[:8]}"
+        )
+    return src, dst

@@ -39,7 +39,7 @@ from cluster.common.kv_wire import KVTransferError, KVTransferParams, Reason, Tr
 from cluster.config import TransferConfig
 from cluster.kv_transfer.commands import CommandQueue
 from cluster.kv_transfer.faulty import FaultyTransport
-from cluster.kv_transfer.plan import plan_frames
+from cluster.kv_transfer.plan import check_pull_request, plan_frames
 from cluster.kv_transfer.pool import KVPool
 from cluster.kv_transfer.receiver_conn import PeerConnection
 from cluster.kv_transfer.security import HeaderSigner, check_auth_config, host_id
@@ -116,7 +116,7 @@ class KVReceiver:
     ) -> Future[PullResult]:
         future: Future[PullResult] = Future()
         try:
-            src, dst = self._check_request(params, dst_block_ids, first_block)
+            src, dst = check_pull_request(self.pool, params, dst_block_ids, first_block)
         except KVTransferError as e:
             self.stats_obj.failed(e.reason)
             future.set_exception(e)
@@ -168,34 +168,6 @@ class KVReceiver:
         if self._thread is not None:
             self._thread.join(timeout=10.0)
 
-    # -- validation (caller thread, before anything is queued) -------------------------------
-
-    def _check_request(
-        self, params: KVTransferParams, dst_block_ids: Sequence[int], first_block: int
-    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        if not isinstance(params, KVTransferParams):
-            raise KVTransferError(Reason.MALFORMED, "params must be a KVTransferParams")
-        mismatch = self.pool.layout.mismatch(params.kv_layout())
-        if mismatch is not None:
-            raise KVTransferError(Reason.LAYOUT_MISMATCH, f"KV layout differs: {mismatch}")
-        if not 0 <= first_block < len(params.block_ids):
-            raise KVTransferError(
-                Reason.BAD_DESTINATION,
-                f"first_block {first_block}: nothing to pull of {len(params.block_ids)} blocks "
-                "(abort(params) releases a lease that is not needed)",
-            )
-        src = params.block_ids[first_block:]
-        dst = tuple(int(b) for b in dst_block_ids)
-        if len(dst) != len(src):
-            raise KVTransferError(
-                Reason.BAD_DESTINATION, f"{len(dst)} destination blocks for {len(src)} to pull"
-            )
-        if len(set(dst)) != len(dst) or not all(0 <= b < self.pool.num_blocks for b in dst):
-            raise KVTransferError(
-                Reason.BAD_DESTINATION, f"destination ids repeat or leave the pool: {dst[:8]}"
-            )
-        return src, dst
-
     # -- I/O thread ---------------------------------------------------------------------------
 
     def _admit(
@@ -206,6 +178,8 @@ class KVReceiver:
         timeout: float,
         future: Future[PullResult],
     ) -> None:
+        if not future.set_running_or_notify_cancel():
+            return  # cancelled before it started; once started, cancel with abort(params)
         tid = params.transfer_id
         error = None
         if tid in self._lost:

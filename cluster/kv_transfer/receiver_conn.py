@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from cluster.common.kv_layout import KVLayout
 from cluster.common.kv_messages import (
     MAX_HEARTBEAT_IDS,
     Abort,
@@ -36,8 +35,9 @@ from cluster.common.kv_messages import (
 )
 from cluster.common.kv_wire import KVTransferError, KVTransferParams, Reason
 from cluster.common.kv_wire import TransferState as State
+from cluster.kv_transfer.handshake import check_reply, open_transport
 from cluster.kv_transfer.plan import plan_frames
-from cluster.kv_transfer.security import secure_client_socket
+from cluster.kv_transfer.sockets import receiver_socket
 from cluster.kv_transfer.transports import TRANSPORTS
 from cluster.kv_transfer.transports.base import Completion, ReceiverSide, RecvPull
 from cluster.kv_transfer.transports.zmq_frames import Rejected
@@ -84,16 +84,7 @@ class PeerConnection:
     def _open(self) -> None:
         """A fresh socket and handshake (at start, and after the connection dropped)."""
         cfg, local = self.r.config, self.r.rctx.local
-        sock = self.r.zmq_ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTING_ID, self.r.next_routing_id())  # kept across reconnects
-        sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)  # >= MAX_HEADER_BYTES
-        sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        ivl = int(min(cfg.heartbeat_s, 5.0) * 1000)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, ivl)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ivl)
-        secure_client_socket(sock, cfg)
+        sock = receiver_socket(self.r.zmq_ctx, cfg, self.r.next_routing_id())
         self.monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
         sock.connect(self.endpoint)
         self.sock = sock
@@ -225,43 +216,13 @@ class PeerConnection:
         if self.state != self.HANDSHAKING:
             self.r.stats_obj.rejected(Reason.UNEXPECTED)
             return
-        if not msg.ok:
-            self.fail(msg.reason or Reason.MALFORMED, f"handshake refused: {msg.message}")
-            return
-        if (msg.instance_id, msg.epoch) != self.key[1:]:
-            self.fail(
-                Reason.STALE_EPOCH,
-                f"{self.endpoint} is now instance {msg.instance_id} epoch {msg.epoch}, "
-                f"the handle names {self.key[1]} epoch {self.key[2]} (the sender restarted)",
-            )
-            return
         try:
-            mismatch = self.r.pool.layout.mismatch(KVLayout(**msg.layout))  # type: ignore[arg-type]
-        except (TypeError, ValueError) as e:
-            mismatch = f"unreadable layout ({e})"
-        if mismatch is not None:
-            self.fail(Reason.LAYOUT_MISMATCH, f"KV layout differs: {mismatch}")
+            check_reply(msg, self.key, self.endpoint, self.r.pool.layout)
+            self.transport, self.side = open_transport(self.r.rctx, msg)
+        except KVTransferError as e:
+            self.fail(e.reason, e.detail)
             return
         self.reply = msg
-        local, tried = self.r.rctx.local, []
-        for name in self.r.config.transports:
-            spec = TRANSPORTS[name]
-            if name not in msg.transports or not spec.pair_ok(local, msg):
-                continue
-            try:
-                self.side = spec.open_receiver(self.r.rctx, msg)
-            except KVTransferError as e:
-                tried.append(f"{name}: {e.detail}")
-                continue
-            self.transport = name
-            break
-        if self.side is None:
-            self.fail(
-                Reason.NO_TRANSPORT,
-                f"no common transport: this side {list(self.r.config.transports)}, sender "
-                f"{list(msg.transports)} {'; '.join(tried)}",
-            )
-            return
         self.state = self.READY
         self.r.stats_obj.inc(f"connections_{self.transport}")
         for m in self.side.control_messages() + self.outbox:

@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -34,7 +35,7 @@ from typing import Any
 import zmq
 
 from cluster.common.faults import FaultPoints
-from cluster.common.kv_messages import MAX_HEADER_BYTES, Message
+from cluster.common.kv_messages import Message
 from cluster.common.kv_wire import KVTransferError, KVTransferParams, Reason
 from cluster.config import TransferConfig
 from cluster.kv_transfer.commands import CommandQueue
@@ -45,10 +46,10 @@ from cluster.kv_transfer.security import (
     HeaderSigner,
     check_auth_config,
     host_id,
-    secure_server_socket,
     start_server_auth,
 )
 from cluster.kv_transfer.sender_handlers import SenderHandlers
+from cluster.kv_transfer.sockets import sender_socket
 from cluster.kv_transfer.stats import TransferStats
 from cluster.kv_transfer.transports import TRANSPORTS
 from cluster.kv_transfer.transports.base import Completion, PeerInfo, SenderContext
@@ -100,7 +101,7 @@ class KVSender:
         self._commands = CommandQueue()
         self._ipc_path = ""
         self._zmq: zmq.Context[Any] = zmq.Context(io_threads=1)
-        self._sock: zmq.Socket[Any] = self._zmq.socket(zmq.ROUTER)
+        self._sock: zmq.Socket[Any] = sender_socket(self._zmq, config)
         self._auth: Any = None
         self._wire = Wire(HeaderSigner.from_config(config), router=True, faults=faults)
         self._ctx = SenderContext(
@@ -117,25 +118,20 @@ class KVSender:
 
     def start(self) -> str:
         sock, cfg = self._sock, self.config
-        self._auth = start_server_auth(self._zmq, cfg)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable replies raise, never vanish
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting receiver keeps its identity
-        sock.setsockopt(zmq.SNDHWM, 0)  # zero-copy frames queue by reference, not by copy
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_HEADER_BYTES)  # receivers send headers only
-        ivl = int(min(cfg.heartbeat_s, 5.0) * 1000)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, ivl)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ivl)
-        secure_server_socket(sock, cfg)
+        self._auth = start_server_auth(self._zmq, cfg)  # before the socket's CURVE handshakes
         sock.bind(f"tcp://{cfg.bind_host}:0")
         port = sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
         self.endpoint = f"tcp://{_advertise_host(cfg)}:{port}"
         if cfg.ipc:
-            self._ipc_path = os.path.join(
-                tempfile.gettempdir(), f"pdserve-kv-{self.instance_id[:16]}-{os.getpid()}.sock"
-            )
-            sock.bind(f"ipc://{self._ipc_path}")
-            self.ipc_endpoint = f"ipc://{self._ipc_path}"
+            name = f"pdserve-kv-{self.instance_id[:16]}-{os.getpid()}"
+            if sys.platform.startswith("linux"):
+                # Abstract namespace: no file to leak when the process is killed, and reachable
+                # exactly like 127.0.0.1 (same network namespace).
+                self.ipc_endpoint = f"ipc://@{name}"
+            else:
+                self._ipc_path = os.path.join(tempfile.gettempdir(), f"{name}.sock")
+                self.ipc_endpoint = f"ipc://{self._ipc_path}"
+            sock.bind(self.ipc_endpoint)
         if "torch_dist" in cfg.transports:
             from cluster.kv_transfer.transports.rendezvous import start_store
 

@@ -8,6 +8,7 @@ sends can end the serving thread.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -152,6 +153,7 @@ class SenderHandlers:
         sender.renew(lease.transfer_id)
         peer.transports[lease.transfer_id] = msg.transport
         job = ServeJob(identity, msg, msg.frames)
+        t0 = time.perf_counter()
         try:
             done = side.serve(job)
         except zmq.ZMQError as e:  # e.g. the peer vanished (ROUTER_MANDATORY)
@@ -160,6 +162,7 @@ class SenderHandlers:
             logger.info("kv-sender: pull %s: %s", lease.request_id, e)
             return
         sender.track(lease.transfer_id, done)
+        self.stats.observe("serve_time_s", time.perf_counter() - t0)  # to queue every frame
         num_blocks = sum(n for frame in msg.frames for _, n in frame)
         self.stats.inc("pulls_served")
         self.stats.inc("blocks_sent", num_blocks)

@@ -101,17 +101,19 @@ def test_torch_dist_peer_that_never_receives(
     (proc,) = _spawn(
         1, SMALL, transfer={"transports": ["torch_dist"], "transfer_timeout_s": TIMEOUT_S}
     )
-    rules = [FaultRule("drop", tag="ready", direction="recv", nth=2 * i + 1) for i in range(runs)]
+    faults = FaultyTransport([])
     cfg = transfer_config(transports=("torch_dist",), transfer_timeout_s=TIMEOUT_S)
-    receiver = make_receiver(cfg, faults=FaultyTransport(rules))
+    receiver = make_receiver(cfg, faults=faults)
     for i in range(runs):
         before = crcs(receiver.pool)
+        faults.set_rules([FaultRule("drop", tag="ready", direction="recv")])
         stuck = proc.register(f"stuck-{i}", [1, 2], num_tokens=32)
         t0 = time.monotonic()
         with pytest.raises(KVTransferError) as e:
             receiver.pull(stuck, [5, 6])
         assert e.value.reason == Reason.TIMEOUT
         assert time.monotonic() - t0 <= TIMEOUT_S + 1.0
+        faults.set_rules([])
         ok = proc.register(f"ok-{i}", [3, 4], num_tokens=32)
         assert receiver.pull(ok, [7, 8], timeout_s=10).transport == "torch_dist"
         assert_landed(receiver.pool, [3, 4], [7, 8], before)

@@ -174,3 +174,39 @@ def test_aborting_a_transfer_mid_flight_frees_both_sides(
     assert e.value.reason == Reason.ABORTED
     assert h.wait_released(1) == [("cancel", "peer_aborted")]
     _pull_works(receiver, h, "next")
+
+
+@pytest.mark.parametrize("injections", [1000, pytest.param(10000, marks=pytest.mark.nightly)])
+def test_damaged_chunk_storm_leaves_everything_serving(
+    make_sender: Make, make_receiver: MakeR, injections: int
+) -> None:
+    """K1 at count: every damaged transfer ends terminal and fast, the receiver thread lives,
+    no lease leaks, and blocks outside the destination are never written."""
+    faults = FaultyTransport([])
+    h = make_sender(CFG, faults=faults)
+    receiver = make_receiver(CFG)
+    # One 64 KiB frame per pull, so no chunk of a failed pull is still on its way when the
+    # next pull's rule is armed.
+    src, dst = SRC[:8], DST[:8]
+    outside = [b for b in range(receiver.pool.num_blocks) if b not in dst]
+    before = crcs(receiver.pool)
+    kinds = [
+        FaultRule("truncate", frame=0, nbytes=10),
+        FaultRule("drop_frame", frame=0),
+        FaultRule("extra_frame", nbytes=3),
+    ]
+    for i in range(injections):
+        faults.set_rules([kinds[i % len(kinds)]])
+        params = h.sender.register(f"storm-{i}", src, num_tokens=128)
+        t0 = time.monotonic()
+        with pytest.raises(KVTransferError) as e:
+            receiver.pull(params, dst)
+        assert e.value.reason == Reason.BAD_FRAMES
+        assert time.monotonic() - t0 < 1.5
+    after = crcs(receiver.pool)
+    assert [after[b] for b in outside] == [before[b] for b in outside]
+    assert receiver.stats()["failures"][Reason.BAD_FRAMES] == injections
+    assert len(h.wait_released(injections)) == injections
+    assert h.sender.num_active_leases == 0
+    faults.set_rules([])
+    _pull_works(receiver, h, "after-storm")

@@ -1,0 +1,221 @@
+"""P4 ``kv-transfer``: the data plane, pool to pool between two processes (BENCHMARKS.md).
+
+The KV of 32 / 512 / 1024 prompt tokens of the default model's layout (fp32, 30 layers, 3 KV
+heads, head dim 64, block 16: 737,280 bytes per block) moves from a prefill pool in a child
+process into a decode pool here. Arms, interleaved (rotated each repetition):
+
+  * ``memcpy``: one contiguous copy in this process (the physical reference);
+  * ``raw_zmq_ipc`` / ``raw_zmq_tcp``: one contiguous buffer requested from a child and received
+    zero-copy, no pool (the transport's own limit);
+  * ``shm``, ``zmq_ipc``, ``zmq_tcp``: ``KVReceiver.pull`` of the blocks from a ``KVSender``
+    child into this pool's blocks, control round trips included.
+
+Times are medians; a key is a ratio of two arms measured side by side (reference / ours as a
+throughput ratio). ``transfer_share_of_prefill_*`` divides the zmq ipc transfer time by the
+prefill time of a prompt of the same length on the real model (skipped in ``--smoke``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+from cluster.bench.harness import BenchContext, BenchReport, percentile
+from cluster.common.kv_layout import KVLayout
+from cluster.kv_transfer import KVPool, KVReceiver
+from cluster.kv_transfer.peer import SenderProcess
+
+SIZES = (32, 512, 1024)
+ARMS = ("memcpy", "raw_zmq_ipc", "raw_zmq_tcp", "shm", "zmq_ipc", "zmq_tcp")
+DEFAULT_LAYOUT = KVLayout("SmolLM2-135M-Instruct", "float32", 16, 30, 3, 64)
+SMOKE_LAYOUT = KVLayout("pdserve-smoke", "float32", 16, 2, 2, 16)
+TARGETS = {
+    "shm_vs_memcpy_512": ">= 0.4",
+    "zmq_ipc_vs_raw_512": ">= 0.8",
+    "zmq_tcp_vs_raw_512": ">= 0.8",
+    "zmq_ipc_vs_raw_32": ">= 0.6",
+    "transfer_share_of_prefill_512": "<= 0.05",
+    "transfer_share_of_prefill_1024": "<= 0.05",
+}
+
+
+class RawClient:
+    """Requests ``size`` bytes and receives them zero-copy: what the transport alone can do."""
+
+    def __init__(self, endpoint: str, ctx: zmq.Context[Any]) -> None:
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    def fetch(self, nbytes: int) -> float:
+        t0 = time.perf_counter()
+        self.sock.send(str(nbytes).encode())
+        frame = self.sock.recv(copy=False)
+        elapsed = time.perf_counter() - t0
+        assert len(frame) == nbytes
+        return elapsed
+
+
+def run(ctx: BenchContext) -> BenchReport:
+    torch.set_num_threads(1)
+    layout = SMOKE_LAYOUT if ctx.smoke else DEFAULT_LAYOUT
+    reps, warmup = ctx.pick(60, 20, 2), ctx.pick(5, 3, 1)
+    bpb = layout.bytes_per_block
+    max_blocks = -(-max(SIZES) // layout.block_size)
+    cfg = ctx.config.transfer
+    cfg = dataclasses.replace(cfg, lease_s=600.0, heartbeat_s=5.0, transfer_timeout_s=60.0)
+    ctx.progress(f"layout {layout}, {bpb} bytes per block; starting peers")
+    sender = SenderProcess(
+        {
+            "layout": layout.to_dict(),
+            "num_blocks": max_blocks,
+            "shared": True,
+            "transfer": {
+                "transports": ["shm", "zmq"],
+                "lease_s": cfg.lease_s,
+                "heartbeat_s": cfg.heartbeat_s,
+                "frame_bytes": cfg.frame_bytes,
+                "max_message_bytes": cfg.max_message_bytes,
+            },
+        }
+    )
+    raw = subprocess.Popen(
+        [sys.executable, "-m", "cluster.bench.raw_zmq_peer", str(max_blocks * bpb)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert raw.stdout is not None
+    raw_endpoints = json.loads(raw.stdout.readline())
+    zctx: zmq.Context[Any] = zmq.Context(io_threads=1)
+    pool = KVPool.allocate(layout, max_blocks)
+    assert pool.bytes is not None
+    src_buf = np.full(max_blocks * bpb, 3, dtype=np.uint8)
+    receivers = {
+        "shm": KVReceiver(dataclasses.replace(cfg, transports=("shm",), ipc=True), pool),
+        "zmq_ipc": KVReceiver(dataclasses.replace(cfg, transports=("zmq",), ipc=True), pool),
+        "zmq_tcp": KVReceiver(dataclasses.replace(cfg, transports=("zmq",), ipc=False), pool),
+    }
+    for r in receivers.values():
+        r.start()
+    raws = {
+        "raw_zmq_ipc": RawClient(raw_endpoints["ipc"], zctx),
+        "raw_zmq_tcp": RawClient(raw_endpoints["tcp"], zctx),
+    }
+    times: dict[tuple[str, int], list[float]] = {(a, n): [] for a in ARMS for n in SIZES}
+    counter = iter(range(1 << 30))
+    try:
+        for n in SIZES:
+            nblocks = -(-n // layout.block_size)
+            nbytes = nblocks * bpb
+            ids = list(range(nblocks))
+            flat = pool.bytes.reshape(-1)
+
+            def pull(arm: str, n: int = n, ids: list[int] = ids) -> float:
+                params = sender.register(f"{arm}-{next(counter)}", ids, num_tokens=n)
+                t0 = time.perf_counter()
+                result = receivers[arm].pull(params, ids)
+                elapsed = time.perf_counter() - t0
+                assert result.transport == arm.split("_")[0]
+                return elapsed
+
+            def memcpy(nbytes: int = nbytes, flat: np.ndarray = flat) -> float:
+                t0 = time.perf_counter()
+                np.copyto(flat[:nbytes], src_buf[:nbytes])
+                return time.perf_counter() - t0
+
+            measure: dict[str, Callable[[], float]] = {
+                "memcpy": memcpy,
+                "raw_zmq_ipc": partial(raws["raw_zmq_ipc"].fetch, nbytes),
+                "raw_zmq_tcp": partial(raws["raw_zmq_tcp"].fetch, nbytes),
+                "shm": partial(pull, "shm"),
+                "zmq_ipc": partial(pull, "zmq_ipc"),
+                "zmq_tcp": partial(pull, "zmq_tcp"),
+            }
+            for rep in range(warmup + reps):
+                order = ARMS[rep % len(ARMS) :] + ARMS[: rep % len(ARMS)]
+                for arm in order:
+                    t = measure[arm]()
+                    if rep >= warmup:
+                        times[(arm, n)].append(t)
+            ctx.progress(
+                f"{n} tokens ({nbytes / 1e6:.1f} MB): "
+                + ", ".join(f"{a} {statistics.median(times[(a, n)]) * 1e3:.2f} ms" for a in ARMS)
+            )
+        sender_stats = sender.stats()["stats"]
+    finally:
+        for r in receivers.values():
+            r.close()
+        for c in raws.values():
+            c.sock.close(linger=0)
+        zctx.term()
+        sender.close()
+        assert raw.stdin is not None
+        raw.stdin.close()
+        raw.wait(timeout=10)
+
+    med = {k: statistics.median(v) for k, v in times.items()}
+    keys = {
+        "shm_vs_memcpy_512": med[("memcpy", 512)] / med[("shm", 512)],
+        "zmq_ipc_vs_raw_512": med[("raw_zmq_ipc", 512)] / med[("zmq_ipc", 512)],
+        "zmq_tcp_vs_raw_512": med[("raw_zmq_tcp", 512)] / med[("zmq_tcp", 512)],
+        "zmq_ipc_vs_raw_32": med[("raw_zmq_ipc", 32)] / med[("zmq_ipc", 32)],
+    }
+    details: dict[str, Any] = {"layout": layout.to_dict(), "reps": reps, "sender": sender_stats}
+    if not ctx.smoke:
+        prefill = _prefill_times(ctx, (512, 1024), ctx.pick(3, 2, 1))
+        details["prefill_s"] = prefill
+        for n in (512, 1024):
+            keys[f"transfer_share_of_prefill_{n}"] = med[("zmq_ipc", n)] / prefill[n]
+            details[f"shm_share_of_prefill_{n}"] = med[("shm", n)] / prefill[n]
+    table = []
+    for n in SIZES:
+        nbytes = -(-n // layout.block_size) * bpb
+        for arm in ARMS:
+            xs = times[(arm, n)]
+            table.append(
+                {
+                    "tokens": n,
+                    "arm": arm,
+                    "MB": nbytes / 1e6,
+                    "median_ms": med[(arm, n)] * 1e3,
+                    "p90_ms": percentile(xs, 90) * 1e3,
+                    "GB/s": nbytes / med[(arm, n)] / 1e9,
+                }
+            )
+    details["times_s"] = {f"{a}/{n}": v for (a, n), v in times.items()}
+    return BenchReport(keys=keys, table=table, details=details, targets=TARGETS)
+
+
+def _prefill_times(ctx: BenchContext, lengths: tuple[int, ...], reps: int) -> dict[int, float]:
+    """Median time to first token of an n-token prompt on the real model (max_tokens=1)."""
+    from cluster import LLM
+    from cluster.common.sampling_params import SamplingParams
+
+    ctx.progress("loading the default model to time prefill")
+    llm = LLM(config=ctx.config.replace({"cache.num_blocks": 160}))
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    rng = np.random.default_rng(0)
+    llm.generate([list(range(100, 164))], params)  # warm-up
+    out: dict[int, float] = {}
+    for n in lengths:
+        samples = []
+        for _ in range(reps):
+            prompt = [int(t) for t in rng.integers(100, 20000, size=n)]  # never a cache hit
+            t0 = time.perf_counter()
+            llm.generate([prompt], params)
+            samples.append(time.perf_counter() - t0)
+        out[n] = statistics.median(samples)
+        ctx.progress(f"prefill {n} tokens: {out[n] * 1e3:.0f} ms")
+    return out
