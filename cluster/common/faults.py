@@ -91,6 +91,14 @@ class FaultPoints:
             if spec.nth == n:
                 self._act(spec)
 
+    async def hit_async(self, name: str) -> None:
+        """``hit`` from asyncio code: a pause or hang blocks a worker thread, not the event loop
+        (which must keep serving, e.g. the call that releases the pause)."""
+        if name in self._specs:
+            import asyncio
+
+            await asyncio.to_thread(self.hit, name)
+
     def release(self, name: str) -> None:
         """Let threads paused at ``name`` (now or later) continue."""
         self._event(self._released, name).set()

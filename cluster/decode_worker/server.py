@@ -261,7 +261,7 @@ class _Run:
         srv.receiver.hold(kv)  # heartbeat the lease while the request waits for blocks
         res = await self._with_deadline(reservation)
         self.usage.phases["decode_queue_ms"] = (time.monotonic() - self.arrival) * 1000
-        srv.faults.hit("d.after_alloc_before_pull")
+        await srv.faults.hit_async("d.after_alloc_before_pull")
         k = min(res.num_hit_blocks, len(kv.block_ids))
         t0 = time.monotonic()
         try:
@@ -304,7 +304,7 @@ class _Run:
                 code = ErrorCode.ABORTED if self.first_token_at else ErrorCode.UNAVAILABLE
                 raise PDServeError(code, out.error, self.rid)
             for _ in out.new_token_ids:
-                srv.faults.hit("d.mid_decode_token_k")
+                await srv.faults.hit_async("d.mid_decode_token_k")
             chunk = self._chunk(out)
             if out.finished:
                 self.finished = True

@@ -79,6 +79,7 @@ class LLMEngine:
         self._reservations: list[KVReservation] = []
         self._seed_rng = random.Random(config.model.seed)
         self.counters = EngineCounters()
+        self.last_num_scheduled = 0  # items + reservations of the last step (idle detection)
         self.eos_token_ids: tuple[int, ...] = tuple(self.tokenizer.eos_token_ids)
 
     # -- intake -------------------------------------------------------------------------------
@@ -207,6 +208,7 @@ class LLMEngine:
         outputs, self._pending_outputs = self._pending_outputs, []
         batch = self.scheduler.schedule()
         self._reservations.extend(batch.reservations)
+        self.last_num_scheduled = len(batch.items) + len(batch.reservations)
         if batch.is_empty:
             return outputs
         result = self.runner.execute(batch)

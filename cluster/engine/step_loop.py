@@ -145,6 +145,11 @@ class EngineLoop:
                 if self._after_step is not None:
                     self._after_step(engine)
                 self._stats = engine.stats()
+                if not outputs and engine.last_num_scheduled == 0:
+                    # Everything left waits on the outside (KV in flight, held blocks): sleep
+                    # until a command arrives instead of spinning.
+                    self._wake.wait(self._idle_wait_s)
+                    self._wake.clear()
         except Exception as e:  # a broken step: fail everything in flight, loudly
             logger.exception("engine step failed; failing all in-flight requests")
             self.fatal_error = f"engine step failed: {type(e).__name__}: {e}"

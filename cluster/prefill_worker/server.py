@@ -155,7 +155,7 @@ class PrefillServer:
                 self.loop.call(lambda eng: eng.release(rid))  # nothing to pull: free at once
                 yield reply
                 return
-            self.faults.hit("p.after_prefill_before_publish")
+            await self.faults.hit_async("p.after_prefill_before_publish")
             block_ids = await asyncio.wrap_future(
                 self.loop.call(lambda eng: list(eng.held_block_ids(rid)))
             )
@@ -167,7 +167,7 @@ class PrefillServer:
                 block_hashes=call.block_hashes[: len(block_ids)],
             )
             registered = True
-            self.faults.hit("p.after_publish_before_send")
+            await self.faults.hit_async("p.after_publish_before_send")
             reply.kv = params.to_dict()
             yield reply
             await lease.ended.wait()

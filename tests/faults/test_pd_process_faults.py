@@ -76,38 +76,43 @@ async def assert_idle_clean(*workers: Worker, timeout: float = 5.0) -> None:
         client.close()
 
 
-def test_f2_prefill_dies_after_kv_ready_before_the_pull(tmp_path: Path) -> None:
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_f2_prefill_dies_after_kv_ready_before_the_pull(policy: str, tmp_path: Path) -> None:
     """Recompute policy: oracle-identical; fail policy: a clear error within the timeout."""
     p = prompt(90, 1)
     expected = oracle({"a": p}, 10)["a"]
-    for policy in ("recompute", "fail"):
-        c = cfg(**{"testing.fault_points": ["d.after_alloc_before_pull=pause"],
-                   "transfer.on_failure": policy})
-        pw = start_worker("prefill", c, tmp_path, name=f"p-{policy}")
-        dw = start_worker("decode", c, tmp_path, prefill=[pw.endpoint], name=f"d-{policy}")
-        try:
-            async def main() -> None:
-                client = RpcClient(dw.endpoint)
-                task = asyncio.create_task(tokens_of(client, gen_call("a", p, 10)))
-                assert await client.call("wait_paused", "d.after_alloc_before_pull", 30.0)
-                pw.kill()  # the prefill replica dies holding the KV, before the pull
-                pw.popen.wait(10)
-                await client.call("release_fault", "d.after_alloc_before_pull")
-                t0 = time.monotonic()
-                if policy == "recompute":
-                    assert await task == expected
-                else:
-                    with pytest.raises(PDServeError) as err:
-                        await task
-                    assert err.value.code == ErrorCode.ABORTED  # the first token was streamed
-                    assert "KV transfer failed" in err.value.message
-                    assert time.monotonic() - t0 <= 1.5
-                client.close()
-                await assert_idle_clean(dw)
+    c = cfg(
+        **{
+            "testing.fault_points": ["d.after_alloc_before_pull=pause"],
+            "transfer.on_failure": policy,
+        }
+    )
+    pw = start_worker("prefill", c, tmp_path)
+    dw = start_worker("decode", c, tmp_path, prefill=[pw.endpoint])
+    try:
 
-            asyncio.run(main())
-        finally:
-            stop_workers([dw, pw])
+        async def main() -> None:
+            client = RpcClient(dw.endpoint)
+            task = asyncio.create_task(tokens_of(client, gen_call("a", p, 10)))
+            assert await client.call("wait_paused", "d.after_alloc_before_pull", 30.0)
+            pw.kill()  # the prefill replica dies holding the KV, before the pull
+            pw.popen.wait(10)
+            await client.call("release_fault", "d.after_alloc_before_pull")
+            t0 = time.monotonic()
+            if policy == "recompute":
+                assert await task == expected
+            else:
+                with pytest.raises(PDServeError) as err:
+                    await task
+                assert err.value.code == ErrorCode.ABORTED, err.value  # first token streamed
+                assert "KV transfer failed" in err.value.message
+                assert time.monotonic() - t0 <= 1.5
+            client.close()
+            await assert_idle_clean(dw)
+
+        asyncio.run(main())
+    finally:
+        stop_workers([dw, pw])
 
 
 def test_f3_prefill_dies_mid_transfer_and_partial_blocks_are_never_reused(tmp_path: Path) -> None:
@@ -118,6 +123,7 @@ def test_f3_prefill_dies_mid_transfer_and_partial_blocks_are_never_reused(tmp_pa
     pw = start_worker("prefill", c, tmp_path)
     dw = start_worker("decode", c, tmp_path, prefill=[pw.endpoint])
     try:
+
         async def main() -> None:
             client = RpcClient(dw.endpoint)
             assert await tokens_of(client, gen_call("a", shared, 8)) == expected["a"]
@@ -139,12 +145,16 @@ def test_f3_prefill_dies_mid_transfer_and_partial_blocks_are_never_reused(tmp_pa
 def test_f1_prefill_dies_before_publishing_retries_on_the_other(tmp_path: Path) -> None:
     p = prompt(60, 3)
     expected = oracle({"a": p}, 8)["a"]
-    bad = start_worker("prefill", cfg(**{"testing.fault_points":
-                                         ["p.after_prefill_before_publish=kill"]}),
-                       tmp_path, name="p-bad")
+    bad = start_worker(
+        "prefill",
+        cfg(**{"testing.fault_points": ["p.after_prefill_before_publish=kill"]}),
+        tmp_path,
+        name="p-bad",
+    )
     good = start_worker("prefill", cfg(), tmp_path, name="p-good")
     dw = start_worker("decode", cfg(), tmp_path, prefill=[bad.endpoint, good.endpoint])
     try:
+
         async def main() -> None:
             client = RpcClient(dw.endpoint)
             assert await tokens_of(client, gen_call("a", p, 8)) == expected
@@ -163,6 +173,7 @@ def test_f5_decode_never_pulls_and_every_lease_expires(tmp_path: Path) -> None:
     n = 20
     pw = start_worker("prefill", cfg(), tmp_path)
     try:
+
         async def main() -> None:
             client = RpcClient(pw.endpoint)
 
@@ -192,6 +203,7 @@ def test_f6_decode_queued_longer_than_the_lease_keeps_its_leases(tmp_path: Path)
     pw = start_worker("prefill", c, tmp_path)
     dw = start_worker("decode", c, tmp_path, prefill=[pw.endpoint])
     try:
+
         async def main() -> None:
             client = RpcClient(dw.endpoint)
             got = await asyncio.gather(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -26,10 +27,8 @@ class Worker:
     log: Path
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, sig)
-        except ProcessLookupError:
-            pass
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -40,15 +39,25 @@ def start_worker(
 ) -> Worker:
     name = name or role
     ready = workdir / f"{name}.ready"
+    ready.unlink(missing_ok=True)  # a stale file would name a dead worker's endpoint
     log = workdir / f"{name}.log"
-    cmd = [sys.executable, "-m", "tests.harness.worker", role,
-           "--config-json", json.dumps(config.to_dict()), "--ready-file", str(ready)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.harness.worker",
+        role,
+        "--config-json",
+        json.dumps(config.to_dict()),
+        "--ready-file",
+        str(ready),
+    ]
     for ep in prefill:
         cmd += ["--prefill", ep]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     with log.open("wb") as out:
-        popen = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+        popen = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     deadline = time.monotonic() + 120
     while not ready.exists():
         if popen.poll() is not None:

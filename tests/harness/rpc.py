@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import inspect
 import itertools
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,6 +23,8 @@ from cluster.common.errors import ErrorCode, PDServeError
 from cluster.common.protocol import GenerateCall, PrefillCall, PrefillReply, StreamChunk, Usage
 from cluster.common.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
 _TYPES = {c.__name__: c for c in (GenerateCall, PrefillCall, PrefillReply, StreamChunk, Usage)}
 
 
@@ -29,8 +32,10 @@ def _enc(obj: Any) -> Any:
     if isinstance(obj, SamplingParams):
         return {"__t": "SamplingParams", "v": obj.to_dict()}
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {"__t": type(obj).__name__,
-                "v": {f.name: _enc(getattr(obj, f.name)) for f in dataclasses.fields(obj)}}
+        return {
+            "__t": type(obj).__name__,
+            "v": {f.name: _enc(getattr(obj, f.name)) for f in dataclasses.fields(obj)},
+        }
     if isinstance(obj, list | tuple):
         return [_enc(x) for x in obj]
     if isinstance(obj, dict):
@@ -89,6 +94,7 @@ class RpcServer:
 
     async def _run(self, ident: bytes, msg: dict[str, Any]) -> None:
         cid = msg["id"]
+        logger.debug("rpc %s #%s start", msg["method"], cid)
         try:
             fn = getattr(self.target, msg["method"])
             result = fn(*msg.get("args", []))
@@ -105,9 +111,11 @@ class RpcServer:
         except PDServeError as e:
             await self._send(ident, cid, "error", {"code": e.code.value, "message": e.message})
         except Exception as e:  # reported to the caller; the server keeps serving
-            await self._send(ident, cid, "error",
-                             {"code": "INTERNAL", "message": f"{type(e).__name__}: {e}"})
+            await self._send(
+                ident, cid, "error", {"code": "INTERNAL", "message": f"{type(e).__name__}: {e}"}
+            )
         finally:
+            logger.debug("rpc %s #%s end", msg["method"], cid)
             self._tasks.pop((ident, cid), None)
 
 
@@ -154,7 +162,9 @@ class RpcClient:
         self._queues[cid] = q
         done = False
         try:
-            await self.sock.send_multipart([pack({"id": cid, "method": method, "args": list(args)})])
+            await self.sock.send_multipart(
+                [pack({"id": cid, "method": method, "args": list(args)})]
+            )
             while True:
                 msg = await q.get()
                 if msg["kind"] == "item":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,6 +21,8 @@ from cluster.common.errors import ErrorCode, PDServeError
 from cluster.common.protocol import GenerateCall, PrefillCall, PrefillReply, StreamChunk
 from cluster.config import config_from_dict
 from tests.harness.rpc import RpcClient, RpcServer
+
+FIRST_REPLY_TIMEOUT_S = 3.0
 
 
 class HarnessPrefillClient:
@@ -42,11 +45,13 @@ class HarnessPrefillClient:
         for ep in order:  # excluding each failed replica in turn
             stream = self._client(ep).stream("prefill", call)
             try:
-                first = await stream.__anext__()
-            except PDServeError as e:
-                if e.code != ErrorCode.UNAVAILABLE:
+                # A dead worker's endpoint never connects (no disconnect event): bound the wait.
+                first = await asyncio.wait_for(stream.__anext__(), FIRST_REPLY_TIMEOUT_S)
+            except (PDServeError, asyncio.TimeoutError) as e:
+                if isinstance(e, PDServeError) and e.code != ErrorCode.UNAVAILABLE:
                     raise
                 last = e
+                await stream.aclose()
                 continue
             try:
                 yield first
@@ -132,4 +137,8 @@ if __name__ == "__main__":
     p.add_argument("--config-json", required=True)
     p.add_argument("--ready-file", required=True)
     p.add_argument("--prefill", action="append", default=[])
+    logging.basicConfig(
+        level=logging.DEBUG if os.environ.get("PDSERVE_TEST_DEBUG") else logging.INFO,
+        format="%(asctime)s %(threadName)s %(name)s: %(message)s",
+    )
     asyncio.run(main(p.parse_args()))

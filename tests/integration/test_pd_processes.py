@@ -33,25 +33,31 @@ TEXTS = [
 def test_prefill_and_decode_processes_match_offline(real_model_dir: Path, tmp_path: Path) -> None:
     from cluster import LLM
 
-    cfg = make_config(**{
-        "model.path": str(real_model_dir),
-        "model.num_threads": 1,
-        "cache.num_blocks": 192,
-        "decode.local_prefill_threshold": 16,
-        "transfer.transports": ["zmq"],
-    })
+    cfg = make_config(
+        **{
+            "model.path": str(real_model_dir),
+            "model.num_threads": 1,
+            "cache.num_blocks": 192,
+            "decode.local_prefill_threshold": 16,
+            "transfer.transports": ["zmq"],
+        }
+    )
     llm = LLM(config=cfg.replace({"model.num_threads": 2}))
     tok = llm.tokenizer
-    prompts = {f"r{i}": tok.encode_chat([{"role": "user", "content": t}])
-               for i, t in enumerate(TEXTS)}
+    prompts = {
+        f"r{i}": tok.encode_chat([{"role": "user", "content": t}]) for i, t in enumerate(TEXTS)
+    }
     prompts["raw0"], prompts["raw1"] = tok.encode("Hello"), tok.encode("The sky is")
     params = greedy(24)
-    ref = {rid: o.token_ids for rid, o in zip(prompts, llm.generate(list(prompts.values()), params))}
+    ref = {
+        rid: o.token_ids for rid, o in zip(prompts, llm.generate(list(prompts.values()), params))
+    }
     del llm
 
     prefill = start_worker("prefill", cfg, tmp_path)
     decode = start_worker("decode", cfg, tmp_path, prefill=[prefill.endpoint])
     try:
+
         async def main() -> tuple[dict, dict, dict, str, str]:
             client = RpcClient(decode.endpoint)
             pclient = RpcClient(prefill.endpoint)
