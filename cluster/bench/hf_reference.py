@@ -25,12 +25,9 @@ def load_hf_model(model_dir: Path) -> Any:
 
 
 def pad_token_id(model: Any) -> int:
-    """Pad with EOS (the model's own pad id when it has one)."""
-    cfg = model.config
-    pad = cfg.pad_token_id if cfg.pad_token_id is not None else cfg.eos_token_id
-    if isinstance(pad, list):
-        pad = pad[0]
-    return int(pad)
+    """Pad with EOS, as BENCHMARKS.md's HF arm does (padded rows are masked anyway)."""
+    eos = model.config.eos_token_id
+    return int(eos[0] if isinstance(eos, list) else eos)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
