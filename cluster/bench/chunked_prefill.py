@@ -28,7 +28,9 @@ from typing import Any
 
 from cluster.bench.harness import BenchContext, BenchReport, percentile, summary
 from cluster.bench.workloads import (
+    CpuMeter,
     Timeline,
+    bench_threads,
     drain,
     exact_tokens,
     make_engine,
@@ -58,6 +60,7 @@ class ArmRun:
     long_ttfts: list[float]
     tpot_mean: float
     duration_s: float
+    cpu_util: float  # < ~0.8: other work on the machine took cores during this arm
 
 
 def run_arm(
@@ -72,6 +75,7 @@ def run_arm(
     engine = make_engine(ctx, overrides, runner=runner)
     warm_up(engine, random.Random(1), 16, 2)
     decodes: dict[str, Timeline] = {}
+    meter = CpuMeter(bench_threads(ctx))
     t0 = time.perf_counter()
     for i, prompt in enumerate(decode_prompts):
         rid = f"decode-{i}"
@@ -102,6 +106,7 @@ def run_arm(
         [tl.ttft for tl in longs.values()],
         statistics.fmean(tpots),
         duration,
+        meter.utilisation(),
     )
 
 
@@ -168,7 +173,7 @@ def run(ctx: BenchContext) -> BenchReport:
             ctx.progress(
                 f"pair {pair + 1}/{num_pairs} {name}: p99 ITL {1e3 * percentile(r.itls, 99):.0f} "
                 f"ms, long TTFT {1e3 * statistics.fmean(r.long_ttfts):.0f} ms, "
-                f"{r.duration_s:.1f} s"
+                f"{r.duration_s:.1f} s, cpu util {r.cpu_util:.2f}"
             )
         runs.append((done[names[0]], done[names[1]]))
 
@@ -189,6 +194,7 @@ def run(ctx: BenchContext) -> BenchReport:
                     "tpot_mean_ms": 1e3 * r.tpot_mean,
                     "long_ttft_mean_ms": 1e3 * statistics.fmean(r.long_ttfts),
                     "duration_s": r.duration_s,
+                    "cpu_util": r.cpu_util,
                 }
             )
     files: list[str] = []

@@ -26,8 +26,10 @@ from typing import Any
 from cluster.bench.harness import BenchContext, BenchReport, summary
 from cluster.bench.hf_reference import generate_exact, load_hf_model
 from cluster.bench.workloads import (
+    CpuMeter,
     Timeline,
     bench_model_dir,
+    bench_threads,
     drain,
     exact_tokens,
     make_engine,
@@ -54,6 +56,7 @@ class ArmRun:
     arm: str
     duration_s: float
     e2el_s: list[float]
+    cpu_util: float  # < ~0.8: other work on the machine took cores during this arm
     ttft_s: list[float] | None = None
     num_preemptions: int = 0
 
@@ -74,6 +77,7 @@ def make_workload(
 def run_ours(ctx: BenchContext, runner: ModelRunner, w: Workload) -> ArmRun:
     engine = make_engine(ctx, runner=runner)
     warm_up(engine, random.Random(1), 16, 2)
+    meter = CpuMeter(bench_threads(ctx))
     t0 = time.perf_counter()
     arrival = time.monotonic()
     timelines = {}
@@ -90,12 +94,14 @@ def run_ours(ctx: BenchContext, runner: ModelRunner, w: Workload) -> ArmRun:
         "ours",
         max(e2el),
         e2el,
+        meter.utilisation(),
         [tl.ttft for tl in timelines.values()],
         int(engine.stats()["num_preemptions"]),
     )
 
 
-def run_hf(model: Any, w: Workload, batch_size: int) -> ArmRun:
+def run_hf(model: Any, w: Workload, batch_size: int, threads: int) -> ArmRun:
+    meter = CpuMeter(threads)
     t0 = time.perf_counter()
     e2el: list[float] = []
     for start in range(0, len(w.prompts), batch_size):
@@ -103,7 +109,7 @@ def run_hf(model: Any, w: Workload, batch_size: int) -> ArmRun:
         longest = max(w.output_lens[start : start + batch_size])
         generate_exact(model, prompts, longest)
         e2el.extend([time.perf_counter() - t0] * len(prompts))
-    return ArmRun("hf_static_batch", e2el[-1], e2el)
+    return ArmRun("hf_static_batch", e2el[-1], e2el, meter.utilisation())
 
 
 def run(ctx: BenchContext) -> BenchReport:
@@ -128,11 +134,14 @@ def run(ctx: BenchContext) -> BenchReport:
         arms: dict[str, ArmRun] = {}
         for arm in ("ours", "hf") if pair % 2 == 0 else ("hf", "ours"):
             pin_threads(ctx)
-            arms[arm] = run_ours(ctx, runner, w) if arm == "ours" else run_hf(hf, w, hf_batch)
+            arms[arm] = (
+                run_ours(ctx, runner, w) if arm == "ours" else run_hf(hf, w, hf_batch, threads)
+            )
             r = arms[arm]
             ctx.progress(
                 f"pair {pair + 1}/{num_pairs} {r.arm}: {r.duration_s:.1f} s, "
-                f"{r.output_tok_s(w):.1f} tok/s, mean E2EL {statistics.fmean(r.e2el_s):.2f} s"
+                f"{r.output_tok_s(w):.1f} tok/s, mean E2EL {statistics.fmean(r.e2el_s):.2f} s, "
+                f"cpu util {r.cpu_util:.2f}"
             )
         runs.append((arms["ours"], arms["hf"]))
 
@@ -152,6 +161,7 @@ def run(ctx: BenchContext) -> BenchReport:
                     "e2el_p50_s": s["p50"],
                     "e2el_p99_s": s["p99"],
                     "ttft_mean_s": statistics.fmean(r.ttft_s) if r.ttft_s else "",
+                    "cpu_util": r.cpu_util,
                 }
             )
     return BenchReport(

@@ -110,6 +110,21 @@ def warm_up(engine: LLMEngine, rng: random.Random, prompt_len: int, num_tokens: 
     drain(engine, {})
 
 
+class CpuMeter:
+    """Share of the cores this process got over a stretch of wall time: near 1 when the arm ran
+    alone, well below when other work on the shared machine took cores (read its figures with
+    care). Process CPU time counts every torch thread."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self._wall = time.perf_counter()
+        self._cpu = time.process_time()
+
+    def utilisation(self) -> float:
+        wall = time.perf_counter() - self._wall
+        return (time.process_time() - self._cpu) / (wall * self.threads) if wall > 0 else 1.0
+
+
 @dataclass(slots=True)
 class Timeline:
     """One request as the client sees it: send time and the time of every streamed token."""
