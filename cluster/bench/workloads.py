@@ -110,6 +110,16 @@ def warm_up(engine: LLMEngine, rng: random.Random, prompt_len: int, num_tokens: 
     drain(engine, {})
 
 
+# An arm that got less than this share of its cores shared the machine with other work. With
+# torch's spinning OpenMP threads such an arm runs many times slower, not just somewhat slower.
+MIN_CPU_UTIL = 0.8
+
+
+def max_pair_retries(ctx: BenchContext) -> int:
+    """How often a disturbed pair of long arms is run again (never in smoke: no real timing)."""
+    return int(ctx.pick(2, 2, 0))
+
+
 class CpuMeter:
     """Share of the cores this process got over a stretch of wall time: near 1 when the arm ran
     alone, well below when other work on the shared machine took cores (read its figures with
