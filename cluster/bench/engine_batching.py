@@ -10,7 +10,7 @@ How (BENCHMARKS.md, P2):
   3. HF: ``generate`` (sdpa, KV cache, left padding) on static batches of 8 in arrival order,
      each batch run to its longest request; a request's E2EL = when its batch finished.
   4. Arms alternate (ours HF, HF ours, ...); ratios are per pair, the median reported. A pair
-     in which an arm got < 80% of its cores (another job on the shared machine) is run again,
+     in which an arm got < 93% of its cores (another job on the shared machine) is run again,
      at most twice.
 
 Keys: ``throughput_ratio`` (output tok/s ours / HF, counting only the tokens each request asked

@@ -112,7 +112,7 @@ def warm_up(engine: LLMEngine, rng: random.Random, prompt_len: int, num_tokens: 
 
 # An arm that got less than this share of its cores shared the machine with other work. With
 # torch's spinning OpenMP threads such an arm runs many times slower, not just somewhat slower.
-MIN_CPU_UTIL = 0.8
+MIN_CPU_UTIL = 0.93
 
 
 def max_pair_retries(ctx: BenchContext) -> int:
