@@ -62,7 +62,7 @@ class ArmRun:
     long_ttfts: list[float]
     tpot_mean: float
     duration_s: float
-    cpu_util: float  # < ~0.8: other work on the machine took cores during this arm
+    cpu_util: float  # < MIN_CPU_UTIL: other work on the machine took cores during this arm
 
 
 def run_arm(

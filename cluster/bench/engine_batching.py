@@ -60,7 +60,7 @@ class ArmRun:
     arm: str
     duration_s: float
     e2el_s: list[float]
-    cpu_util: float  # < ~0.8: other work on the machine took cores during this arm
+    cpu_util: float  # < MIN_CPU_UTIL: other work on the machine took cores during this arm
     ttft_s: list[float] | None = None
     num_preemptions: int = 0
 
