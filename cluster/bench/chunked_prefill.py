@@ -10,7 +10,8 @@ How (BENCHMARKS.md, P7):
      config demands: a long prompt is prefilled in one step, all decodes wait for it) vs chunk
      128 (default budget 2048: the prompt is spread over 8 steps, each still carrying the
      decodes). Each run gets a fresh engine on one shared runner; arms alternate, ratios are
-     per pair, the median reported.
+     per pair, the median reported. A pair in which an arm got < 93% of its cores (another job
+     on the shared machine) is run again, at most twice.
 
 ITL = gap between two consecutive step returns that gave a decode request a token, pooled over
 the 16 decodes. Keys: ``p99_itl_ratio`` (p99 ITL no chunking / chunk 128), ``long_ttft_cost``
