@@ -6,17 +6,25 @@ Each entry of ``BENCHMARKS`` names a module with ``run(ctx) -> BenchReport``.
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 from cluster.bench.harness import MODES, BenchContext, emit
 from cluster.config import ClusterConfig
 
 # name -> module (imported on demand: each pulls its own heavy dependencies)
 BENCHMARKS: dict[str, str] = {
+    "engine": "cluster.bench.engine_batching",
+    "decode-scaling": "cluster.bench.decode_scaling",
+    "prefix": "cluster.bench.prefix_cache",
+    "chunked-prefill": "cluster.bench.chunked_prefill",
     "kv-transfer": "cluster.bench.kv_transfer",
 }
 
 
-def run_benchmark(name: str, mode: str, config: ClusterConfig) -> int:
+def run_benchmark(
+    name: str, mode: str, config: ClusterConfig, results_dir: Path | None = None
+) -> int:
+    """Run one benchmark (or ``all``); JSON goes to ``results_dir`` (default bench/results)."""
     if mode not in MODES:
         raise ValueError(f"mode: unknown {mode!r}; valid: {', '.join(MODES)}")
     names = list(BENCHMARKS) if name == "all" else [name]
@@ -28,5 +36,7 @@ def run_benchmark(name: str, mode: str, config: ClusterConfig) -> int:
     for n in names:
         module = importlib.import_module(BENCHMARKS[n])
         ctx = BenchContext(name=n, mode=mode, config=config)
+        if results_dir is not None:
+            ctx.results_dir = results_dir
         emit(ctx, module.run(ctx))
     return 0

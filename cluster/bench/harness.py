@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -105,7 +106,12 @@ def emit(ctx: BenchContext, report: BenchReport) -> None:
         "table": report.table,
         "details": report.details,
         "files": report.files,
-        "machine": {"python": platform.python_version(), "platform": platform.platform()},
+        "machine": {
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            # Other work on a shared machine shows here: read a noisy run's figures with it.
+            "loadavg_1_5_15_at_end": os.getloadavg(),
+        },
         "wall_s": time.monotonic() - ctx.started,
     }
     path.write_text(json.dumps(payload, indent=2, default=str))

@@ -1,0 +1,169 @@
+"""P3 ``prefix``: the prefix cache.
+
+How (BENCHMARKS.md, P3):
+  1. 10 prefixes of 512 random tokens; each request is a prefix + a fresh 32-token suffix and
+     asks for 8 tokens; 5 requests per prefix (quick 3), shuffled (seed 0), sent one at a time
+     (each runs to completion before the next is sent). The first request of each prefix in the
+     shuffled order is a miss, the others hit the 512 cached tokens (32 full blocks).
+  2. After (or before: the order alternates) every miss, HF runs one forward of the same prompt
+     (``logits_to_keep=1`` as ``generate``'s prefill), the work a first token costs there.
+  3. No-share arm: prompts of the same length sharing nothing, each sent once to an engine with
+     caching on and once to one with caching off (alternating which goes first). Both engines
+     share one runner, so the two arms use the same weights in the same memory.
+  The engine's default scheduler (``chunk_size`` 256: a 544-token miss is prefilled in 3 chunks)
+  is used throughout, as a deployment would run it.
+
+TTFT = send -> the step return that carries the first token. Keys: ``ttft_speedup`` (median miss
+TTFT / median hit TTFT), ``miss_vs_hf`` (median over misses of our TTFT / the HF forward of the
+same prompt), ``no_share_regression`` (median over pairs of TTFT caching on / off).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from typing import Any
+
+from cluster.bench.harness import BenchContext, BenchReport, summary
+from cluster.bench.hf_reference import forward_time, load_hf_model
+from cluster.bench.workloads import (
+    bench_model_dir,
+    drain,
+    exact_tokens,
+    make_engine,
+    make_runner,
+    pin_threads,
+    random_prompt,
+    warm_up,
+)
+from cluster.engine.engine import LLMEngine
+
+
+def send_one(engine: LLMEngine, rid: str, prompt: list[int], num_tokens: int) -> tuple[float, int]:
+    """Run one request alone to completion; returns (TTFT seconds, prompt tokens from cache)."""
+    t0 = time.perf_counter()
+    engine.add_request(rid, prompt, exact_tokens(num_tokens))
+    while True:
+        outputs = engine.step()
+        now = time.perf_counter()
+        mine = [o for o in outputs if o.request_id == rid and o.new_token_ids]
+        if mine:
+            ttft, cached = now - t0, mine[0].num_cached_tokens
+            break
+    drain(engine, {})
+    return ttft, cached
+
+
+def run(ctx: BenchContext) -> BenchReport:
+    num_prefixes = ctx.pick(10, 10, 2)
+    per_prefix = ctx.pick(5, 3, 2)
+    prefix_len = ctx.pick(512, 512, 64)
+    suffix_len = ctx.pick(32, 32, 8)
+    num_out = ctx.pick(8, 8, 2)
+    num_no_share = ctx.pick(10, 6, 2)
+    ctx.progress("loading our runner and the HF reference")
+    threads = pin_threads(ctx)
+    runner = make_runner(ctx)
+    on = make_engine(ctx, {"cache.enable_prefix_caching": True}, runner=runner)
+    off = make_engine(ctx, {"cache.enable_prefix_caching": False}, runner=runner)
+    hf = load_hf_model(bench_model_dir(ctx))
+    pin_threads(ctx)
+    rng = random.Random(0)
+    vocab = runner.vocab_size
+    prompt_len = prefix_len + suffix_len
+    warm_up(on, rng, prompt_len, 1)
+    warm_up(off, rng, 16, 1)
+    forward_time(hf, random_prompt(rng, prompt_len, vocab))
+
+    # 1. The shared-prefix workload, with an HF forward paired with each miss.
+    prefixes = [random_prompt(rng, prefix_len, vocab) for _ in range(num_prefixes)]
+    order = [g for g in range(num_prefixes) for _ in range(per_prefix)]
+    rng.shuffle(order)
+    seen: set[int] = set()
+    miss_ttft: list[float] = []
+    hit_ttft: list[float] = []
+    hf_ttft: list[float] = []
+    miss_vs_hf: list[float] = []
+    cached_on_hits: list[int] = []
+    for i, g in enumerate(order):
+        prompt = prefixes[g] + random_prompt(rng, suffix_len, vocab)
+        is_miss = g not in seen
+        seen.add(g)
+        hf_first = is_miss and len(miss_ttft) % 2 == 1
+        hf_s = forward_time(hf, prompt) if hf_first else 0.0
+        ttft, cached = send_one(on, f"p{g}-{i}", prompt, num_out)
+        if is_miss:
+            hf_s = hf_s or forward_time(hf, prompt)
+            assert cached == 0, f"first request of prefix {g} hit {cached} cached tokens"
+            miss_ttft.append(ttft)
+            hf_ttft.append(hf_s)
+            miss_vs_hf.append(ttft / hf_s)
+        else:
+            cached_on_hits.append(cached)
+            hit_ttft.append(ttft)
+        kind = "miss" if is_miss else f"hit ({cached} cached)"
+        hf_note = f", HF forward {1e3 * hf_s:.0f} ms" if is_miss else ""
+        ctx.progress(
+            f"request {i + 1}/{len(order)} prefix {g} {kind}: TTFT {1e3 * ttft:.0f} ms{hf_note}"
+        )
+
+    # 2. Prompts that share nothing: caching on vs off.
+    share_ratios: list[float] = []
+    ttft_arm: dict[str, list[float]] = {"on": [], "off": []}
+    for k in range(num_no_share):
+        prompt = random_prompt(rng, prompt_len, vocab)
+        arms: dict[str, LLMEngine] = {"on": on, "off": off}
+        for name in ("on", "off") if k % 2 == 0 else ("off", "on"):
+            ttft, cached = send_one(arms[name], f"ns{k}-{name}", prompt, num_out)
+            assert cached == 0, "a no-share prompt hit the cache"
+            ttft_arm[name].append(ttft)
+        share_ratios.append(ttft_arm["on"][-1] / ttft_arm["off"][-1])
+        ctx.progress(
+            f"no-share pair {k + 1}/{num_no_share}: caching on "
+            f"{1e3 * ttft_arm['on'][-1]:.0f} ms, off {1e3 * ttft_arm['off'][-1]:.0f} ms"
+        )
+    on.check_integrity()
+    off.check_integrity()
+
+    def row(name: str, values: list[float]) -> dict[str, Any]:
+        s = summary(values)
+        return {
+            "arm": name,
+            "n": len(values),
+            "ttft_mean_ms": 1e3 * s["mean"],
+            "ttft_p50_ms": 1e3 * s["p50"],
+            "ttft_p90_ms": 1e3 * s["p90"],
+        }
+
+    return BenchReport(
+        keys={
+            "ttft_speedup": statistics.median(miss_ttft) / statistics.median(hit_ttft),
+            "miss_vs_hf": statistics.median(miss_vs_hf),
+            "no_share_regression": statistics.median(share_ratios),
+        },
+        table=[
+            row("miss (ours)", miss_ttft),
+            row("hit (ours)", hit_ttft),
+            row("HF forward, miss prompts", hf_ttft),
+            row("no-share, caching on", ttft_arm["on"]),
+            row("no-share, caching off", ttft_arm["off"]),
+        ],
+        targets={"ttft_speedup": ">= 8", "miss_vs_hf": "<= 1.1", "no_share_regression": "<= 1.03"},
+        details={
+            "threads": threads,
+            "chunk_size": on.config.scheduler.chunk_size,
+            "prefix_len": prefix_len,
+            "suffix_len": suffix_len,
+            "num_output_tokens": num_out,
+            "num_prefixes": num_prefixes,
+            "requests_per_prefix": per_prefix,
+            "cached_tokens_on_hits": summary([float(c) for c in cached_on_hits]),
+            "miss_ttft_s": miss_ttft,
+            "hit_ttft_s": hit_ttft,
+            "hf_forward_s": hf_ttft,
+            "miss_vs_hf_per_miss": miss_vs_hf,
+            "no_share_ratio_per_pair": share_ratios,
+            "ttft_speedup_means": statistics.fmean(miss_ttft) / statistics.fmean(hit_ttft),
+        },
+    )

@@ -1,0 +1,177 @@
+"""Shared pieces of the engine benchmarks: the model, engines, prompts and per-request clocks.
+
+Every arm of a benchmark runs in this one process with the same torch thread count, so arms
+measured side by side differ only in what they are meant to compare.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cluster.bench.harness import BenchContext
+from cluster.common.model_paths import require_model_dir
+from cluster.common.sampling_params import SamplingParams
+from cluster.config import ClusterConfig, cpu_count
+from cluster.engine.engine import LLMEngine, RequestOutput
+from cluster.engine.model_runner import ModelRunner, create_runner
+
+# Token ids below this are left out of random prompts (special tokens sit at the start of the
+# vocabularies we use: SmolLM2's 0-16, the tiny model's 0-2).
+FIRST_PLAIN_TOKEN = 17
+
+_tiny_model_dir: Path | None = None
+
+
+def bench_threads(ctx: BenchContext) -> int:
+    """Torch threads for every arm: the config's, else every core this process may use."""
+    return ctx.config.model.num_threads or cpu_count()
+
+
+def pin_threads(ctx: BenchContext) -> int:
+    """Set (again) the one thread count all arms share; HF arms run in this process too."""
+    n = bench_threads(ctx)
+    torch.set_num_threads(n)
+    return n
+
+
+def bench_model_dir(ctx: BenchContext) -> Path:
+    """The checkpoint every arm loads: the config's model; in smoke mode, unless the config
+    names one, the tiny random model."""
+    if ctx.config.model.path is None:
+        if ctx.smoke:
+            return tiny_model_dir()
+        from cluster.engine.models.default_model import ensure_default_model
+
+        return ensure_default_model(ctx.config)
+    return require_model_dir(ctx.config)
+
+
+def tiny_model_dir() -> Path:
+    """Build the tiny random Llama once per process into a temp dir (removed at exit)."""
+    global _tiny_model_dir
+    if _tiny_model_dir is None:
+        from cluster.engine.models.tiny import build_tiny_llama
+
+        tmp = Path(tempfile.mkdtemp(prefix="pdserve-bench-tiny-"))
+        atexit.register(shutil.rmtree, tmp, True)
+        _tiny_model_dir = build_tiny_llama(tmp / "model")
+    return _tiny_model_dir
+
+
+def engine_config(ctx: BenchContext, overrides: Mapping[str, Any] | None = None) -> ClusterConfig:
+    """The run's config on the benchmark model and thread count, plus dotted overrides."""
+    dotted: dict[str, Any] = {
+        "model.path": str(bench_model_dir(ctx)),
+        "model.num_threads": bench_threads(ctx),
+    }
+    dotted.update(overrides or {})
+    return ctx.config.replace(dotted)
+
+
+def make_runner(ctx: BenchContext, overrides: Mapping[str, Any] | None = None) -> ModelRunner:
+    return create_runner(engine_config(ctx, overrides))
+
+
+def make_engine(
+    ctx: BenchContext,
+    overrides: Mapping[str, Any] | None = None,
+    runner: ModelRunner | None = None,
+) -> LLMEngine:
+    """An engine; arms that differ only in scheduler or cache policy may share one runner
+    (same weights in the same memory), provided they never hold requests at the same time."""
+    return LLMEngine(engine_config(ctx, overrides), runner=runner)
+
+
+def random_prompt(rng: random.Random, num_tokens: int, vocab_size: int) -> list[int]:
+    return [rng.randrange(FIRST_PLAIN_TOKEN, vocab_size) for _ in range(num_tokens)]
+
+
+def exact_tokens(n: int) -> SamplingParams:
+    """Greedy, EOS ignored: exactly ``n`` output tokens (what BENCHMARKS.md pins)."""
+    return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
+
+
+def warm_up(engine: LLMEngine, rng: random.Random, prompt_len: int, num_tokens: int) -> None:
+    """One request end to end: first-call allocations and lazy inits happen outside the clock."""
+    engine.add_request(
+        "warm-up", random_prompt(rng, prompt_len, engine.vocab_size), exact_tokens(num_tokens)
+    )
+    drain(engine, {})
+
+
+# An arm that got less than this share of its cores shared the machine with other work. With
+# torch's spinning OpenMP threads such an arm runs many times slower, not just somewhat slower.
+MIN_CPU_UTIL = 0.93
+
+
+def max_pair_retries(ctx: BenchContext) -> int:
+    """How often a disturbed pair of long arms is run again (never in smoke: no real timing)."""
+    return int(ctx.pick(2, 2, 0))
+
+
+class CpuMeter:
+    """Share of the cores this process got over a stretch of wall time: near 1 when the arm ran
+    alone, well below when other work on the shared machine took cores (read its figures with
+    care). Process CPU time counts every torch thread."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self._wall = time.perf_counter()
+        self._cpu = time.process_time()
+
+    def utilisation(self) -> float:
+        wall = time.perf_counter() - self._wall
+        return (time.process_time() - self._cpu) / (wall * self.threads) if wall > 0 else 1.0
+
+
+@dataclass(slots=True)
+class Timeline:
+    """One request as the client sees it: send time and the time of every streamed token."""
+
+    send: float
+    token_times: list[float] = field(default_factory=list)
+    finished: bool = False
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.send
+
+    @property
+    def e2el(self) -> float:
+        return self.token_times[-1] - self.send
+
+    @property
+    def itls(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in itertools.pairwise(t)]
+
+
+def record(outputs: Iterable[RequestOutput], timelines: Mapping[str, Timeline], now: float) -> None:
+    """Stamp each output's tokens with ``now`` (the step's return: when a client could see them)."""
+    for out in outputs:
+        tl = timelines.get(out.request_id)
+        if tl is None:
+            continue
+        tl.token_times.extend([now] * len(out.new_token_ids))
+        tl.finished = tl.finished or out.finished
+
+
+def drain(engine: LLMEngine, timelines: Mapping[str, Timeline], max_steps: int = 1_000_000) -> int:
+    """Step until the engine is idle, recording token times; returns the number of steps."""
+    for n in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return n
+        outputs = engine.step()
+        record(outputs, timelines, time.perf_counter())
+    raise RuntimeError(f"engine not idle after {max_steps} steps")

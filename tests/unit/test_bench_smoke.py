@@ -1,0 +1,64 @@
+"""The engine benchmarks run end to end in ``--smoke`` mode (the tiny random model, seconds).
+
+Only the harness is checked: the RESULT line is the last stdout line and carries every key as
+a finite number, and the JSON lands in the results dir. The figures themselves mean nothing on
+the tiny model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from cluster.bench import BENCHMARKS, run_benchmark
+from tests.helpers import make_config
+
+EXPECTED_KEYS = {
+    "engine": {"throughput_ratio", "e2el_ratio"},
+    "decode-scaling": {
+        "scaling_b32",
+        "scaling_b32_ctx1024",
+        "b1_vs_hf",
+        "overhead_share",
+        "kv_waste",
+    },
+    "prefix": {"ttft_speedup", "miss_vs_hf", "no_share_regression"},
+    "chunked-prefill": {"p99_itl_ratio", "long_ttft_cost"},
+}
+
+
+def parse_result_line(line: str, name: str) -> dict[str, float]:
+    head, bench_name, *pairs = line.split()
+    assert (head, bench_name) == ("RESULT", name), line
+    return {k: float(v) for k, v in (p.split("=", 1) for p in pairs)}
+
+
+def test_every_engine_benchmark_is_registered() -> None:
+    assert set(EXPECTED_KEYS) <= set(BENCHMARKS)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", sorted(EXPECTED_KEYS))
+def test_smoke_run_writes_result_line_and_json(
+    name: str, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = make_config(**{"model.path": str(tiny_model_dir), "model.num_threads": 2})
+
+    assert run_benchmark(name, "smoke", config, results_dir=tmp_path) == 0
+
+    lines = capsys.readouterr().out.strip().splitlines()
+    keys = parse_result_line(lines[-1], name)
+    assert set(keys) == EXPECTED_KEYS[name]
+    assert all(math.isfinite(v) for v in keys.values()), keys
+    payload = json.loads((tmp_path / f"{name}.json").read_text())
+    assert payload["mode"] == "smoke"
+    assert set(payload["keys"]) == EXPECTED_KEYS[name]
+    assert payload["table"], "the human table has rows"
+
+
+def test_unknown_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="mode"):
+        run_benchmark("engine", "fast", make_config())
