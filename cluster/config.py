@@ -50,16 +50,17 @@ class ModelConfig:
     device: str = "auto"
     max_model_len: int | None = None  # None: the model's own limit, capped at 8192
     num_threads: int | None = None  # torch intra-op threads of this process; None: all cores
-    # Decode attention: native (a small C kernel reading the paged cache in place, CPU fp32),
-    # torch (gather + batched matmul, any device), or auto (native where it applies).
-    attention_backend: str = "auto"
+    # CPU fp32 fast paths: native (a small C kernel for paged decode attention reading the cache
+    # in place, and oneDNN linear layers), torch (plain torch ops, any device), or auto (native
+    # where it applies; torch otherwise).
+    kernels: str = "auto"
     seed: int = 0  # seed for requests that bring none
 
     def __post_init__(self) -> None:
         _check_choice(self.runner, "model.runner", _RUNNERS)
         _check_choice(self.dtype, "model.dtype", _DTYPES)
         _check_choice(self.device, "model.device", _DEVICES)
-        _check_choice(self.attention_backend, "model.attention_backend", _BACKENDS)
+        _check_choice(self.kernels, "model.kernels", _BACKENDS)
         if self.max_model_len is not None:
             _check(self.max_model_len >= 2, "model.max_model_len", "must be >= 2")
         if self.num_threads is not None:
@@ -496,10 +497,14 @@ def _deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> None:
             base[k] = v
 
 
+_POOL_SECTIONS = ("prefill", "decode")
+
+
 def flat_key_index() -> dict[str, str]:
     """Leaf name -> dotted path for every leaf whose name is unique in the tree.
 
-    Lets the offline API take ``LLM(block_size=16, max_num_seqs=8)``.
+    Lets the offline API take ``LLM(block_size=16, max_num_seqs=8)``. The pool sections
+    (``prefill``, ``decode``) only matter to a cluster and are left out.
     """
     seen: dict[str, list[str]] = {}
 
@@ -507,6 +512,8 @@ def flat_key_index() -> dict[str, str]:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             dotted = f"{prefix}.{f.name}" if prefix else f.name
+            if dotted in _POOL_SECTIONS:
+                continue
             if dataclasses.is_dataclass(hints[f.name]):
                 walk(hints[f.name], dotted)
             else:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 
 from cluster.common.kv_layout import KVLayout
 from cluster.common.model_paths import model_name, require_model_dir
@@ -24,6 +25,7 @@ from cluster.config import ClusterConfig, cpu_count
 from cluster.engine.attention import AttentionMetadata, PrefillSeq, decode_row_index
 from cluster.engine.kernels import load_paged_decode
 from cluster.engine.models.default_model import ensure_default_model
+from cluster.engine.models.llama import onednn_linear
 from cluster.engine.models.loader import load_llama
 from cluster.engine.sampler import SampleRequest, sample
 from cluster.engine.scheduler import ScheduledBatch, ScheduledRequest
@@ -118,8 +120,15 @@ class TorchModelRunner:
         if model_dir is None:
             model_dir = ensure_default_model(config) if config.model.path is None else None
             model_dir = model_dir or require_model_dir(config)
+        # CPU fp32 fast paths (model.kernels): oneDNN linear layers and the paged decode kernel.
+        self.native = config.model.kernels != "torch" and (
+            self.device.type == "cpu" and dtype == torch.float32
+        )
+        if config.model.kernels == "native" and not self.native:
+            raise ValueError("model.kernels: native needs a CPU fp32 model; use auto or torch")
+        linear = (onednn_linear() if self.native else None) or F.linear
         self.model, _hf_config = load_llama(
-            model_dir, dtype, self.device, config.model.max_model_len
+            model_dir, dtype, self.device, config.model.max_model_len, linear
         )
         self.tokenizer = Tokenizer(model_dir)
         arch = self.model.arch
@@ -145,12 +154,8 @@ class TorchModelRunner:
         )
 
     def _load_decode_kernel(self, config: ClusterConfig, dtype: torch.dtype) -> Any:
-        backend = config.model.attention_backend
-        if backend == "torch":
-            return None
-        applies = self.device.type == "cpu" and dtype == torch.float32
         kernel = None
-        if applies:
+        if self.native:
             arch = self.model.arch
             kernel = load_paged_decode(
                 config.paths.resolved_cache_dir,
@@ -158,11 +163,8 @@ class TorchModelRunner:
                 arch.num_heads,
                 arch.num_kv_heads,
             )
-        if kernel is None and backend == "native":
-            raise ValueError(
-                "model.attention_backend: native needs a CPU fp32 model and a C compiler "
-                "(cc); use auto or torch"
-            )
+        if kernel is None and config.model.kernels == "native":
+            raise ValueError("model.kernels: native needs a C compiler (cc); use auto or torch")
         return kernel
 
     # -- the step -----------------------------------------------------------------------------

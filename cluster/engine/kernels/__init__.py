@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("paged_decode.c")
 _MAX_GROUP = 64  # query heads per kv head the kernel's stack buffers hold
+_PARALLEL_MIN_WORK = 16384  # (request, kv head) items x context tokens
 
 
 def _compile(cache_dir: Path) -> Path | None:
@@ -109,7 +110,9 @@ class PagedDecodeKernel:
             layer,
             scale,
         )
-        n = min(self.num_threads, items)
+        # Small steps run inline: a thread hand-off costs more than the work it would split.
+        work = items * int(ctx_lens.max())
+        n = min(self.num_threads, items) if work >= _PARALLEL_MIN_WORK else 1
         if n <= 1:
             self._check(self._fn(*args, 0, items))
             return out

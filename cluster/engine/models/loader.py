@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from cluster.common.model_paths import resolve_max_model_len
-from cluster.engine.models.llama import LayerWeights, LlamaArch, LlamaModel
+from cluster.engine.models.llama import LayerWeights, Linear, LlamaArch, LlamaModel
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,11 @@ class _WeightReader:
 
 
 def load_llama(
-    model_dir: Path, dtype: torch.dtype, device: torch.device, max_model_len: int | None
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int | None,
+    linear: Linear = F.linear,
 ) -> tuple[LlamaModel, Any]:
     hf_config, arch_name = read_hf_config(model_dir)
     num_heads = int(hf_config.num_attention_heads)
@@ -150,7 +155,15 @@ def load_llama(
     lm_head = embed if lm_head_raw is None else lm_head_raw.to(device=device, dtype=dtype)
     inv_freq, attention_scaling = _rope(hf_config, head_dim)
     model = LlamaModel(
-        arch, embed, layers, w("norm.weight"), lm_head, inv_freq, attention_scaling, max_len
+        arch,
+        embed,
+        layers,
+        w("norm.weight"),
+        lm_head,
+        inv_freq,
+        attention_scaling,
+        max_len,
+        linear=linear,
     )
     logger.info(
         "loaded %s from %s: %d layers, %d/%d heads, max_model_len %d, %s on %s",

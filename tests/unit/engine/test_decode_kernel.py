@@ -55,7 +55,7 @@ def test_engine_backends_agree(tiny_model_dir: Path) -> None:
                 make_config(
                     **{
                         "model.path": str(tiny_model_dir),
-                        "model.attention_backend": backend,
+                        "model.kernels": backend,
                         "model.num_threads": 2,
                         "cache.num_blocks": 256,
                     }
