@@ -253,6 +253,41 @@ class DecodePoolConfig(PoolConfig):
 
 
 @dataclass(frozen=True)
+class RouterConfig:
+    """The public edge: Ray Serve ingress, gRPC and OpenAI-compatible HTTP."""
+
+    host: str = "127.0.0.1"  # public listeners; 0.0.0.0 only when configured (Kubernetes)
+    http_port: int = 8000
+    grpc_port: int = 9000
+    num_replicas: int = 1
+    num_cpus: float = 0.25
+    max_ongoing_requests: int = 1024
+    max_queued_requests: int = 256  # beyond this: RESOURCE_EXHAUSTED / HTTP 429 at once
+    request_timeout_s: float = 600.0  # default deadline of a request that brings none
+    max_request_bytes: int = 4 << 20  # gRPC message and HTTP body limit
+    retries: int = 3  # attempts before the first token reaches the client (never after)
+    assignment_timeout_s: float = 10.0  # a pool with no healthy replica answers UNAVAILABLE
+    api_keys: tuple[str, ...] = ()  # empty: no authentication; or $PDSERVE_API_KEYS (comma list)
+    api_keys_file: str = ""  # one key per line
+    model_name: str = ""  # the OpenAI `model` name; "" -> the model directory's name
+
+    def __post_init__(self) -> None:
+        for name in ("http_port", "grpc_port"):
+            _check(0 < getattr(self, name) < 65536, f"router.{name}", "must be a TCP port")
+        _check(self.http_port != self.grpc_port, "router.grpc_port", "must differ from http_port")
+        _check(self.num_replicas >= 1, "router.num_replicas", "must be >= 1")
+        _check(self.num_cpus > 0, "router.num_cpus", "must be > 0")
+        _check(self.max_ongoing_requests >= 1, "router.max_ongoing_requests", "must be >= 1")
+        _check(self.max_queued_requests >= 0, "router.max_queued_requests", "must be >= 0")
+        _check(self.request_timeout_s > 0, "router.request_timeout_s", "must be > 0")
+        _check(self.max_request_bytes >= 1024, "router.max_request_bytes", "must be >= 1024")
+        _check(self.retries >= 0, "router.retries", "must be >= 0")
+        _check(self.assignment_timeout_s > 0, "router.assignment_timeout_s", "must be > 0")
+        for key in self.api_keys:
+            _check(len(key) >= 8, "router.api_keys", "keys must be at least 8 characters")
+
+
+@dataclass(frozen=True)
 class PathsConfig:
     cache_dir: str = ""  # converted models and other caches; "" -> $PDSERVE_CACHE_DIR or XDG
 
@@ -267,6 +302,7 @@ class ClusterConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
     prefill: PrefillPoolConfig = field(default_factory=PrefillPoolConfig)
     decode: DecodePoolConfig = field(default_factory=DecodePoolConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
@@ -436,6 +472,10 @@ _SECRET_ENV = {
 
 
 def _fill_secrets_from_env(cfg: ClusterConfig) -> ClusterConfig:
+    keys = os.environ.get("PDSERVE_API_KEYS")
+    if keys and not cfg.router.api_keys:
+        parsed = tuple(k.strip() for k in keys.split(",") if k.strip())
+        cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, api_keys=parsed))
     for (section, key), env in _SECRET_ENV.items():
         value = os.environ.get(env)
         sec = getattr(cfg, section)
@@ -497,14 +537,14 @@ def _deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> None:
             base[k] = v
 
 
-_POOL_SECTIONS = ("prefill", "decode")
+_POOL_SECTIONS = ("router", "prefill", "decode")
 
 
 def flat_key_index() -> dict[str, str]:
     """Leaf name -> dotted path for every leaf whose name is unique in the tree.
 
-    Lets the offline API take ``LLM(block_size=16, max_num_seqs=8)``. The pool sections
-    (``prefill``, ``decode``) only matter to a cluster and are left out.
+    Lets the offline API take ``LLM(block_size=16, max_num_seqs=8)``. The cluster sections
+    (``router``, ``prefill``, ``decode``) only matter to a cluster and are left out.
     """
     seen: dict[str, list[str]] = {}
 
