@@ -210,6 +210,7 @@ class PoolConfig:
 
     num_replicas: int = 1
     num_cpus: float = 0.5  # Ray logical CPUs per replica (fractional: 2-core machines)
+    num_gpus: float = 0.0  # GPUs per replica (Ray resource)
     num_threads: int | None = None  # torch threads per replica; None: model.num_threads
     scheduler: SchedulerConfig | None = None  # this pool's batching; None: the scheduler section
     max_ongoing_requests: int | None = None  # None: sized to the batch (max_num_seqs + leases)
@@ -222,6 +223,7 @@ class PoolConfig:
     def _validate(self, name: str) -> None:
         _check(self.num_replicas >= 0, f"{name}.num_replicas", "must be >= 0")
         _check(self.num_cpus > 0, f"{name}.num_cpus", "must be > 0")
+        _check(self.num_gpus >= 0, f"{name}.num_gpus", "must be >= 0")
         if self.num_threads is not None:
             _check(self.num_threads >= 1, f"{name}.num_threads", "must be >= 1")
         if self.max_ongoing_requests is not None:

@@ -36,3 +36,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+
+
+from tests.serve_fixtures import serve_cluster  # noqa: E402, F401 (session-wide Ray + Serve)

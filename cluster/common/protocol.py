@@ -34,6 +34,7 @@ class GenerateCall:
     arrival_time: float = field(default_factory=time.time)  # wall clock at the router
     deadline: float | None = None  # wall clock; None: none
     router_queue_ms: float = 0.0
+    exclude_replicas: tuple[str, ...] = ()  # replicas that failed this request already
 
     def remaining_s(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.time()
@@ -50,6 +51,14 @@ class PrefillCall:
     seed: int  # the decode side's seed, so both sides sample the same tokens
     decode_endpoint: str = ""  # who will pull (logging, affinity)
     deadline: float | None = None
+    exclude_replicas: tuple[str, ...] = ()  # replicas that failed this request already
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """The first item of every pool stream: which replica took the call (retries exclude it)."""
+
+    replica_id: str
 
 
 @dataclass(slots=True)

@@ -288,3 +288,13 @@ class FakeTokenizer:
     def token_to_id(self, token: str) -> int | None:
         ids = self.encode(token)
         return ids[0] if len(ids) == 1 else None
+
+
+def load_tokenizer(config: Any) -> Tokenizer | FakeTokenizer:
+    """The tokenizer the config's model uses (torch-free; the router's entry point)."""
+    from cluster.common.model_paths import require_model_dir
+
+    if config.model.runner == "fake":
+        fm = config.testing.fake_model
+        return FakeTokenizer(fm.vocab_size, fm.eos_token_id)
+    return Tokenizer(require_model_dir(config))

@@ -1,0 +1,39 @@
+"""The Ray Serve application: Router (ingress) -> DecodeServer pool -> PrefillServer pool.
+
+``build_app`` is the import path Ray Serve and KubeRay use (``cluster.app:build_app``, with
+``args: {config_path: ..., overrides: {...}}``); ``build_application(config)`` is what
+``pdserve serve`` calls. Every Ray Serve option that matters comes from the config here:
+``max_ongoing_requests`` sized to the batch (not Serve's default 5), ``max_queued_requests`` for
+a fast RESOURCE_EXHAUSTED / 429, fractional CPUs, ``graceful_shutdown_timeout_s`` above the KV
+lease, health checks, and the pools' request router.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cluster.common.serve_options import deployment_options
+from cluster.config import ClusterConfig, load_config
+from cluster.decode_worker.deployment import DecodeDeployment
+from cluster.pb import GRPC_SERVICER_FUNCTIONS  # noqa: F401 (re-exported for callers)
+from cluster.prefill_worker.deployment import PrefillDeployment
+from cluster.router.ingress import Router
+
+APP_NAME = "pdserve"
+
+
+def build_application(config: ClusterConfig) -> Any:
+    opts = deployment_options(config)
+    plain = config.to_dict()
+    prefill = PrefillDeployment.options(**opts["PrefillServer"]).bind(plain)
+    decode = DecodeDeployment.options(**opts["DecodeServer"]).bind(plain, prefill)
+    return Router.options(**opts["Router"]).bind(plain, decode)
+
+
+def build_app(args: dict[str, Any]) -> Any:
+    """Ray Serve / KubeRay entry point: ``args = {config_path, overrides}`` (both optional)."""
+    unknown = sorted(set(args) - {"config_path", "overrides"})
+    if unknown:
+        raise ValueError(f"app args: unknown {unknown}; valid: config_path, overrides")
+    config = load_config(args.get("config_path"), args.get("overrides") or None)
+    return build_application(config)

@@ -1,0 +1,259 @@
+"""The Router: Ray Serve ingress for gRPC (port 9000) and OpenAI-compatible HTTP (port 8000).
+
+Torch-free (a test imports it in a fresh interpreter and checks). Each request:
+  1. is authenticated (API keys, when configured: every route and method but health);
+  2. is validated and tokenized here, its block hashes computed: a bad request gets
+     INVALID_ARGUMENT / HTTP 400 naming the field before any worker is touched;
+  3. is streamed from a decode replica (``DecodeRelay``: retries only before the first token);
+  4. ends with usage (tokens, cached tokens, local vs remote prefill, per-phase times) and
+     metrics. Errors carry a code and a message, never a stack trace.
+The request id travels through every pool and appears in every log line about it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from cluster.router.auth import ApiKeyAuth
+from cluster.router.requests import ParsedRequest, RequestParser
+from cluster.router.responses import (
+    ChatStream,
+    CompletionStream,
+    aggregate_chat,
+    aggregate_completion,
+    grpc_chunk,
+    grpc_status,
+    openai_error,
+)
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from grpc_health.v1 import health_pb2
+from ray import serve
+
+from cluster.common.errors import ErrorCode, PDServeError
+from cluster.common.metrics import RouterMetrics
+from cluster.common.model_paths import model_limits, model_name
+from cluster.common.protocol import StreamChunk
+from cluster.common.tokenizer import load_tokenizer
+from cluster.config import config_from_dict
+from cluster.pb.pdserve.v1 import generation_pb2 as pb
+from cluster.router.relay import DecodeRelay
+
+logger = logging.getLogger(__name__)
+app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+
+
+@serve.deployment(name="Router")
+@serve.ingress(app)
+class Router:
+    def __init__(self, config: dict[str, Any], decode_handle: Any) -> None:
+        self.config = config_from_dict(config)
+        r = self.config.router
+        self.model = r.model_name or model_name(self.config)
+        self.limits = model_limits(self.config)
+        self.parser = RequestParser(
+            load_tokenizer(self.config),
+            self.limits,
+            self.model,
+            self.config.cache.block_size,
+            r,
+        )
+        self.auth = ApiKeyAuth(r)
+        self.relay = DecodeRelay(decode_handle, r)
+        self.decode_handle = decode_handle
+        self.metrics = RouterMetrics()
+        self.counts = {"requests": 0, "errors": 0}
+
+    # -- the shared path ----------------------------------------------------------------------
+
+    async def _run(self, parsed: ParsedRequest, route: str) -> AsyncIterator[StreamChunk]:
+        """Stream one validated request; records metrics; raises PDServeError."""
+        t0 = time.monotonic()
+        first: float | None = None
+        status = "ok"
+        usage = None
+        self.counts["requests"] += 1
+        logger.info(
+            "request %s: %s, %d prompt tokens",
+            parsed.request_id,
+            route,
+            len(parsed.prompt_token_ids),
+        )
+        try:
+            async for chunk in self.relay.stream(parsed.to_call((time.monotonic() - t0) * 1000)):
+                if first is None and (chunk.token_ids or chunk.text):
+                    first = time.monotonic()
+                if chunk.usage is not None:
+                    usage = chunk.usage
+                yield chunk
+        except PDServeError as e:
+            status = e.code.value.lower()
+            self.counts["errors"] += 1
+            logger.warning("request %s: %s", parsed.request_id, e)
+            raise
+        except BaseException:
+            status = "cancelled"
+            raise
+        finally:
+            self.metrics.observe_finished(
+                route,
+                status,
+                None if first is None else first - t0,
+                time.monotonic() - t0,
+                usage.completion_tokens if usage else 0,
+                usage.prompt_tokens if usage else 0,
+                usage.phases if usage else None,
+            )
+
+    # -- gRPC (through Ray Serve's gRPC proxy) ------------------------------------------------
+
+    def _grpc_auth(self, grpc_context: Any) -> None:
+        if self.auth.enabled:
+            md = dict(grpc_context.invocation_metadata())
+            self.auth.check(md.get("authorization"))
+
+    async def Generate(
+        self, request: pb.GenerateRequest, grpc_context: Any
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            self._grpc_auth(grpc_context)
+            parsed = self.parser.from_grpc(request)
+            async for chunk in self._run(parsed, "grpc"):
+                yield grpc_chunk(chunk)
+        except PDServeError as e:
+            grpc_context.set_code(grpc_status(e))
+            grpc_context.set_details(e.message)
+        except Exception:
+            logger.exception("gRPC Generate failed")
+            grpc_context.set_code(grpc.StatusCode.INTERNAL)
+            grpc_context.set_details("internal error")
+
+    async def GetModelInfo(
+        self, request: pb.ModelInfoRequest, grpc_context: Any
+    ) -> pb.ModelInfo:
+        try:
+            self._grpc_auth(grpc_context)
+        except PDServeError as e:
+            grpc_context.set_code(grpc_status(e))
+            grpc_context.set_details(e.message)
+            return pb.ModelInfo()
+        return pb.ModelInfo(
+            model=self.model,
+            max_model_len=self.limits.max_model_len,
+            vocab_size=self.limits.vocab_size,
+            block_size=self.config.cache.block_size,
+        )
+
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, grpc_context: Any
+    ) -> health_pb2.HealthCheckResponse:
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+    async def Watch(
+        self, request: health_pb2.HealthCheckRequest, grpc_context: Any
+    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        yield health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+    # -- OpenAI-compatible HTTP ---------------------------------------------------------------
+
+    async def _body(self, request: Request) -> dict[str, Any]:
+        self.auth.check(request.headers.get("authorization"))
+        limit = self.config.router.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise PDServeError(ErrorCode.RESOURCE_EXHAUSTED, f"request body exceeds {limit} bytes")
+        raw = await request.body()
+        if len(raw) > limit:
+            raise PDServeError(ErrorCode.RESOURCE_EXHAUSTED, f"request body exceeds {limit} bytes")
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise PDServeError(ErrorCode.INVALID_ARGUMENT, "body: not valid JSON") from None
+        if not isinstance(body, dict):
+            raise PDServeError(ErrorCode.INVALID_ARGUMENT, "body: must be a JSON object")
+        return body
+
+    async def _http(self, request: Request, kind: str) -> Response:
+        try:
+            body = await self._body(request)
+            parsed = (
+                self.parser.from_chat(body) if kind == "chat" else self.parser.from_completion(body)
+            )
+        except PDServeError as e:
+            status, payload = openai_error(e)
+            return JSONResponse(payload, status_code=status)
+        route = "chat" if kind == "chat" else "completions"
+        if parsed.stream:
+            fmt = (ChatStream if kind == "chat" else CompletionStream)(parsed, self.model)
+            return StreamingResponse(
+                self._sse(parsed, route, fmt),
+                media_type="text/event-stream",
+                headers={"x-request-id": parsed.request_id},
+            )
+        chunks: list[StreamChunk] = []
+        try:
+            async for chunk in self._run(parsed, route):
+                chunks.append(chunk)
+        except PDServeError as e:
+            status, payload = openai_error(e)
+            return JSONResponse(payload, status_code=status)
+        aggregate = aggregate_chat if kind == "chat" else aggregate_completion
+        return JSONResponse(
+            aggregate(parsed, self.model, chunks), headers={"x-request-id": parsed.request_id}
+        )
+
+    async def _sse(self, parsed: ParsedRequest, route: str, fmt: Any) -> AsyncIterator[str]:
+        try:
+            async for chunk in self._run(parsed, route):
+                for event in fmt.events(chunk):
+                    yield event
+            for event in fmt.finish():
+                yield event
+        except PDServeError as e:
+            # Headers are gone: the error travels as a final SSE event (never a silent cut).
+            _status, payload = openai_error(e)
+            yield f"data: {json.dumps(payload)}\n\n"
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._http(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._http(request, "chat")
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        try:
+            self.auth.check(request.headers.get("authorization"))
+        except PDServeError as e:
+            status, payload = openai_error(e)
+            return JSONResponse(payload, status_code=status)
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "pdserve",
+                        "max_model_len": self.limits.max_model_len,
+                    }
+                ],
+            }
+        )
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    # -- introspection (tests, operators) -----------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.counts, "retries": self.relay.num_retries}

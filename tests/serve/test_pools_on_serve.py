@@ -1,0 +1,75 @@
+"""The two pools as Ray Serve deployments (fake model): hand-off over handles, both clean."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from ray import serve
+
+from cluster.common.hashing import hash_block_tokens
+from cluster.common.protocol import Accepted, GenerateCall
+from cluster.common.serve_options import deployment_options
+from cluster.decode_worker.deployment import DecodeDeployment
+from cluster.engine.engine import LLMEngine
+from cluster.prefill_worker.deployment import PrefillDeployment
+from tests.helpers import fake_config, greedy, run_until_done
+from tests.serve_fixtures import ServeCluster, wait_until
+
+pytestmark = pytest.mark.timeout(300)
+
+CFG = {
+    "cache.num_blocks": 256,
+    "transfer.transports": ["shm", "zmq"],
+    "transfer.lease_s": 2.0,
+    "transfer.heartbeat_s": 0.2,
+    "decode.local_prefill_threshold": 16,
+    "prefill.graceful_shutdown_timeout_s": 5.0,
+    "decode.graceful_shutdown_timeout_s": 5.0,
+    "prefill.num_cpus": 0.5,
+    "decode.num_cpus": 0.5,
+}
+
+
+def deploy_pools(name: str, **overrides: Any) -> tuple[Any, Any]:
+    cfg = fake_config(**{**CFG, **overrides})
+    opts = deployment_options(cfg)
+    plain = cfg.to_dict()
+    prefill = PrefillDeployment.options(**opts["PrefillServer"]).bind(plain)
+    decode = DecodeDeployment.options(**opts["DecodeServer"]).bind(plain, prefill)
+    handle = serve.run(decode, name=name, route_prefix=None)
+    return cfg, handle
+
+
+def test_decode_pool_hands_off_to_prefill_pool(serve_cluster: ServeCluster) -> None:
+    cfg, handle = deploy_pools("pools")
+    try:
+        prompts = {
+            f"r{i}": [1 + (i * 29 + j * 7) % 500 for j in range(8 + 19 * i)] for i in range(6)
+        }
+        ref = LLMEngine(cfg)
+        for rid, p in prompts.items():
+            ref.add_request(rid, p, greedy(10))
+        expected = run_until_done(ref)
+
+        async def one(rid: str, p: list[int]) -> list[Any]:
+            call = GenerateCall(rid, p, hash_block_tokens(p, 16), greedy(10))
+            return [x async for x in handle.options(stream=True).generate.remote(call)]
+
+        async def main() -> dict[str, list[Any]]:
+            outs = await asyncio.gather(*(one(r, p) for r, p in prompts.items()))
+            return dict(zip(prompts, outs))
+
+        results = asyncio.run(main())
+        for rid, items in results.items():
+            assert isinstance(items[0], Accepted)
+            assert [t for c in items[1:] for t in c.token_ids] == expected[rid], rid
+        stats = handle.stats.remote().result()
+        remote = sum(len(p) > 16 for p in prompts.values())
+        assert stats["remote_prefills"] == remote and stats["local_prefills"] == 6 - remote
+        assert stats["transfer"]["transfers_ok"] == remote
+        assert handle.check_integrity.remote().result() == "ok"
+        assert wait_until(lambda: handle.stats.remote().result()["kv_used_blocks"] == 0)
+    finally:
+        serve.delete("pools")
