@@ -22,12 +22,17 @@ from cluster.router.ingress import Router
 APP_NAME = "pdserve"
 
 
+def _deployment(cls: Any) -> Any:
+    # @serve.deployment turns the class into a Deployment; its stubs do not say so.
+    return cls
+
+
 def build_application(config: ClusterConfig) -> Any:
     opts = deployment_options(config)
     plain = config.to_dict()
-    prefill = PrefillDeployment.options(**opts["PrefillServer"]).bind(plain)
-    decode = DecodeDeployment.options(**opts["DecodeServer"]).bind(plain, prefill)
-    return Router.options(**opts["Router"]).bind(plain, decode)
+    prefill = _deployment(PrefillDeployment).options(**opts["PrefillServer"]).bind(plain)
+    decode = _deployment(DecodeDeployment).options(**opts["DecodeServer"]).bind(plain, prefill)
+    return _deployment(Router).options(**opts["Router"]).bind(plain, decode)
 
 
 def build_app(args: dict[str, Any]) -> Any:

@@ -44,6 +44,9 @@ def cmd_model_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    config = _config(args)
+    if not args.offline and _generate_remote(args, config):
+        return 0
     from cluster.common.sampling_params import SamplingParams
     from cluster.engine.llm import LLM
 
@@ -53,7 +56,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
     )
-    llm = LLM(config=_config(args))
+    llm = LLM(config=config)
     if args.raw:
         prompt_ids = llm.tokenizer.encode(args.prompt)
     else:
@@ -63,6 +66,61 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     return 0
+
+
+def _generate_remote(args: argparse.Namespace, config: ClusterConfig) -> bool:
+    """Use a running cluster over gRPC when one answers health checks; False otherwise."""
+    import grpc
+
+    from cluster.client import PDServeClient
+
+    host = "127.0.0.1" if config.router.host in ("0.0.0.0", "::") else config.router.host
+    client = PDServeClient(
+        f"{host}:{config.router.grpc_port}",
+        api_key=config.router.api_keys[0] if config.router.api_keys else None,
+    )
+    try:
+        if not client.is_serving(timeout=0.5):
+            return False
+        sampling: dict[str, Any] = {
+            "max_tokens": args.max_tokens,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+        }
+        if args.seed is not None:
+            sampling["seed"] = args.seed
+        if args.raw:
+            stream = client.generate(args.prompt, **sampling)
+        else:
+            stream = client.generate(
+                messages=[{"role": "user", "content": args.prompt}], **sampling
+            )
+        try:
+            for msg in stream:
+                sys.stdout.write(msg.text)
+                sys.stdout.flush()
+        except grpc.RpcError as e:
+            raise ValueError(f"{e.code().name}: {e.details()}") from None
+        sys.stdout.write("\n")
+        return True
+    finally:
+        client.close()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from cluster.serve_main import serve_forever
+
+    extra: dict[str, Any] = {}
+    if args.prefill_replicas is not None:
+        extra["prefill.num_replicas"] = args.prefill_replicas
+    if args.decode_replicas is not None:
+        extra["decode.num_replicas"] = args.decode_replicas
+    return serve_forever(
+        _config(args, extra),
+        address=args.address,
+        metrics_port=args.metrics_port,
+        dashboard=args.dashboard,
+    )
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -92,8 +150,31 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument(
+        "--offline",
+        action="store_true",
+        help="run the engine in this process even if a cluster is up",
+    )
     _add_config_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="start (or join) Ray and serve the cluster")
+    srv.add_argument("--prefill-replicas", type=int, default=None)
+    srv.add_argument("--decode-replicas", type=int, default=None)
+    srv.add_argument(
+        "--address",
+        default=None,
+        help="an existing Ray cluster (e.g. auto, ray://host:10001); default: local",
+    )
+    srv.add_argument(
+        "--metrics-port",
+        type=int,
+        default=8080,
+        help="Prometheus metrics of this node (local Ray only)",
+    )
+    srv.add_argument("--dashboard", action="store_true", help="Ray dashboard on 127.0.0.1:8265")
+    _add_config_args(srv)
+    srv.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="run a benchmark (see BENCHMARKS.md)")
     bench.add_argument("name", help="benchmark name, or 'all'")

@@ -133,9 +133,7 @@ class Router:
             grpc_context.set_code(grpc.StatusCode.INTERNAL)
             grpc_context.set_details("internal error")
 
-    async def GetModelInfo(
-        self, request: pb.ModelInfoRequest, grpc_context: Any
-    ) -> pb.ModelInfo:
+    async def GetModelInfo(self, request: pb.ModelInfoRequest, grpc_context: Any) -> pb.ModelInfo:
         try:
             self._grpc_auth(grpc_context)
         except PDServeError as e:
