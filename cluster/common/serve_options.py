@@ -52,3 +52,8 @@ def deployment_options(config: ClusterConfig) -> dict[str, dict[str, Any]]:
             "ray_actor_options": {"num_cpus": r.num_cpus},
         },
     }
+
+
+def _router_config() -> Any:
+    fields: dict[str, Any] = {"request_router_class": LEAST_LOADED_ROUTER}
+    return RequestRouterConfig(**fields)
