@@ -29,9 +29,7 @@ def _pool_options(pool: PoolConfig, max_ongoing: int) -> dict[str, Any]:
         "health_check_period_s": pool.health_check_period_s,
         "health_check_timeout_s": pool.health_check_timeout_s,
         "ray_actor_options": actor,
-        "request_router_config": RequestRouterConfig(
-            **{"request_router_class": LEAST_LOADED_ROUTER}
-        ),
+        "request_router_config": _router_config(),
     }
 
 
