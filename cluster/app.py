@@ -30,7 +30,9 @@ def _deployment(cls: Any) -> Any:
 def build_application(config: ClusterConfig) -> Any:
     opts = deployment_options(config)
     plain = config.to_dict()
-    prefill = _deployment(PrefillDeployment).options(**opts["PrefillServer"]).bind(plain)
+    prefill = None
+    if config.prefill.num_replicas > 0:  # 0: a colocated cluster (every prefill is local)
+        prefill = _deployment(PrefillDeployment).options(**opts["PrefillServer"]).bind(plain)
     decode = _deployment(DecodeDeployment).options(**opts["DecodeServer"]).bind(plain, prefill)
     return _deployment(Router).options(**opts["Router"]).bind(plain, decode)
 

@@ -48,7 +48,6 @@ def start(
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
 
-    from cluster.app import APP_NAME, build_application
     from cluster.pb import GRPC_SERVICER_FUNCTIONS
 
     # Read by Serve's gRPC proxy when it starts (its processes inherit this environment).
@@ -68,6 +67,15 @@ def start(
         http_options=HTTPOptions(host=r.host, port=r.http_port),
         grpc_options=gRPCOptions(port=r.grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS),
     )
+    return deploy(config)
+
+
+def deploy(config: ClusterConfig) -> Any:
+    """(Re)deploy the application on the running Serve instance; returns its handle."""
+    from ray import serve
+
+    from cluster.app import APP_NAME, build_application
+
     return serve.run(build_application(config), name=APP_NAME, route_prefix="/")
 
 

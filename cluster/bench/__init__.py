@@ -18,6 +18,7 @@ BENCHMARKS: dict[str, str] = {
     "prefix": "cluster.bench.prefix_cache",
     "chunked-prefill": "cluster.bench.chunked_prefill",
     "kv-transfer": "cluster.bench.kv_transfer",
+    "serve": "cluster.bench.serve",
 }
 
 
