@@ -8,6 +8,7 @@ computed from those send times (same clock, same process) within 1 ms.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from typing import Any
 
@@ -60,7 +61,7 @@ def test_client_metrics_match_the_injected_schedule() -> None:
         assert rec.ok and rec.output_tokens == len(truth)
         assert abs(rec.ttft - (truth[0] - rec.send)) < 1e-3
         assert abs(rec.e2el - (truth[-1] - rec.send)) < 1e-3
-        for got, want in zip(rec.itls, [b - a for a, b in zip(truth, truth[1:])]):
+        for got, want in zip(rec.itls, [b - a for a, b in itertools.pairwise(truth)]):
             assert abs(got - want) < 1e-3
         if rec.output_tokens > 1:
             want_tpot = (truth[-1] - truth[0]) / (len(truth) - 1)
