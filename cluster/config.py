@@ -204,6 +204,103 @@ class TestingConfig:
             _check(bool(spec.strip()), "testing.fault_points", "entries must be non-empty")
 
 
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """How a pool's Ray Serve ``RequestRouter`` picks a replica (callers of the pool run it)."""
+
+    policy: str = "cache_aware"  # cache_aware | least_loaded
+    # Replicas publish their cached-block events (stored / evicted) this often.
+    stats_period_s: float = 0.5
+    # Scoring, in prompt-token equivalents: a candidate's score is the prefill work it saves
+    # (cached prefix tokens) minus queue_cost_tokens per outstanding request, minus (decode pool)
+    # transfer_cost_per_block per prompt block it lacks. A replica with less free KV than
+    # min_kv_headroom is only picked when no other one can take the request.
+    queue_cost_tokens: float = 256.0
+    transfer_cost_per_block: float = 0.5
+    min_kv_headroom: float = 0.05
+    # The index forgets a replica's blocks it has not confirmed within this long.
+    index_ttl_s: float = 30.0
+
+    def _validate(self, name: str) -> None:
+        _check_choice(self.policy, f"{name}.routing.policy", ("cache_aware", "least_loaded"))
+        _check(self.stats_period_s > 0, f"{name}.routing.stats_period_s", "must be > 0")
+        _check(self.queue_cost_tokens >= 0, f"{name}.routing.queue_cost_tokens", "must be >= 0")
+        _check(
+            self.transfer_cost_per_block >= 0,
+            f"{name}.routing.transfer_cost_per_block",
+            "must be >= 0",
+        )
+        _check(
+            0 <= self.min_kv_headroom < 1, f"{name}.routing.min_kv_headroom", "must be in [0, 1)"
+        )
+        _check(self.index_ttl_s > 0, f"{name}.routing.index_ttl_s", "must be > 0")
+
+
+@dataclass(frozen=True)
+class AutoscalingConfig:
+    """A pool's autoscaling policy, mapped onto Ray Serve's ``autoscaling_config`` fields.
+
+    Prefill scales on queued prefill tokens and recent TTFT against ``ttft_slo_ms``; decode on
+    KV-cache use, running sequences and recent TPOT against ``tpot_slo_ms``. Off by default: the
+    pool then runs ``num_replicas`` fixed replicas.
+    """
+
+    enabled: bool = False
+    min_replicas: int = 1
+    max_replicas: int = 4
+    initial_replicas: int | None = None  # None: min_replicas
+    metrics_interval_s: float = 10.0  # how often replicas report their signals
+    look_back_period_s: float = 30.0  # the window the signals are averaged over
+    upscale_delay_s: float = 30.0  # pressure must last this long before a scale-up
+    downscale_delay_s: float = 300.0  # calm must last this long before a scale-down
+    upscale_smoothing_factor: float = 1.0  # multiplies each step's change (<1: cautious)
+    downscale_smoothing_factor: float = 0.5
+    # Hysteresis: scale up when a signal exceeds its target, down only when every signal is
+    # below scale_down_ratio x its target for the whole delay.
+    scale_down_ratio: float = 0.6
+    # prefill signals
+    ttft_slo_ms: float = 2000.0
+    target_queued_prefill_tokens: int = 8192  # per replica
+    # decode signals
+    tpot_slo_ms: float = 200.0
+    target_kv_usage: float = 0.75  # fraction of a replica's KV blocks in use
+    target_running_fraction: float = 0.75  # running sequences / max_num_seqs per replica
+
+    def _validate(self, name: str) -> None:
+        n = f"{name}.autoscaling"
+        _check(self.min_replicas >= 0, f"{n}.min_replicas", "must be >= 0")
+        _check(
+            self.max_replicas >= max(1, self.min_replicas),
+            f"{n}.max_replicas",
+            f"must be >= max(1, min_replicas={self.min_replicas})",
+        )
+        if self.initial_replicas is not None:
+            _check(
+                self.min_replicas <= self.initial_replicas <= self.max_replicas,
+                f"{n}.initial_replicas",
+                "must lie in [min_replicas, max_replicas]",
+            )
+        for key in ("metrics_interval_s", "look_back_period_s", "ttft_slo_ms", "tpot_slo_ms"):
+            _check(getattr(self, key) > 0, f"{n}.{key}", "must be > 0")
+        for key in ("upscale_delay_s", "downscale_delay_s"):
+            _check(getattr(self, key) >= 0, f"{n}.{key}", "must be >= 0")
+        for key in ("upscale_smoothing_factor", "downscale_smoothing_factor"):
+            _check(getattr(self, key) > 0, f"{n}.{key}", "must be > 0")
+        _check(0 < self.scale_down_ratio < 1, f"{n}.scale_down_ratio", "must be in (0, 1)")
+        _check(
+            self.target_queued_prefill_tokens >= 1,
+            f"{n}.target_queued_prefill_tokens",
+            "must be >= 1",
+        )
+        _check(0 < self.target_kv_usage <= 1, f"{n}.target_kv_usage", "must be in (0, 1]")
+        _check(
+            0 < self.target_running_fraction <= 1,
+            f"{n}.target_running_fraction",
+            "must be in (0, 1]",
+        )
+
+
 @dataclass(frozen=True)
 class PoolConfig:
     """One pool (prefill or decode): its replicas and the Ray Serve settings that matter."""
@@ -219,8 +316,12 @@ class PoolConfig:
     health_check_period_s: float = 5.0
     health_check_timeout_s: float = 30.0
     resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources (multi-node)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    autoscaling: AutoscalingConfig = field(default_factory=AutoscalingConfig)
 
     def _validate(self, name: str) -> None:
+        self.routing._validate(name)
+        self.autoscaling._validate(name)
         _check(self.num_replicas >= 0, f"{name}.num_replicas", "must be >= 0")
         _check(self.num_cpus > 0, f"{name}.num_cpus", "must be > 0")
         _check(self.num_gpus >= 0, f"{name}.num_gpus", "must be >= 0")
@@ -474,6 +575,12 @@ _SECRET_ENV = {
 
 
 def _fill_secrets_from_env(cfg: ClusterConfig) -> ClusterConfig:
+    # The address peers dial for KV, per pod/node (Kubernetes: the pod IP via the downward API).
+    advertise = os.environ.get("PDSERVE_ADVERTISE_HOST")
+    if advertise and cfg.transfer.advertise_host is None:
+        cfg = dataclasses.replace(
+            cfg, transfer=dataclasses.replace(cfg.transfer, advertise_host=advertise)
+        )
     keys = os.environ.get("PDSERVE_API_KEYS")
     if keys and not cfg.router.api_keys:
         parsed = tuple(k.strip() for k in keys.split(",") if k.strip())
