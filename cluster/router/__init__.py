@@ -1,0 +1,1 @@
+"""The Ray Serve ingress: validation, tokenization, auth, the decode relay. Torch-free."""
