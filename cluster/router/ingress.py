@@ -19,17 +19,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from cluster.router.auth import ApiKeyAuth
-from cluster.router.requests import ParsedRequest, RequestParser
-from cluster.router.responses import (
-    ChatStream,
-    CompletionStream,
-    aggregate_chat,
-    aggregate_completion,
-    grpc_chunk,
-    grpc_status,
-    openai_error,
-)
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from grpc_health.v1 import health_pb2
@@ -42,7 +31,19 @@ from cluster.common.protocol import StreamChunk
 from cluster.common.tokenizer import load_tokenizer
 from cluster.config import config_from_dict
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
+from cluster.router.auth import ApiKeyAuth
 from cluster.router.relay import DecodeRelay
+from cluster.router.requests import ParsedRequest, RequestParser
+from cluster.router.responses import (
+    ChatStream,
+    CompletionStream,
+    aggregate_chat,
+    aggregate_completion,
+    error_event,
+    grpc_chunk,
+    grpc_status,
+    openai_error,
+)
 
 logger = logging.getLogger(__name__)
 app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
@@ -187,7 +188,8 @@ class Router:
             return JSONResponse(payload, status_code=status)
         route = "chat" if kind == "chat" else "completions"
         if parsed.stream:
-            fmt = (ChatStream if kind == "chat" else CompletionStream)(parsed, self.model)
+            stream_cls = ChatStream if kind == "chat" else CompletionStream
+            fmt = stream_cls(parsed, self.model, self.parser.tokenizer)
             return StreamingResponse(
                 self._sse(parsed, route, fmt),
                 media_type="text/event-stream",
@@ -202,7 +204,8 @@ class Router:
             return JSONResponse(payload, status_code=status)
         aggregate = aggregate_chat if kind == "chat" else aggregate_completion
         return JSONResponse(
-            aggregate(parsed, self.model, chunks), headers={"x-request-id": parsed.request_id}
+            aggregate(parsed, self.model, chunks, self.parser.tokenizer),
+            headers={"x-request-id": parsed.request_id},
         )
 
     async def _sse(self, parsed: ParsedRequest, route: str, fmt: Any) -> AsyncIterator[str]:
@@ -214,8 +217,7 @@ class Router:
                 yield event
         except PDServeError as e:
             # Headers are gone: the error travels as a final SSE event (never a silent cut).
-            _status, payload = openai_error(e)
-            yield f"data: {json.dumps(payload)}\n\n"
+            yield error_event(e)
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:

@@ -18,6 +18,12 @@ import pytest
         "cluster.common.hashing",
         "cluster.config",
         "cluster.common.kv_layout",
+        # The router is torch-free: its replicas never load torch or transformers.
+        "cluster.router.ingress",
+        "cluster.router.requests",
+        "cluster.router.responses",
+        "cluster.router.auth",
+        "cluster.router.relay",
     ],
 )
 def test_module_does_not_import_torch(module: str) -> None:

@@ -1,0 +1,421 @@
+"""Turning a gRPC or OpenAI request into a validated, tokenized ``GenerateCall`` (torch-free).
+
+Everything a client can get wrong is caught here, before any worker is touched, as an
+``INVALID_ARGUMENT`` (HTTP 400) whose message names the field: unknown or unsupported fields,
+types, ranges, token ids outside the vocabulary, prompt + max_tokens beyond the context.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.common.errors import ErrorCode, PDServeError, invalid
+from cluster.common.hashing import hash_block_tokens
+from cluster.common.model_paths import ModelLimits
+from cluster.common.protocol import GenerateCall
+from cluster.common.sampling_params import MAX_LOGPROBS, SamplingParams, validate_prompt
+from cluster.config import RouterConfig
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+MAX_PROMPT_CHARS = 4 << 20  # raw text, before tokenization (the body limit applies first)
+
+# OpenAI fields, per endpoint: accepted (and mapped), or refused with a message naming them.
+_COMMON_FIELDS = frozenset(
+    {
+        "model",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "n",
+        "presence_penalty",
+        "frequency_penalty",
+        "user",
+        "stream",
+        "stream_options",
+        # Extensions (as vLLM and SGLang accept them; the openai client sends them via
+        # ``extra_body``).
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "min_tokens",
+        "ignore_eos",
+        "stop_token_ids",
+        "skip_special_tokens",
+        "request_id",
+        "timeout_ms",
+    }
+)
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of", "suffix"}
+_CHAT_FIELDS = _COMMON_FIELDS | {
+    "messages",
+    "logprobs",
+    "top_logprobs",
+    "max_completion_tokens",
+}
+_UNSUPPORTED = {
+    "tools": "tool calling is not supported",
+    "tool_choice": "tool calling is not supported",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "parallel_tool_calls": "tool calling is not supported",
+    "response_format": "structured output (response_format) is not supported",
+    "logit_bias": "logit_bias is not supported",
+    "audio": "audio output is not supported",
+    "modalities": "only text output is supported",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "reasoning_effort is not supported",
+}
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    """A validated request, ready to send to the decode pool."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    block_hashes: list[int]
+    params: SamplingParams
+    deadline: float | None  # wall clock
+    kind: str  # "grpc" | "completion" | "chat"
+    stream: bool = True
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def to_call(self, router_queue_ms: float) -> GenerateCall:
+        return GenerateCall(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            block_hashes=self.block_hashes,
+            params=self.params,
+            deadline=self.deadline,
+            router_queue_ms=router_queue_ms,
+        )
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _int(body: Mapping[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(f"{key}: must be an integer, got {_type_name(value)}")
+    return value
+
+
+def _float(body: Mapping[str, Any], key: str) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise invalid(f"{key}: must be a number, got {_type_name(value)}")
+    return float(value)
+
+
+def _bool(body: Mapping[str, Any], key: str) -> bool | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, bool):
+        raise invalid(f"{key}: must be true or false, got {_type_name(value)}")
+    return value
+
+
+def _text_parts(content: Any, where: str) -> str:
+    """Chat content: a string, or a list of ``{"type": "text", "text": ...}`` parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, Mapping) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, Mapping) else _type_name(part)
+                raise invalid(f"{where}[{i}]: only text parts are supported, got {kind!r}")
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise invalid(f"{where}[{i}].text: must be a string")
+            texts.append(text)
+        return "".join(texts)
+    raise invalid(f"{where}: must be a string or a list of text parts")
+
+
+class RequestParser:
+    """Validation and tokenization at the router, one per router replica."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        limits: ModelLimits,
+        model_name: str,
+        block_size: int,
+        router: RouterConfig,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.model = model_name
+        self.block_size = block_size
+        self.router = router
+
+    # -- shared --------------------------------------------------------------------------------
+
+    def request_id(self, given: str | None, prefix: str) -> str:
+        if not given:
+            return f"{prefix}-{uuid.uuid4().hex}"
+        if not isinstance(given, str) or not _REQUEST_ID.match(given):
+            raise invalid(
+                "request_id: at most 128 letters, digits, '-', '_', '.' or ':' characters"
+            )
+        return given
+
+    def deadline(self, timeout_ms: int | None) -> float:
+        if timeout_ms is None:
+            return time.time() + self.router.request_timeout_s
+        if timeout_ms <= 0:
+            raise PDServeError(ErrorCode.DEADLINE_EXCEEDED, "timeout_ms: the deadline has passed")
+        return time.time() + min(timeout_ms / 1000, self.router.request_timeout_s)
+
+    def encode_text(self, text: str, field_name: str) -> list[int]:
+        if len(text) > MAX_PROMPT_CHARS:
+            raise invalid(f"{field_name}: longer than {MAX_PROMPT_CHARS} characters")
+        if not text:
+            raise invalid("prompt: prompt cannot be empty")
+        return list(self.tokenizer.encode(text))
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        try:
+            return list(self.tokenizer.encode_chat(messages))
+        except ValueError as e:  # includes ChatTemplateError, raised by the model's template
+            raise invalid(str(e) if str(e).startswith("messages") else f"messages: {e}") from None
+
+    def finish(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        deadline: float | None,
+        kind: str,
+        stream: bool = True,
+        include_usage: bool = False,
+    ) -> ParsedRequest:
+        try:
+            validate_prompt(
+                prompt,
+                params,
+                vocab_size=self.limits.vocab_size,
+                max_model_len=self.limits.max_model_len,
+            )
+        except ValueError as e:
+            raise invalid(str(e)) from None
+        return ParsedRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            block_hashes=hash_block_tokens(prompt, self.block_size),
+            params=params,
+            deadline=deadline,
+            kind=kind,
+            stream=stream,
+            include_usage=include_usage,
+        )
+
+    @staticmethod
+    def params(**kwargs: Any) -> SamplingParams:
+        try:
+            return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
+        except ValueError as e:
+            raise invalid(str(e)) from None
+
+    # -- gRPC ----------------------------------------------------------------------------------
+
+    def from_grpc(self, request: Any) -> ParsedRequest:
+        rid = self.request_id(request.request_id, "req")
+        which = request.WhichOneof("input")
+        if which is None:
+            raise invalid("prompt: prompt cannot be empty (set prompt, token_ids or messages)")
+        if which == "prompt":
+            prompt = self.encode_text(request.prompt, "prompt")
+        elif which == "token_ids":
+            prompt = list(request.token_ids.ids)
+        else:
+            messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+            prompt = self.encode_chat(messages)
+        s = request.sampling
+
+        def opt(name: str) -> Any:
+            return getattr(s, name) if s.HasField(name) else None
+
+        params = self.params(
+            max_tokens=opt("max_tokens"),
+            min_tokens=opt("min_tokens"),
+            temperature=opt("temperature"),
+            top_p=opt("top_p"),
+            top_k=opt("top_k"),
+            min_p=opt("min_p"),
+            repetition_penalty=opt("repetition_penalty"),
+            presence_penalty=opt("presence_penalty"),
+            frequency_penalty=opt("frequency_penalty"),
+            seed=opt("seed"),
+            stop=tuple(s.stop),
+            stop_token_ids=tuple(s.stop_token_ids),
+            ignore_eos=opt("ignore_eos"),
+            logprobs=opt("logprobs"),
+        )
+        timeout = request.timeout_ms if request.HasField("timeout_ms") else None
+        return self.finish(rid, prompt, params, self.deadline(timeout), "grpc")
+
+    # -- OpenAI --------------------------------------------------------------------------------
+
+    def _check_fields(self, body: Mapping[str, Any], allowed: frozenset[str]) -> None:
+        for key in body:
+            if key in _UNSUPPORTED and body[key] not in (None, [], {}):
+                raise invalid(f"{key}: {_UNSUPPORTED[key]}")
+            if key not in allowed and key not in _UNSUPPORTED:
+                raise invalid(f"{key}: unsupported field; supported: {', '.join(sorted(allowed))}")
+        model = body.get("model")
+        if model is not None and model != self.model:
+            raise PDServeError(
+                ErrorCode.NOT_FOUND,
+                f"model: {model!r} is not served here; this cluster serves {self.model!r}",
+            )
+        n = _int(body, "n")
+        if n is not None and n != 1:
+            raise invalid("n: only n=1 is supported")
+        if _int(body, "best_of") not in (None, 1):
+            raise invalid("best_of: only best_of=1 is supported")
+        if body.get("echo"):
+            raise invalid("echo: echoing the prompt is not supported")
+        if body.get("suffix"):
+            raise invalid("suffix: insertion (suffix) is not supported")
+
+    def _stream_flags(self, body: Mapping[str, Any]) -> tuple[bool, bool]:
+        stream = bool(_bool(body, "stream"))
+        opts = body.get("stream_options")
+        include_usage = False
+        if opts is not None:
+            if not isinstance(opts, Mapping):
+                raise invalid("stream_options: must be an object")
+            if not stream:
+                raise invalid("stream_options: only allowed when stream is true")
+            unknown = sorted(set(opts) - {"include_usage"})
+            if unknown:
+                raise invalid(f"stream_options.{unknown[0]}: unsupported; supported: include_usage")
+            include_usage = bool(_bool(opts, "include_usage"))
+        return stream, include_usage
+
+    def _stop(self, body: Mapping[str, Any]) -> tuple[str, ...]:
+        stop = body.get("stop")
+        if stop is None:
+            return ()
+        if isinstance(stop, str):
+            return (stop,)
+        if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+            return tuple(stop)
+        raise invalid("stop: must be a string or a list of strings")
+
+    def _common_params(
+        self, body: Mapping[str, Any], max_tokens: int | None, logprobs: int | None
+    ) -> SamplingParams:
+        stop_ids = body.get("stop_token_ids")
+        if stop_ids is not None and not (
+            isinstance(stop_ids, list)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids)
+        ):
+            raise invalid("stop_token_ids: must be a list of integers")
+        user = body.get("user")
+        if user is not None and not isinstance(user, str):
+            raise invalid("user: must be a string")
+        return self.params(
+            max_tokens=max_tokens,
+            min_tokens=_int(body, "min_tokens"),
+            temperature=_float(body, "temperature"),
+            top_p=_float(body, "top_p"),
+            top_k=_int(body, "top_k"),
+            min_p=_float(body, "min_p"),
+            repetition_penalty=_float(body, "repetition_penalty"),
+            presence_penalty=_float(body, "presence_penalty"),
+            frequency_penalty=_float(body, "frequency_penalty"),
+            seed=_int(body, "seed"),
+            stop=self._stop(body),
+            stop_token_ids=tuple(stop_ids or ()),
+            ignore_eos=_bool(body, "ignore_eos"),
+            skip_special_tokens=_bool(body, "skip_special_tokens"),
+            logprobs=logprobs,
+        )
+
+    def _completion_prompt(self, prompt: Any) -> list[int]:
+        # A string, a list of token ids, or a batch of exactly one of either.
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self.encode_text(prompt, "prompt")
+        if isinstance(prompt, list):
+            if not prompt:
+                raise invalid("prompt: prompt cannot be empty")
+            if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                return list(prompt)
+            if all(isinstance(p, str | list) for p in prompt):
+                raise invalid("prompt: batched prompts are not supported; send one per request")
+            raise invalid("prompt: must be a string or a list of token ids")
+        if prompt is None:
+            raise invalid("prompt: prompt cannot be empty")
+        raise invalid(f"prompt: must be a string or a list of token ids, got {_type_name(prompt)}")
+
+    def _max_tokens(self, value: int | None, prompt_len: int) -> int:
+        if value is not None:
+            return value
+        # OpenAI's chat default: as many as the context allows.
+        return max(1, self.limits.max_model_len - prompt_len)
+
+    def from_completion(self, body: Mapping[str, Any]) -> ParsedRequest:
+        self._check_fields(body, _COMPLETION_FIELDS)
+        rid = self.request_id(body.get("request_id"), "cmpl")
+        stream, include_usage = self._stream_flags(body)
+        logprobs = _int(body, "logprobs")
+        prompt = self._completion_prompt(body.get("prompt"))
+        max_tokens = _int(body, "max_tokens")
+        params = self._common_params(body, 16 if max_tokens is None else max_tokens, logprobs)
+        deadline = self.deadline(_int(body, "timeout_ms"))
+        return self.finish(rid, prompt, params, deadline, "completion", stream, include_usage)
+
+    def from_chat(self, body: Mapping[str, Any]) -> ParsedRequest:
+        self._check_fields(body, _CHAT_FIELDS)
+        rid = self.request_id(body.get("request_id"), "chatcmpl")
+        stream, include_usage = self._stream_flags(body)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise invalid("messages: must be a non-empty list of {role, content} objects")
+        flat = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, Mapping):
+                raise invalid(f"messages[{i}]: must be an object with role and content")
+            extra = sorted(set(m) - {"role", "content", "name"})
+            if extra:
+                raise invalid(f"messages[{i}].{extra[0]}: unsupported message field")
+            flat.append(
+                {
+                    "role": m.get("role"),
+                    "content": _text_parts(m.get("content"), f"messages[{i}].content"),
+                }
+            )
+        prompt = self.encode_chat(flat)
+        want_logprobs = _bool(body, "logprobs")
+        top = _int(body, "top_logprobs")
+        if top is not None and not want_logprobs:
+            raise invalid("top_logprobs: requires logprobs: true")
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise invalid(f"top_logprobs: must be in [0, {MAX_LOGPROBS}], got {top}")
+        logprobs = (top or 0) if want_logprobs else None
+        limit = _int(body, "max_completion_tokens")
+        if limit is None:
+            limit = _int(body, "max_tokens")
+        params = self._common_params(body, self._max_tokens(limit, len(prompt)), logprobs)
+        deadline = self.deadline(_int(body, "timeout_ms"))
+        return self.finish(rid, prompt, params, deadline, "chat", stream, include_usage)

@@ -1,0 +1,336 @@
+"""Rendering the decode pool's ``StreamChunk``s for each API: gRPC messages, OpenAI JSON and SSE.
+
+The OpenAI shapes follow the public API reference (``text_completion``, ``chat.completion``,
+``chat.completion.chunk``, the error object), so the official client parses them unchanged;
+``usage`` carries pdserve's extras (prefill mode, per-phase times) in an extra ``pdserve`` key.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import grpc
+
+from cluster.common.errors import ErrorCode, PDServeError
+from cluster.common.protocol import StreamChunk, Usage
+from cluster.pb.pdserve.v1 import generation_pb2 as pb
+from cluster.router.requests import ParsedRequest
+
+_FINISH = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+
+_GRPC_STATUS = {
+    ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorCode.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorCode.ABORTED: grpc.StatusCode.ABORTED,
+    ErrorCode.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    ErrorCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorCode.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    ErrorCode.CANCELLED: grpc.StatusCode.CANCELLED,
+    ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+
+
+# -- gRPC -------------------------------------------------------------------------------------
+
+
+def grpc_status(error: PDServeError) -> grpc.StatusCode:
+    return _GRPC_STATUS[error.code]
+
+
+def grpc_usage(usage: Usage) -> pb.Usage:
+    return pb.Usage(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        cached_tokens=usage.cached_tokens,
+        prefill_mode=usage.prefill_mode,
+        phases=pb.PhaseTimes(**{k: float(v) for k, v in usage.phases.items()}),
+    )
+
+
+def grpc_chunk(chunk: StreamChunk) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(
+        request_id=chunk.request_id,
+        token_ids=chunk.token_ids,
+        text=chunk.text,
+        finish_reason=_FINISH.get(chunk.finish_reason, pb.FINISH_REASON_STOP),
+    )
+    if chunk.logprobs is not None:
+        tops = chunk.top_logprobs or [[] for _ in chunk.logprobs]
+        for lp, top in zip(chunk.logprobs, tops, strict=False):
+            msg.logprobs.append(
+                pb.Logprobs(
+                    logprob=lp, top=[pb.TokenLogprob(token_id=t, logprob=v) for t, v in top]
+                )
+            )
+    if chunk.usage is not None:
+        msg.usage.CopyFrom(grpc_usage(chunk.usage))
+    return msg
+
+
+# -- OpenAI: errors and usage -----------------------------------------------------------------
+
+
+def openai_error(error: PDServeError) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, body) in OpenAI's error shape; ``param`` is the field the message names."""
+    message = error.message
+    param = None
+    if error.code == ErrorCode.INVALID_ARGUMENT and ":" in message:
+        head = message.split(":", 1)[0]
+        if head and " " not in head:
+            param = head
+    code = error.code.value.lower()
+    if error.code == ErrorCode.NOT_FOUND and message.startswith("model"):
+        code, param = "model_not_found", "model"
+    if error.code == ErrorCode.UNAUTHENTICATED:
+        code = "invalid_api_key"
+    body = {
+        "error": {
+            "message": message,
+            "type": error.code.openai_type,
+            "param": param,
+            "code": code,
+        }
+    }
+    if error.request_id:
+        body["error"]["request_id"] = error.request_id
+    return error.code.http_status, body
+
+
+def openai_usage(usage: Usage | None) -> dict[str, Any]:
+    u = usage or Usage()
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        "pdserve": {"prefill_mode": u.prefill_mode, "phases": dict(u.phases)},
+    }
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+# -- OpenAI: logprobs ---------------------------------------------------------------------------
+
+
+class _TokenText:
+    """Token strings for logprobs (a token's own text, as the OpenAI API reports it)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def __call__(self, token_id: int) -> str:
+        return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
+
+
+def _completion_logprobs(
+    chunk: StreamChunk, text_of: _TokenText, offset: int
+) -> dict[str, Any] | None:
+    if chunk.logprobs is None:
+        return None
+    tokens = [text_of(t) for t in chunk.token_ids]
+    offsets = []
+    for tok in tokens:
+        offsets.append(offset)
+        offset += len(tok)
+    tops = chunk.top_logprobs or [[] for _ in chunk.logprobs]
+    return {
+        "tokens": tokens,
+        "token_logprobs": list(chunk.logprobs),
+        "top_logprobs": [{text_of(t): v for t, v in top} for top in tops],
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(chunk: StreamChunk, text_of: _TokenText) -> dict[str, Any] | None:
+    if chunk.logprobs is None:
+        return None
+    tops = chunk.top_logprobs or [[] for _ in chunk.logprobs]
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = text_of(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            {**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in top]}
+            for t, lp, top in zip(chunk.token_ids, chunk.logprobs, tops, strict=False)
+        ]
+    }
+
+
+def _merge(chunks: Iterable[StreamChunk]) -> tuple[StreamChunk, Usage | None]:
+    """All chunks of a finished request as one (for the non-streaming responses)."""
+    rid, ids, texts = "", [], []
+    lps: list[float] | None = None
+    tops: list[list[tuple[int, float]]] | None = None
+    finish, usage = None, None
+    for c in chunks:
+        rid = c.request_id
+        ids.extend(c.token_ids)
+        texts.append(c.text)
+        if c.logprobs is not None:
+            lps = (lps or []) + list(c.logprobs)
+            tops = (tops or []) + list(c.top_logprobs or [[] for _ in c.logprobs])
+        finish = c.finish_reason or finish
+        usage = c.usage or usage
+    merged = StreamChunk(rid, ids, "".join(texts), lps, tops, finish, usage)
+    return merged, usage
+
+
+# -- OpenAI: non-streaming ----------------------------------------------------------------------
+
+
+def aggregate_completion(
+    parsed: ParsedRequest, model: str, chunks: list[StreamChunk], tokenizer: Any
+) -> dict[str, Any]:
+    merged, usage = _merge(chunks)
+    return {
+        "id": parsed.request_id,
+        "object": "text_completion",
+        "created": parsed.created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "text": merged.text,
+                "logprobs": _completion_logprobs(merged, _TokenText(tokenizer), 0),
+                "finish_reason": merged.finish_reason or "stop",
+            }
+        ],
+        "usage": openai_usage(usage),
+    }
+
+
+def aggregate_chat(
+    parsed: ParsedRequest, model: str, chunks: list[StreamChunk], tokenizer: Any
+) -> dict[str, Any]:
+    merged, usage = _merge(chunks)
+    return {
+        "id": parsed.request_id,
+        "object": "chat.completion",
+        "created": parsed.created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": merged.text},
+                "logprobs": _chat_logprobs(merged, _TokenText(tokenizer)),
+                "finish_reason": merged.finish_reason or "stop",
+            }
+        ],
+        "usage": openai_usage(usage),
+    }
+
+
+# -- OpenAI: streaming (SSE) --------------------------------------------------------------------
+
+
+class _Stream:
+    object_name = ""
+
+    def __init__(self, parsed: ParsedRequest, model: str, tokenizer: Any) -> None:
+        self.parsed = parsed
+        self.model = model
+        self.text_of = _TokenText(tokenizer)
+        self.usage: Usage | None = None
+
+    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.parsed.request_id,
+            "object": self.object_name,
+            "created": self.parsed.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def _choice(self, chunk: StreamChunk) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def events(self, chunk: StreamChunk) -> Iterator[str]:
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+        choice = self._choice(chunk)
+        if choice is not None:
+            payload = self._envelope([choice])
+            if self.parsed.include_usage:
+                payload["usage"] = None  # OpenAI: null on every chunk but the last
+            yield _sse(payload)
+
+    def finish(self) -> Iterator[str]:
+        if self.parsed.include_usage:
+            payload = self._envelope([])
+            payload["usage"] = openai_usage(self.usage)
+            yield _sse(payload)
+        yield "data: [DONE]\n\n"
+
+
+class CompletionStream(_Stream):
+    object_name = "text_completion"
+
+    def __init__(self, parsed: ParsedRequest, model: str, tokenizer: Any) -> None:
+        super().__init__(parsed, model, tokenizer)
+        self.offset = 0
+
+    def _choice(self, chunk: StreamChunk) -> dict[str, Any] | None:
+        if not chunk.token_ids and not chunk.text and chunk.finish_reason is None:
+            return None
+        logprobs = _completion_logprobs(chunk, self.text_of, self.offset)
+        self.offset += len(chunk.text)
+        return {
+            "index": 0,
+            "text": chunk.text,
+            "logprobs": logprobs,
+            "finish_reason": chunk.finish_reason,
+        }
+
+
+class ChatStream(_Stream):
+    object_name = "chat.completion.chunk"
+
+    def __init__(self, parsed: ParsedRequest, model: str, tokenizer: Any) -> None:
+        super().__init__(parsed, model, tokenizer)
+        self.started = False
+
+    def events(self, chunk: StreamChunk) -> Iterator[str]:
+        if not self.started:
+            # OpenAI's first chunk announces the role with empty content.
+            self.started = True
+            first = {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            payload = self._envelope([first])
+            if self.parsed.include_usage:
+                payload["usage"] = None
+            yield _sse(payload)
+        yield from super().events(chunk)
+
+    def _choice(self, chunk: StreamChunk) -> dict[str, Any] | None:
+        if not chunk.token_ids and not chunk.text and chunk.finish_reason is None:
+            return None
+        delta = {"content": chunk.text} if chunk.text or chunk.finish_reason is None else {}
+        return {
+            "index": 0,
+            "delta": delta,
+            "logprobs": _chat_logprobs(chunk, self.text_of),
+            "finish_reason": chunk.finish_reason,
+        }
+
+
+def error_event(error: PDServeError) -> str:
+    """A failure after the SSE headers went out: a final error event, never a silent cut."""
+    _status, payload = openai_error(error)
+    return _sse(payload)
