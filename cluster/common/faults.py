@@ -72,6 +72,7 @@ class FaultPoints:
         self._lock = threading.Lock()
         self._released: dict[str, threading.Event] = {}
         self._paused: dict[str, threading.Event] = {}
+        self._num_paused: dict[str, int] = {}
 
     def armed(self, name: str) -> bool:
         return name in self._specs
@@ -99,6 +100,22 @@ class FaultPoints:
 
             await asyncio.to_thread(self.hit, name)
 
+    def arm(self, text: str) -> None:
+        """Arm ``<name>[=action]`` at run time for the point's next hit (tests: one phase at a
+        time on a live replica). A later ``pause`` waits for a fresh ``release``."""
+        spec = FaultSpec.parse(text)
+        with self._lock:
+            nth = self._counts.get(spec.name, 0) + 1
+            self._specs.setdefault(spec.name, []).append(FaultSpec(spec.name, nth, spec.action))
+            if spec.action == "pause" and not self._num_paused.get(spec.name):
+                self._released[spec.name] = threading.Event()
+                self._paused[spec.name] = threading.Event()
+
+    def paused(self) -> list[str]:
+        """The points where some thread is paused right now."""
+        with self._lock:
+            return sorted(name for name, n in self._num_paused.items() if n > 0)
+
     def release(self, name: str) -> None:
         """Let threads paused at ``name`` (now or later) continue."""
         self._event(self._released, name).set()
@@ -121,5 +138,12 @@ class FaultPoints:
             while True:
                 time.sleep(3600)
         else:  # pause
+            released = self._event(self._released, spec.name)
+            with self._lock:
+                self._num_paused[spec.name] = self._num_paused.get(spec.name, 0) + 1
             self._event(self._paused, spec.name).set()
-            self._event(self._released, spec.name).wait()
+            try:
+                released.wait()
+            finally:
+                with self._lock:
+                    self._num_paused[spec.name] -= 1

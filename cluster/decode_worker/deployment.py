@@ -102,6 +102,7 @@ class DecodeDeployment:
     def stats(self) -> dict[str, Any]:
         s = self.server.stats()
         s["replica_id"] = self.replica_id
+        s["paused_faults"] = self.server.faults.paused()
         s["peak_running"] = self.server.loop.peak_running
         s["prefill_retries"] = self.prefill_client.num_retries if self.prefill_client else 0
         s["kv_used_blocks"] = self.server.loop.call(
@@ -119,8 +120,14 @@ class DecodeDeployment:
     def pid(self) -> int:
         return os.getpid()
 
-    def release_fault(self, name: str) -> None:
+    def release_fault(self, name: str) -> str:
         self.server.faults.release(name)
+        return self.replica_id
+
+    def arm_fault(self, spec: str) -> str:
+        """Test mode: arm a fault point for its next hit on this replica (see common/faults)."""
+        self.server.faults.arm(spec)
+        return self.replica_id
 
     async def wait_paused(self, name: str, timeout: float) -> bool:
         return await asyncio.to_thread(self.server.faults.wait_paused, name, timeout)

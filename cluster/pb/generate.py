@@ -42,6 +42,13 @@ def generate(out_dir: Path = OUT) -> list[Path]:
         fixed = re.sub(
             r"^from (pdserve\.\S+) import", rf"from {PACKAGE}.\1 import", text, flags=re.M
         )
+        # ... and the module name the messages record (pickling, e.g. by Ray Serve's gRPC proxy,
+        # imports a message's class by that name).
+        fixed = re.sub(
+            r"(BuildTopDescriptorsAndMessages\(DESCRIPTOR, ')(pdserve\.)",
+            rf"\1{PACKAGE}.\2",
+            fixed,
+        )
         path.write_text(fixed)
         written.append(path)
     for d in {p.parent for p in written}:

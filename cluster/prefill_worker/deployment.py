@@ -63,6 +63,7 @@ class PrefillDeployment:
     def stats(self) -> dict[str, Any]:
         s = self.server.stats()
         s["replica_id"] = self.replica_id
+        s["paused_faults"] = self.server.faults.paused()
         s["kv_used_blocks"] = self.server.loop.call(
             lambda e: e.block_manager.num_used_blocks
         ).result(30)
@@ -78,8 +79,14 @@ class PrefillDeployment:
     def pid(self) -> int:
         return os.getpid()
 
-    def release_fault(self, name: str) -> None:
+    def release_fault(self, name: str) -> str:
         self.server.faults.release(name)
+        return self.replica_id
+
+    def arm_fault(self, spec: str) -> str:
+        """Test mode: arm a fault point for its next hit on this replica (see common/faults)."""
+        self.server.faults.arm(spec)
+        return self.replica_id
 
     async def wait_paused(self, name: str, timeout: float) -> bool:
         return await asyncio.to_thread(self.server.faults.wait_paused, name, timeout)

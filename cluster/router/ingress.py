@@ -10,8 +10,10 @@ Torch-free (a test imports it in a fresh interpreter and checks). Each request:
 The request id travels through every pool and appears in every log line about it.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: FastAPI must see real annotation objects
+# (``Request``) on the methods Ray Serve's ingress wraps, or it takes them for query parameters.
+# The gRPC methods' protobuf annotations stay strings: Serve pickles the app, and protobuf
+# descriptors do not pickle.
 import json
 import logging
 import time
@@ -46,6 +48,20 @@ from cluster.router.responses import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+class _GrpcStatus(Exception):
+    """Ends a gRPC call with the status already set on its context (Serve keeps that code)."""
+
+
+def _grpc_fail(grpc_context: Any, code: grpc.StatusCode, details: str, request_id: str) -> None:
+    # Ray Serve's proxy applies a context's code only with a yielded message or a raised
+    # exception; raising keeps a stream that failed before any message from ending with OK.
+    grpc_context.set_code(code)
+    grpc_context.set_details(f"{details} (request {request_id})" if request_id else details)
+    raise _GrpcStatus(details)
+
+
 app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
 
 
@@ -119,28 +135,26 @@ class Router:
             self.auth.check(md.get("authorization"))
 
     async def Generate(
-        self, request: pb.GenerateRequest, grpc_context: Any
-    ) -> AsyncIterator[pb.GenerateResponse]:
+        self, request: "pb.GenerateRequest", grpc_context: Any
+    ) -> "AsyncIterator[pb.GenerateResponse]":
         try:
             self._grpc_auth(grpc_context)
             parsed = self.parser.from_grpc(request)
             async for chunk in self._run(parsed, "grpc"):
                 yield grpc_chunk(chunk)
         except PDServeError as e:
-            grpc_context.set_code(grpc_status(e))
-            grpc_context.set_details(e.message)
+            _grpc_fail(grpc_context, grpc_status(e), e.message, e.request_id)
         except Exception:
             logger.exception("gRPC Generate failed")
-            grpc_context.set_code(grpc.StatusCode.INTERNAL)
-            grpc_context.set_details("internal error")
+            _grpc_fail(grpc_context, grpc.StatusCode.INTERNAL, "internal error", "")
 
-    async def GetModelInfo(self, request: pb.ModelInfoRequest, grpc_context: Any) -> pb.ModelInfo:
+    async def GetModelInfo(
+        self, request: "pb.ModelInfoRequest", grpc_context: Any
+    ) -> "pb.ModelInfo":
         try:
             self._grpc_auth(grpc_context)
         except PDServeError as e:
-            grpc_context.set_code(grpc_status(e))
-            grpc_context.set_details(e.message)
-            return pb.ModelInfo()
+            _grpc_fail(grpc_context, grpc_status(e), e.message, "")
         return pb.ModelInfo(
             model=self.model,
             max_model_len=self.limits.max_model_len,
@@ -149,13 +163,13 @@ class Router:
         )
 
     async def Check(
-        self, request: health_pb2.HealthCheckRequest, grpc_context: Any
-    ) -> health_pb2.HealthCheckResponse:
+        self, request: "health_pb2.HealthCheckRequest", grpc_context: Any
+    ) -> "health_pb2.HealthCheckResponse":
         return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
 
     async def Watch(
-        self, request: health_pb2.HealthCheckRequest, grpc_context: Any
-    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        self, request: "health_pb2.HealthCheckRequest", grpc_context: Any
+    ) -> "AsyncIterator[health_pb2.HealthCheckResponse]":
         yield health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
 
     # -- OpenAI-compatible HTTP ---------------------------------------------------------------
