@@ -204,7 +204,6 @@ class TestingConfig:
             _check(bool(spec.strip()), "testing.fault_points", "entries must be non-empty")
 
 
-
 @dataclass(frozen=True)
 class RoutingConfig:
     """How a pool's Ray Serve ``RequestRouter`` picks a replica (callers of the pool run it)."""

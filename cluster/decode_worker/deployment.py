@@ -9,6 +9,7 @@ and after the retries the decode replica prefills locally. Its ``generate`` stre
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -103,11 +104,15 @@ class DecodeDeployment:
         s = self.server.stats()
         s["replica_id"] = self.replica_id
         s["paused_faults"] = self.server.faults.paused()
+        s["pid"] = os.getpid()
         s["peak_running"] = self.server.loop.peak_running
         s["prefill_retries"] = self.prefill_client.num_retries if self.prefill_client else 0
-        s["kv_used_blocks"] = self.server.loop.call(
-            lambda e: e.block_manager.num_used_blocks
-        ).result(30)
+        try:
+            s["kv_used_blocks"] = self.server.loop.call(
+                lambda e: e.block_manager.num_used_blocks
+            ).result(1.0)
+        except concurrent.futures.TimeoutError:
+            s["kv_used_blocks"] = None  # the engine is busy or paused: unknown right now
         return s
 
     def check_integrity(self) -> str:

@@ -10,6 +10,7 @@ lease) and cancellation reaches the lease. Options (replicas, CPUs, queue limits
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -64,9 +65,13 @@ class PrefillDeployment:
         s = self.server.stats()
         s["replica_id"] = self.replica_id
         s["paused_faults"] = self.server.faults.paused()
-        s["kv_used_blocks"] = self.server.loop.call(
-            lambda e: e.block_manager.num_used_blocks
-        ).result(30)
+        s["pid"] = os.getpid()
+        try:
+            s["kv_used_blocks"] = self.server.loop.call(
+                lambda e: e.block_manager.num_used_blocks
+            ).result(1.0)
+        except concurrent.futures.TimeoutError:
+            s["kv_used_blocks"] = None  # the engine is busy or paused: unknown right now
         return s
 
     def check_integrity(self) -> str:

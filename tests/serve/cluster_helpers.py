@@ -1,0 +1,127 @@
+"""Driving a deployed pdserve app from tests: replicas, fault points, clean-up checks."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import grpc
+from ray import serve
+
+from cluster.app import build_application
+from cluster.config import ClusterConfig
+from cluster.pb.pdserve.v1 import generation_pb2 as pb
+from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from tests.serve_fixtures import ServeCluster, wait_until
+
+
+class App:
+    """One deployed app: handles to its pools and a gRPC stub on the shared proxy."""
+
+    def __init__(self, cluster: ServeCluster, config: ClusterConfig, name: str) -> None:
+        self.cluster = cluster
+        self.config = config
+        self.name = name
+        serve.run(build_application(config), name=name, route_prefix="/")
+        self.decode = serve.get_deployment_handle("DecodeServer", name)
+        self.prefill = (
+            serve.get_deployment_handle("PrefillServer", name)
+            if config.prefill.num_replicas
+            else None
+        )
+        self.channel = grpc.insecure_channel(cluster.grpc_target)
+        self.stub = pb_grpc.GenerationStub(self.channel)
+        self.metadata = [("application", name)]
+
+    def close(self) -> None:
+        self.channel.close()
+        serve.delete(self.name)
+
+    # -- calling -----------------------------------------------------------------------------
+
+    def auth(self, key: str | None) -> list[tuple[str, str]]:
+        return self.metadata + ([("authorization", f"Bearer {key}")] if key else [])
+
+    def generate(
+        self, req: pb.GenerateRequest, key: str | None = None, timeout: float = 60
+    ) -> list[pb.GenerateResponse]:
+        return list(self.stub.Generate(req, metadata=self.auth(key), timeout=timeout))
+
+    # -- replicas ----------------------------------------------------------------------------
+
+    @staticmethod
+    def each_replica(handle: Any, method: str, *args: Any, replicas: int) -> dict[str, Any]:
+        """Call ``method`` until every one of ``replicas`` replicas answered (by replica id)."""
+        seen: dict[str, Any] = {}
+        for _ in range(200):
+            out = getattr(handle, method).remote(*args).result(timeout_s=30)
+            rid = out if isinstance(out, str) else out["replica_id"]
+            seen[rid] = out
+            if len(seen) >= replicas:
+                return seen
+        raise AssertionError(f"{method}: reached {len(seen)} of {replicas} replicas")
+
+    def pool(self, role: str) -> tuple[Any, int]:
+        if role == "decode":
+            return self.decode, self.config.decode.num_replicas
+        assert self.prefill is not None
+        return self.prefill, self.config.prefill.num_replicas
+
+    def stats(self, role: str) -> dict[str, dict[str, Any]]:
+        handle, n = self.pool(role)
+        return self.each_replica(handle, "stats", replicas=n)
+
+    def arm(self, role: str, spec: str) -> None:
+        handle, n = self.pool(role)
+        self.each_replica(handle, "arm_fault", spec, replicas=n)
+
+    def release(self, role: str, name: str) -> None:
+        handle, n = self.pool(role)
+        self.each_replica(handle, "release_fault", name, replicas=n)
+
+    def wait_paused(self, role: str, name: str, timeout: float = 30) -> dict[str, Any]:
+        """The stats of the replica paused at ``name``."""
+        found: dict[str, Any] = {}
+
+        def paused() -> bool:
+            for s in self.stats(role).values():
+                if name in s["paused_faults"]:
+                    found.update(s)
+                    return True
+            return False
+
+        assert wait_until(paused, timeout, 0.2), f"no {role} replica paused at {name}"
+        return found
+
+    def assert_clean(self, timeout: float | None = None) -> None:
+        """0 KV blocks held and no leases on every replica; block integrity holds."""
+        limit = timeout if timeout is not None else self.config.transfer.lease_s + 10
+
+        def held() -> list[str]:
+            bad = []
+            for role in ("decode", "prefill") if self.prefill else ("decode",):
+                for rid, s in self.stats(role).items():
+                    if s["kv_used_blocks"] != 0 or s.get("num_active_leases"):
+                        bad.append(f"{role} {rid}: {s['kv_used_blocks']} blocks")
+            return bad
+
+        assert wait_until(lambda: not held(), limit, 0.25), held()
+        for role in ("decode", "prefill") if self.prefill else ("decode",):
+            handle, n = self.pool(role)
+            for _ in range(4 * n):  # routing spreads the calls over the replicas
+                assert handle.check_integrity.remote().result(timeout_s=30) == "ok"
+
+
+def wait_replicas_ready(app: App, role: str, exclude_pid: int, timeout: float = 90) -> None:
+    """After a kill: until the pool again has its replicas, none of them the killed one."""
+    handle, n = app.pool(role)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            seen = app.each_replica(handle, "stats", replicas=n)
+            if all(s["pid"] != exclude_pid for s in seen.values()):
+                return
+        except Exception:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"{role} pool did not recover within {timeout}s")

@@ -1,0 +1,354 @@
+"""The whole cluster on Ray Serve with the fake model: API edges, bad input, auth, cancellation
+at each phase, replicas killed mid-request (RELIABILITY.md B1-B5, B7, B9, S5, F4, F8).
+
+One deployment for the module (2 prefill replicas, 1 decode replica, API keys on); tests run in
+file order and the kill tests come last. Every test ends with the block-integrity check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cluster.engine.engine import LLMEngine
+from cluster.pb.pdserve.v1 import generation_pb2 as pb
+from tests.helpers import fake_config, greedy, run_until_done
+from tests.serve.cluster_helpers import App, wait_replicas_ready
+from tests.serve_fixtures import ServeCluster
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+KEY = "test-key-0123456789"
+APP = "pdserve-fake"
+THRESHOLD = 16  # prompts longer than this are prefilled remotely
+CFG = {
+    "cache.num_blocks": 256,
+    "transfer.transports": ["shm", "zmq"],
+    "transfer.lease_s": 2.0,
+    "transfer.heartbeat_s": 0.2,
+    "decode.local_prefill_threshold": THRESHOLD,
+    "prefill.num_replicas": 2,
+    "prefill.graceful_shutdown_timeout_s": 5.0,
+    "decode.graceful_shutdown_timeout_s": 5.0,
+    "prefill.num_cpus": 0.5,
+    "decode.num_cpus": 0.5,
+    "router.api_keys": [KEY],
+    "router.assignment_timeout_s": 20.0,
+}
+
+
+@pytest.fixture(scope="module")
+def app(serve_cluster: ServeCluster) -> Iterator[App]:
+    deployed = App(serve_cluster, fake_config(**CFG), APP)
+    try:
+        yield deployed
+    finally:
+        deployed.close()
+
+
+def prompt(i: int, n: int) -> list[int]:
+    return [1 + (i * 31 + j * 7) % 500 for j in range(n)]
+
+
+def reference(app: App, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
+    engine = LLMEngine(app.config)
+    for rid, p in prompts.items():
+        engine.add_request(rid, p, greedy(max_tokens))
+    return run_until_done(engine)
+
+
+def greedy_req(p: list[int], max_tokens: int, rid: str = "") -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=rid,
+        token_ids=pb.TokenIds(ids=p),
+        sampling=pb.SamplingParameters(
+            max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0, ignore_eos=True
+        ),
+    )
+
+
+def tokens(msgs: list[pb.GenerateResponse]) -> list[int]:
+    return [t for m in msgs for t in m.token_ids]
+
+
+def http(
+    app: App, path: str, body: Any = None, key: str | None = KEY, raw: bytes | None = None
+) -> tuple[int, Any]:
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    headers = {"content-type": "application/json"}
+    if key:
+        headers["authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(app.cluster.http_url + path, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
+def worker_calls(app: App) -> int:
+    return sum(s["local_prefills"] + s["remote_prefills"] for s in app.stats("decode").values())
+
+
+# -- the happy path over both APIs ----------------------------------------------------------------
+
+
+def test_grpc_and_openai_match_the_engine(app: App) -> None:
+    prompts = {f"g{i}": prompt(i, 5 + 11 * i) for i in range(6)}
+    expected = reference(app, prompts, 12)
+    results: dict[str, list[pb.GenerateResponse]] = {}
+
+    def call(rid: str) -> None:
+        results[rid] = app.generate(greedy_req(prompts[rid], 12, rid), KEY)
+
+    threads = [threading.Thread(target=call, args=(rid,)) for rid in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for rid, msgs in results.items():
+        assert tokens(msgs) == expected[rid], rid
+        assert all(m.request_id == rid for m in msgs)
+        last = msgs[-1]
+        assert last.finish_reason == pb.FINISH_REASON_LENGTH
+        assert last.usage.completion_tokens == 12
+        mode = "remote" if len(prompts[rid]) > THRESHOLD else "local"
+        assert last.usage.prefill_mode == mode, rid
+        assert last.usage.phases.decode_ms > 0
+    assert len(results) == len(prompts)
+
+    client = openai.OpenAI(base_url=app.cluster.http_url + "/v1", api_key=KEY)
+    model = client.models.list().data[0].id
+    p = prompts["g3"]
+    extra = {"min_tokens": 12, "ignore_eos": True}
+    done = client.completions.create(
+        model=model, prompt=p, max_tokens=12, temperature=0, extra_body=extra
+    )
+    assert done.usage is not None and done.usage.completion_tokens == 12
+    fake_text = "".join(f" t{t}" for t in expected["g3"])
+    assert done.choices[0].text == fake_text
+    stream = client.completions.create(
+        model=model,
+        prompt=p,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra,
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == fake_text
+    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == len(p)
+    app.assert_clean()
+
+
+# -- bad input and auth ---------------------------------------------------------------------------
+
+
+def grpc_code(app: App, req: pb.GenerateRequest, key: str | None = KEY) -> tuple[Any, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        app.generate(req, key)
+    return info.value.code(), info.value.details()
+
+
+def test_bad_input_gets_the_right_status_and_touches_no_worker(app: App) -> None:
+    before = worker_calls(app)
+    vocab, ctx = app.config.testing.fake_model.vocab_size, 4096
+    cases = [
+        (pb.GenerateRequest(prompt=""), "prompt"),  # B1
+        (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[])), "prompt"),  # B1
+        (greedy_req([1] * ctx, 1), "prompt"),  # B2
+        (greedy_req([1] * (ctx - 10), 11), "max_tokens"),  # B2: prompt + max_tokens
+        (greedy_req([1, 2], 0), "max_tokens"),  # B3
+        (greedy_req([1, 2], 2**40), "max_tokens"),  # B3
+        (pb.GenerateRequest(prompt="x", sampling=pb.SamplingParameters(top_p=0)), "top_p"),
+        (
+            pb.GenerateRequest(
+                prompt="x", sampling=pb.SamplingParameters(temperature=float("nan"))
+            ),
+            "temperature",
+        ),  # B4
+        (greedy_req([1, vocab], 2), "prompt_token_ids"),  # B5
+        (greedy_req([1, -4], 2), "prompt_token_ids"),  # B5
+    ]
+    for req, field in cases:
+        t0 = time.monotonic()
+        code, details = grpc_code(app, req)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (field, details)
+        assert details.startswith(field), details
+        assert "Traceback" not in details
+        assert time.monotonic() - t0 < 2.0
+    # B9: a deadline that already passed
+    code, _ = grpc_code(app, pb.GenerateRequest(prompt="x", timeout_ms=0))
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    # B7: a message over the proxy's limit (the fixture sets 1 MiB)
+    code, _ = grpc_code(app, pb.GenerateRequest(prompt="x" * (5 << 20)))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # ... and over HTTP, with OpenAI's error shape naming the field
+    status, body = http(app, "/v1/completions", {"prompt": "x", "max_tokens": 0})
+    assert status == 400 and body["error"]["param"] == "max_tokens"
+    assert body["error"]["type"] == "invalid_request_error"
+    status, body = http(app, "/v1/completions", {"prompt": [1, vocab + 1]})
+    assert status == 400 and body["error"]["message"].startswith("prompt_token_ids")
+    status, body = http(app, "/v1/chat/completions", {"messages": [], "model": "x"})
+    assert status in (400, 404) and "error" in body
+    status, body = http(app, "/v1/completions", {"prompt": "x", "tools": [{"type": "f"}]})
+    assert status == 400 and body["error"]["param"] == "tools"
+    status, body = http(app, "/v1/completions", raw=b"{not json")
+    assert status == 400 and "JSON" in body["error"]["message"]
+    status, body = http(app, "/v1/completions", raw=b"x" * (5 << 20))
+    assert status == 429 and "exceeds" in body["error"]["message"]
+    assert worker_calls(app) == before  # nothing reached a pool
+    app.assert_clean()
+
+
+def test_auth_on_every_method_but_health(app: App) -> None:
+    service = pb.DESCRIPTOR.services_by_name["Generation"]
+    requests = {"Generate": pb.GenerateRequest(prompt="x"), "GetModelInfo": pb.ModelInfoRequest()}
+    assert set(requests) == {m.name for m in service.methods}  # read from the descriptor
+    for method in service.methods:
+        call = getattr(app.stub, method.name)
+        for key in (None, "wrong-key-000000"):
+            with pytest.raises(grpc.RpcError) as info:
+                out = call(requests[method.name], metadata=app.auth(key), timeout=30)
+                list(out) if method.server_streaming else out
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, method.name
+    info_ok = app.stub.GetModelInfo(pb.ModelInfoRequest(), metadata=app.auth(KEY), timeout=30)
+    assert info_ok.vocab_size == app.config.testing.fake_model.vocab_size
+    health = health_pb2_grpc.HealthStub(app.channel)
+    ok = health.Check(health_pb2.HealthCheckRequest(), metadata=app.metadata, timeout=30)
+    assert ok.status == health_pb2.HealthCheckResponse.SERVING
+    for path, body in (
+        ("/v1/models", None),
+        ("/v1/completions", {"prompt": "x"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+    ):
+        status, err = http(app, path, body, key=None)
+        assert status == 401 and err["error"]["type"] == "authentication_error", path
+    assert http(app, "/health", key=None)[0] == 200
+    app.assert_clean()
+
+
+# -- cancellation at each phase (F4, F8) ----------------------------------------------------------
+
+
+def start_stream(app: App, req: pb.GenerateRequest) -> tuple[Any, list[Any], threading.Thread]:
+    call = app.stub.Generate(req, metadata=app.auth(KEY), timeout=120)
+    got: list[Any] = []
+
+    def drain() -> None:
+        try:
+            for m in call:
+                got.append(m)
+        except grpc.RpcError as e:
+            got.append(e)
+
+    t = threading.Thread(target=drain, daemon=True)
+    t.start()
+    return call, got, t
+
+
+@pytest.mark.parametrize(
+    ("phase", "role", "point", "length"),
+    [
+        ("queued", "decode", "engine.step", 8),
+        ("prefilling", "prefill", "p.after_prefill_before_publish", 40),
+        ("between prefill and decode", "decode", "d.after_alloc_before_pull", 40),
+        ("decoding", "decode", "d.mid_decode_token_k", 40),
+    ],
+)
+def test_cancel_at_each_phase_frees_every_block(
+    app: App, phase: str, role: str, point: str, length: int
+) -> None:
+    app.arm(role, f"{point}=pause")
+    call, got, t = start_stream(app, greedy_req(prompt(7, length), 30, f"cancel-{role}"))
+    try:
+        app.wait_paused(role, point)
+        call.cancel()
+        t.join(30)
+        assert got and isinstance(got[-1], grpc.RpcError)
+        assert got[-1].code() == grpc.StatusCode.CANCELLED
+    finally:
+        app.release(role, point)
+    app.assert_clean()
+    # the next request succeeds
+    p = prompt(8, length)
+    assert tokens(app.generate(greedy_req(p, 6), KEY)) == reference(app, {"x": p}, 6)["x"]
+    app.assert_clean()
+
+
+def test_tiny_grpc_deadline_cancels_the_work(app: App) -> None:
+    # B9: a 1 ms deadline: the client sees DEADLINE_EXCEEDED, the pools free the blocks.
+    for i in range(5):
+        with pytest.raises(grpc.RpcError) as info:
+            list(
+                app.stub.Generate(
+                    greedy_req(prompt(i, 40), 50), metadata=app.auth(KEY), timeout=0.001
+                )
+            )
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    app.assert_clean()
+
+
+# -- replicas killed (acceptance 4) ---------------------------------------------------------------
+
+
+def test_prefill_killed_before_first_token_is_retried_on_another_replica(app: App) -> None:
+    point = "p.after_prefill_before_publish"
+    p = prompt(11, 48)
+    expected = reference(app, {"k": p}, 10)["k"]
+    retries_before = sum(s["prefill_retries"] for s in app.stats("decode").values())
+    app.arm("prefill", f"{point}=pause")
+    _call, got, t = start_stream(app, greedy_req(p, 10, "kill-prefill"))
+    victim = app.wait_paused("prefill", point)
+    try:
+        os.kill(victim["pid"], signal.SIGKILL)
+        # The survivor was armed too: let it through for the retry.
+        handle, _ = app.pool("prefill")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and t.is_alive():
+            with contextlib.suppress(Exception):
+                handle.release_fault.remote(point).result(timeout_s=5)
+            t.join(0.5)
+        t.join(60)
+    finally:
+        wait_replicas_ready(app, "prefill", victim["pid"])
+        app.release("prefill", point)
+    assert got and not isinstance(got[-1], grpc.RpcError), got[-1]
+    assert tokens(got) == expected
+    assert got[-1].usage.prefill_mode == "remote"  # retried on the other prefill replica
+    stats = app.stats("decode")
+    assert sum(s["prefill_retries"] for s in stats.values()) > retries_before
+    app.assert_clean()
+
+
+def test_decode_killed_mid_stream_ends_the_stream_with_an_error(app: App) -> None:
+    point = "d.mid_decode_token_k"
+    app.arm("decode", f"{point}=pause")
+    _call, got, t = start_stream(app, greedy_req(prompt(12, 40), 30, "kill-decode"))
+    victim = app.wait_paused("decode", point)
+    os.kill(victim["pid"], signal.SIGKILL)
+    t.join(60)
+    assert not t.is_alive()
+    assert any(isinstance(m, pb.GenerateResponse) and m.token_ids for m in got)  # it had started
+    err = got[-1]
+    assert isinstance(err, grpc.RpcError), "the stream ended without an error status"
+    assert err.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE), err
+    wait_replicas_ready(app, "decode", victim["pid"])
+    # untouched requests succeed on the new replica; the prefill side's lease expired
+    p = prompt(13, 40)
+    assert tokens(app.generate(greedy_req(p, 6), KEY)) == reference(app, {"x": p}, 6)["x"]
+    app.assert_clean()
