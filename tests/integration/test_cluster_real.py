@@ -1,0 +1,189 @@
+"""Acceptance: the cluster on Ray Serve (1 prefill + 1 decode replica, the real default model).
+
+Greedy outputs through gRPC and through the official ``openai`` client (streaming and not) are
+token-identical to the offline ``LLM`` for concurrent requests of mixed lengths, remote- and
+locally-prefilled; remote ones moved KV, local ones did not; the decode batch reached 8.
+References are computed first, in this process, before the app is deployed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from cluster.common.sampling_params import SamplingParams
+from cluster.pb.pdserve.v1 import generation_pb2 as pb
+from tests.helpers import make_config
+from tests.serve.cluster_helpers import App
+from tests.serve_fixtures import ServeCluster
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+NUM_NEW = 24
+THRESHOLD = 32  # prompts with more uncached tokens are prefilled by the prefill pool
+TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a kingdom by the sea, there lived a princess who loved to sail. Every "
+    "morning she walked down to the harbour, greeted the fishermen, and asked about the weather",
+    "1, 1, 2, 3, 5, 8, 13,",
+    "A KV cache stores the keys and values of past tokens so that each decoding step only "
+    "computes attention for the newest token. In a disaggregated serving system, the prefill "
+    "pool computes this cache for the prompt, and the decode pool",
+    "Photosynthesis is",
+    "The three laws of thermodynamics state that energy is conserved, that entropy of an "
+    "isolated system never decreases, and that the entropy of a perfect crystal at absolute "
+    "zero is exactly zero. A consequence of the second law for engines is that",
+    "Dear team, thank you for",
+    "In 1969, the first humans landed on the Moon. The mission was called Apollo 11, and its "
+    "crew were Neil Armstrong, Buzz Aldrin and Michael Collins. After landing, Armstrong said",
+    "Roses are red,",
+]
+CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+
+
+@pytest.fixture(scope="module")
+def workload(real_model_dir: Path) -> dict[str, Any]:
+    from cluster.engine.llm import LLM
+
+    llm = LLM(config=make_config(**{"model.num_threads": 2}))
+    prompts = {f"p{i}": llm.tokenizer.encode(t) for i, t in enumerate(TEXTS)}
+    assert len({len(p) for p in prompts.values()}) >= 8
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, min_tokens=NUM_NEW, ignore_eos=True)
+    outs = llm.generate(list(prompts.values()), params)
+    chat = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=12))[0]
+    refs = {rid: (o.token_ids, o.text) for rid, o in zip(prompts, outs, strict=True)}
+    del llm
+    return {"prompts": prompts, "refs": refs, "chat": chat.text}
+
+
+@pytest.fixture(scope="module")
+def app(serve_cluster: ServeCluster, workload: dict[str, Any]) -> Iterator[App]:
+    cfg = make_config(
+        **{
+            "prefill.num_threads": 1,
+            "decode.num_threads": 1,
+            "prefill.num_cpus": 0.5,
+            "decode.num_cpus": 0.5,
+            "decode.local_prefill_threshold": THRESHOLD,
+            "transfer.transports": ["shm", "zmq"],
+            "cache.memory_bytes": 256 << 20,
+        }
+    )
+    deployed = App(serve_cluster, cfg, "pdserve-real")
+    try:
+        yield deployed
+    finally:
+        deployed.close()
+
+
+def greedy_req(rid: str, ids: list[int]) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=rid,
+        token_ids=pb.TokenIds(ids=ids),
+        sampling=pb.SamplingParameters(
+            max_tokens=NUM_NEW, min_tokens=NUM_NEW, temperature=0.0, ignore_eos=True
+        ),
+    )
+
+
+def test_grpc_concurrent_mixed_lengths_match_offline(app: App, workload: dict[str, Any]) -> None:
+    prompts, refs = workload["prompts"], workload["refs"]
+    results: dict[str, list[pb.GenerateResponse]] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(prompts))
+
+    def call(rid: str) -> None:
+        try:
+            start.wait(30)
+            results[rid] = app.generate(greedy_req(rid, prompts[rid]), timeout=300)
+        except BaseException as e:
+            errors.append(e)
+
+    before = next(iter(app.stats("decode").values()))
+    threads = [threading.Thread(target=call, args=(rid,)) for rid in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    remote = {rid for rid, p in prompts.items() if len(p) > THRESHOLD}
+    assert 3 <= len(remote) <= len(prompts) - 3  # both paths are exercised
+    for rid, msgs in results.items():
+        got = [t for m in msgs for t in m.token_ids]
+        assert got == refs[rid][0], rid
+        assert "".join(m.text for m in msgs) == refs[rid][1], rid
+        usage = msgs[-1].usage
+        assert usage.prefill_mode == ("remote" if rid in remote else "local"), rid
+        if rid in remote:
+            assert usage.phases.transfer_ms > 0 and usage.phases.prefill_queue_ms >= 0
+        else:
+            assert usage.phases.transfer_ms == 0
+    after = next(iter(app.stats("decode").values()))
+    moved = after["transfer"].get("transfers_ok", 0) - before["transfer"].get("transfers_ok", 0)
+    assert moved == len(remote)  # remote ones moved KV, local ones did not
+    assert after["pulled_blocks"] - before["pulled_blocks"] >= sum(
+        len(prompts[r]) // 16 for r in remote
+    ) - len(remote)  # the first token's block may already be cached on decode
+    assert after["local_prefills"] - before["local_prefills"] == len(prompts) - len(remote)
+    assert after["peak_running"] >= 8
+    app.assert_clean()
+
+
+def test_openai_client_streaming_and_not_match_offline(app: App, workload: dict[str, Any]) -> None:
+    prompts, refs = workload["prompts"], workload["refs"]
+    client = openai.OpenAI(base_url=app.cluster.http_url + "/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    extra = {"min_tokens": NUM_NEW, "ignore_eos": True}
+    texts: dict[str, str] = {}
+    errors: list[BaseException] = []
+
+    def call(rid: str, stream: bool) -> None:
+        try:
+            kw: dict[str, Any] = dict(
+                model=model,
+                prompt=prompts[rid],
+                max_tokens=NUM_NEW,
+                temperature=0,
+                extra_body=extra,
+            )
+            if stream:
+                chunks = list(client.completions.create(stream=True, **kw))
+                texts[rid] = "".join(c.choices[0].text for c in chunks if c.choices)
+            else:
+                texts[rid] = client.completions.create(**kw).choices[0].text
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [
+        threading.Thread(target=call, args=(rid, i % 2 == 0)) for i, rid in enumerate(prompts)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    assert texts == {rid: refs[rid][1] for rid in prompts}
+
+    chat = client.chat.completions.create(model=model, messages=CHAT, max_tokens=12, temperature=0)
+    assert chat.choices[0].message.content == workload["chat"]
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=CHAT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == workload["chat"]
+    )
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+    app.assert_clean()
