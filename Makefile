@@ -9,6 +9,7 @@ STAMP := $(VENV)/.pdserve-installed-$(shell cksum pyproject.toml | cut -d' ' -f1
 TORCH_VERSION ?= 2.13.0
 SMOLLM_VERSION ?= 0.1.2
 PYTEST_ARGS ?=
+SERVE_ARGS ?=
 
 .PHONY: setup model run serve test lint typecheck contracts unit bench protos clean
 
@@ -29,9 +30,9 @@ $(STAMP):
 model: setup
 	$(VENV)/bin/pdserve model fetch
 
+# The embedded default: local Ray, 1 prefill + 1 decode replica, gRPC :9000, HTTP :8000.
 run: model
-	$(VENV)/bin/pdserve generate "What is the capital of France?"
-	@echo "Call it yourself: $(VENV)/bin/pdserve generate \"your prompt\"  (see README.md)"
+	$(VENV)/bin/pdserve serve $(SERVE_ARGS)
 
 test: model
 	$(MAKE) --no-print-directory lint typecheck contracts unit

@@ -1,5 +1,5 @@
 """The KV-transfer data plane: move a prefilled request's KV blocks from a prefill pool into a
-decode pool (pull with a lease). See docs/kv_transfer.md for the wire format and the protocol.
+decode pool (pull with a lease). See README.md, "KV transfer", for the wire format and the protocol.
 
     sender = KVSender(config.transfer, KVPool(kv_cache, layout), on_release=..., epoch=...)
     params = sender.register(request_id, block_ids, num_tokens=n)      # prefill side
