@@ -7,15 +7,16 @@ lease, health checks, and the pools' request router.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ray.serve.config import RequestRouterConfig
 
-from cluster.common.serve_routing import LEAST_LOADED_ROUTER
+from cluster.common.serve_routing import CACHE_AWARE_ROUTER, LEAST_LOADED_ROUTER
 from cluster.config import ClusterConfig, PoolConfig
 
 
-def _pool_options(pool: PoolConfig, max_ongoing: int) -> dict[str, Any]:
+def _pool_options(pool: PoolConfig, max_ongoing: int, role: str, block_size: int) -> dict[str, Any]:
     actor: dict[str, Any] = {"num_cpus": pool.num_cpus}
     if pool.num_gpus:
         actor["num_gpus"] = pool.num_gpus
@@ -29,7 +30,7 @@ def _pool_options(pool: PoolConfig, max_ongoing: int) -> dict[str, Any]:
         "health_check_period_s": pool.health_check_period_s,
         "health_check_timeout_s": pool.health_check_timeout_s,
         "ray_actor_options": actor,
-        "request_router_config": _router_config(),
+        "request_router_config": _router_config(pool, role, block_size),
     }
 
 
@@ -40,9 +41,13 @@ def deployment_options(config: ClusterConfig) -> dict[str, dict[str, Any]]:
     r = config.router
     return {
         # Prefill streams stay open while their KV is leased: room for a batch plus its leases.
-        "PrefillServer": _pool_options(config.prefill, 2 * prefill_seqs + 8),
+        "PrefillServer": _pool_options(
+            config.prefill, 2 * prefill_seqs + 8, "prefill", config.cache.block_size
+        ),
         # Decode: the running batch plus requests waiting for blocks or KV.
-        "DecodeServer": _pool_options(config.decode, 2 * decode_seqs),
+        "DecodeServer": _pool_options(
+            config.decode, 2 * decode_seqs, "decode", config.cache.block_size
+        ),
         "Router": {
             "num_replicas": r.num_replicas,
             "max_ongoing_requests": r.max_ongoing_requests,
@@ -52,6 +57,20 @@ def deployment_options(config: ClusterConfig) -> dict[str, dict[str, Any]]:
     }
 
 
-def _router_config() -> Any:
+def _router_config(pool: PoolConfig, role: str, block_size: int) -> Any:
+    """The pool's request router: cache-aware (replicas publish their cached blocks every
+    ``routing.stats_period_s``) or least outstanding work."""
+    routing = pool.routing
     fields: dict[str, Any] = {"request_router_class": LEAST_LOADED_ROUTER}
+    if routing.policy == "cache_aware":
+        fields = {
+            "request_router_class": CACHE_AWARE_ROUTER,
+            "request_router_kwargs": {
+                "pool": role,
+                "block_size": block_size,
+                "routing": dataclasses.asdict(routing),
+            },
+            "request_routing_stats_period_s": routing.stats_period_s,
+            "request_routing_stats_timeout_s": max(1.0, 4 * routing.stats_period_s),
+        }
     return RequestRouterConfig(**fields)

@@ -1,10 +1,16 @@
-"""Ray Serve request routing for the pools: least outstanding work, minus failed replicas.
+"""Ray Serve request routing for the pools: cache-aware, or least outstanding work.
 
 Ray's ``RequestRouter`` picks, within each rank of candidates it is given, the replica with the
-shortest queue (probed or cached). So "least outstanding work" is a single rank of every
-candidate; a retry after a failure passes ``exclude_replicas`` in its call and those replicas
-are left out (if that leaves nothing, all candidates are offered again rather than stalling).
-No FIFO mixin: a routing decision serves the request it was made for, so exclusions hold.
+shortest queue (probed or cached), and moves to the next rank when a whole rank is at capacity.
+
+* ``LeastLoadedRouter``: a single rank of every candidate (least outstanding work).
+* ``CacheAwareRouter``: ranks from ``routing_policy.PrefixIndex`` (cached prefix against queued
+  work and KV headroom; see that module), fed by the snapshots replicas publish through
+  ``record_routing_stats`` every ``routing.stats_period_s`` and by this caller's own dispatches.
+
+Both leave out the replicas a retry excludes (``exclude_replicas`` in the call; if that leaves
+nothing, every candidate is offered again rather than stalling). No FIFO mixin: a routing
+decision serves the request it was made for, so exclusions hold.
 """
 
 from __future__ import annotations
@@ -13,14 +19,33 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from cluster.common.routing_policy import PrefixIndex
+from cluster.config import RoutingConfig
+
 LEAST_LOADED_ROUTER = "cluster.common.serve_routing.LeastLoadedRouter"
+CACHE_AWARE_ROUTER = "cluster.common.serve_routing.CacheAwareRouter"
+
+
+def _call(pending: PendingRequest | None) -> Any:
+    if pending is None or not pending.args:
+        return None
+    return pending.args[0]
 
 
 def excluded_replicas(pending: PendingRequest | None) -> tuple[str, ...]:
-    if pending is None or not pending.args:
-        return ()
-    excluded: Any = getattr(pending.args[0], "exclude_replicas", ())
+    excluded: Any = getattr(_call(pending), "exclude_replicas", ())
     return tuple(excluded)
+
+
+def _without_excluded(
+    candidates: list[RunningReplica], pending: PendingRequest | None
+) -> list[RunningReplica]:
+    excluded = excluded_replicas(pending)
+    if excluded:
+        kept = [r for r in candidates if r.replica_id.unique_id not in excluded]
+        if kept:
+            return kept
+    return list(candidates)
 
 
 class LeastLoadedRouter(RequestRouter):
@@ -29,9 +54,41 @@ class LeastLoadedRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        excluded = excluded_replicas(pending_request)
-        if excluded:
-            kept = [r for r in candidate_replicas if r.replica_id.unique_id not in excluded]
-            if kept:
-                return [kept]
-        return [list(candidate_replicas)]
+        return [_without_excluded(candidate_replicas, pending_request)]
+
+
+class CacheAwareRouter(RequestRouter):
+    index: PrefixIndex
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        routing = RoutingConfig(**kwargs.get("routing", {}))
+        self.index = PrefixIndex(routing, int(kwargs.get("block_size", 16)), kwargs["pool"])
+        self.num_routed = 0
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        candidates = _without_excluded(candidate_replicas, pending_request)
+        call = _call(pending_request)
+        hashes = getattr(call, "block_hashes", None)
+        if not hashes or len(candidates) < 2:
+            return [candidates]
+        by_id = {r.replica_id.unique_id: r for r in candidates}
+        for rid, replica in by_id.items():
+            self.index.update(rid, replica.routing_stats)
+        ranks = self.index.rank(list(by_id), hashes, len(call.prompt_token_ids))
+        return [[by_id[rid] for rid in rank] for rank in ranks]
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: Any, result: Any
+    ) -> None:
+        hashes = getattr(_call(pending_request), "block_hashes", None)
+        if hashes:
+            self.index.dispatched(replica_id.unique_id, hashes)
+            self.num_routed += 1
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self.index.retain(r.replica_id.unique_id for r in replicas)

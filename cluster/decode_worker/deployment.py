@@ -21,6 +21,7 @@ from ray import serve
 from cluster.common.errors import ErrorCode, PDServeError
 from cluster.common.metrics import PoolMetrics
 from cluster.common.protocol import Accepted, GenerateCall, PrefillCall, PrefillReply, StreamChunk
+from cluster.common.routing_policy import replica_routing_stats
 from cluster.common.serve_calls import PoolStream, as_pdserve_error, is_retryable
 from cluster.config import ClusterConfig, config_from_dict
 from cluster.decode_worker.server import DecodeServer
@@ -93,6 +94,11 @@ class DecodeDeployment:
             except Exception:  # metrics must never take the replica down
                 logger.exception("publishing decode metrics failed")
             await asyncio.sleep(METRICS_PERIOD_S)
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Cache-aware routing: this replica's cached blocks and load (common/routing_policy)."""
+        period = self.config.decode.routing.stats_period_s
+        return await replica_routing_stats(self.server.loop, timeout_s=max(1.0, 2 * period))
 
     # -- health and introspection --------------------------------------------------------------
 

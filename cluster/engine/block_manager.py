@@ -67,6 +67,10 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def cached_hashes(self) -> list[int]:
+        """The hashes of every block in the prefix cache (what routers index)."""
+        return list(self._cached)
+
     def is_cached(self, block_hash: int) -> bool:
         return block_hash in self._cached
 

@@ -20,6 +20,7 @@ from ray import serve
 
 from cluster.common.metrics import PoolMetrics
 from cluster.common.protocol import Accepted, PrefillCall, PrefillReply
+from cluster.common.routing_policy import replica_routing_stats
 from cluster.config import config_from_dict
 from cluster.prefill_worker.server import PrefillServer
 
@@ -54,6 +55,11 @@ class PrefillDeployment:
             except Exception:  # metrics must never take the replica down
                 logger.exception("publishing prefill metrics failed")
             await asyncio.sleep(METRICS_PERIOD_S)
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Cache-aware routing: this replica's cached blocks and load (common/routing_policy)."""
+        period = self.config.prefill.routing.stats_period_s
+        return await replica_routing_stats(self.server.loop, timeout_s=max(1.0, 2 * period))
 
     # -- health and introspection --------------------------------------------------------------
 
