@@ -17,6 +17,7 @@ from typing import Any
 
 from ray import serve
 
+from cluster.common.autoscaling_stats import decode_autoscaling_stats
 from cluster.common.errors import ErrorCode, PDServeError
 from cluster.common.metrics import PoolMetrics
 from cluster.common.protocol import Accepted, GenerateCall, PrefillCall, PrefillReply, StreamChunk
@@ -92,6 +93,11 @@ class DecodeDeployment:
             except Exception:  # metrics must never take the replica down
                 logger.exception("publishing decode metrics failed")
             await asyncio.sleep(METRICS_PERIOD_S)
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray Serve's autoscaler reads this (signals of ``cluster.autoscaling.DecodePolicy``)."""
+        max_num_seqs = self.server.config.scheduler.max_num_seqs
+        return decode_autoscaling_stats(self.server.stats(), max_num_seqs)
 
     # -- health and introspection --------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from ray import serve
 
+from cluster.common.autoscaling_stats import prefill_autoscaling_stats
 from cluster.common.metrics import PoolMetrics
 from cluster.common.protocol import Accepted, PrefillCall, PrefillReply
 from cluster.config import config_from_dict
@@ -53,6 +54,10 @@ class PrefillDeployment:
             except Exception:  # metrics must never take the replica down
                 logger.exception("publishing prefill metrics failed")
             await asyncio.sleep(METRICS_PERIOD_S)
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray Serve's autoscaler reads this (signals of ``cluster.autoscaling.PrefillPolicy``)."""
+        return prefill_autoscaling_stats(self.server.stats())
 
     # -- health and introspection --------------------------------------------------------------
 
