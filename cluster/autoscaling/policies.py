@@ -38,9 +38,10 @@ enforces ``graceful_shutdown_timeout_s > transfer.lease_s``. Leases are reported
 visibility, not used as a scaling signal.
 
 Visibility: the policy state (``POLICY_STATE_KEY``) holds the last recommendation, its reason,
-the utilizations, and counts of the scale decisions Ray applied (seen as changes of the target
-between ticks); each applied decision is logged on the Serve controller and counted in
-``pdserve_autoscaling_decisions`` (exported ``ray_pdserve_autoscaling_decisions_total``).
+the utilizations, counts of the scale decisions Ray applied (seen as changes of the target
+between ticks) and the last few of them with their reasons; each applied decision is logged on
+the Serve controller and counted in ``pdserve_autoscaling_decisions`` (exported
+``ray_pdserve_autoscaling_decisions_total``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from cluster.config import AutoscalingConfig
 logger = logging.getLogger("ray.serve")
 
 POLICY_STATE_KEY = "pdserve"
+HISTORY = 8  # applied decisions kept in the policy state
 _EPS = 1e-9  # ceil(2 x 0.5/0.5) must be 2, not 3 after rounding
 
 
@@ -264,6 +266,7 @@ class _PoolPolicy:
             "scale_ups": prev.get("scale_ups", 0),
             "scale_downs": prev.get("scale_downs", 0),
             "last_decision": prev.get("last_decision"),
+            "history": list(prev.get("history") or []),
         }
         last_target = prev.get("target")
         if last_target is not None and ctx.target_num_replicas != last_target:
@@ -276,6 +279,7 @@ class _PoolPolicy:
                 "time": ctx.current_time,
                 "reason": prev.get("reason", ""),
             }
+            state["history"] = [*state["history"], state["last_decision"]][-HISTORY:]
             logger.info(
                 "pdserve autoscaling: %s pool %s %d -> %d (%s)",
                 self.pool,

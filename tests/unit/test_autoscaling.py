@@ -234,6 +234,7 @@ def test_ray_applies_the_upscale_delay_to_the_policy(monkeypatch: pytest.MonkeyP
     d.tick(1.1, [0.9, 0.0])  # the policy sees the target move: one decision counted
     assert d.mine["scale_ups"] == 1 and d.mine["last_decision"]["to"] == 2
     assert "kv_usage" in d.mine["last_decision"]["reason"]
+    assert d.mine["history"] == [d.mine["last_decision"]]
 
 
 def test_ray_scales_down_only_after_the_downscale_delay(monkeypatch: pytest.MonkeyPatch) -> None:
