@@ -59,7 +59,7 @@ logger = logging.getLogger("ray.serve")
 
 POLICY_STATE_KEY = "pdserve"
 HISTORY = 8  # applied decisions kept in the policy state
-_EPS = 1e-9  # ceil(2 x 0.5/0.5) must be 2, not 3 after rounding
+_EPS = 1e-9  # 5 x (0.98 / 0.7) is 7.000000000000001 in floats: 7 replicas, not 8
 
 
 @dataclass(frozen=True)
