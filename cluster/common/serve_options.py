@@ -2,7 +2,8 @@
 
 ``max_ongoing_requests`` sized to the batch (not Serve's default 5), ``max_queued_requests`` for a
 fast RESOURCE_EXHAUSTED / 429, fractional CPUs, ``graceful_shutdown_timeout_s`` above the KV
-lease, health checks, and the pools' request router.
+lease, health checks, the pools' request router, and each pool's autoscaling (Ray Serve's
+``autoscaling_config`` with pdserve's policy for that pool, when ``autoscaling.enabled``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 from ray.serve.config import RequestRouterConfig
 
 from cluster.common.serve_routing import CACHE_AWARE_ROUTER, LEAST_LOADED_ROUTER
-from cluster.config import ClusterConfig, PoolConfig
+from cluster.config import ClusterConfig, PoolConfig, PrefillPoolConfig
 
 
 def _pool_options(pool: PoolConfig, max_ongoing: int, role: str, block_size: int) -> dict[str, Any]:
@@ -23,7 +24,7 @@ def _pool_options(pool: PoolConfig, max_ongoing: int, role: str, block_size: int
     if pool.resources:  # node-group placement: multi-node configs only
         actor["resources"] = dict(pool.resources)
     return {
-        "num_replicas": pool.num_replicas,
+        **_replicas_options(pool),
         "max_ongoing_requests": pool.max_ongoing_requests or max_ongoing,
         "max_queued_requests": pool.max_queued_requests,
         "graceful_shutdown_timeout_s": pool.graceful_shutdown_timeout_s,
@@ -74,3 +75,42 @@ def _router_config(pool: PoolConfig, role: str, block_size: int) -> Any:
             "request_routing_stats_timeout_s": max(1.0, 4 * routing.stats_period_s),
         }
     return RequestRouterConfig(**fields)
+
+
+# Import paths, not imports: common sits below cluster.autoscaling. Ray imports the class once
+# (driver side, to pickle it) and instantiates it on the controller with policy_kwargs.
+AUTOSCALING_POLICIES = {
+    "prefill": "cluster.autoscaling.policies:PrefillPolicy",
+    "decode": "cluster.autoscaling.policies:DecodePolicy",
+}
+
+
+def _replicas_options(pool: PoolConfig) -> dict[str, Any]:
+    """Fixed ``num_replicas``, or (autoscaling on) Ray's ``autoscaling_config`` instead: Ray
+    rejects both together."""
+    if not pool.autoscaling.enabled:
+        return {"num_replicas": pool.num_replicas}
+    return {"autoscaling_config": autoscaling_config(pool)}
+
+
+def autoscaling_config(pool: PoolConfig) -> dict[str, Any]:
+    """The pool's ``autoscaling`` section as Ray Serve's ``AutoscalingConfig`` fields (a plain,
+    JSON-ready dict, as a serveConfigV2 entry has it). Ray applies the delays, the scaling
+    factors and the bounds to the policy's recommendation itself."""
+    a = pool.autoscaling
+    role = "prefill" if isinstance(pool, PrefillPoolConfig) else "decode"
+    return {
+        "min_replicas": a.min_replicas,
+        "max_replicas": a.max_replicas,
+        "initial_replicas": a.initial_replicas,
+        "metrics_interval_s": a.metrics_interval_s,
+        "look_back_period_s": a.look_back_period_s,
+        "upscale_delay_s": a.upscale_delay_s,
+        "downscale_delay_s": a.downscale_delay_s,
+        "upscaling_factor": a.upscale_smoothing_factor,
+        "downscaling_factor": a.downscale_smoothing_factor,
+        "policy": {
+            "policy_function": AUTOSCALING_POLICIES[role],
+            "policy_kwargs": dataclasses.asdict(a),
+        },
+    }

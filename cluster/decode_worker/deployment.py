@@ -18,6 +18,7 @@ from typing import Any
 
 from ray import serve
 
+from cluster.common.autoscaling_stats import decode_autoscaling_stats
 from cluster.common.errors import ErrorCode, PDServeError
 from cluster.common.metrics import PoolMetrics
 from cluster.common.protocol import Accepted, GenerateCall, PrefillCall, PrefillReply, StreamChunk
@@ -99,6 +100,11 @@ class DecodeDeployment:
         """Cache-aware routing: this replica's cached blocks and load (common/routing_policy)."""
         period = self.config.decode.routing.stats_period_s
         return await replica_routing_stats(self.server.loop, timeout_s=max(1.0, 2 * period))
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray Serve's autoscaler reads this (signals of ``cluster.autoscaling.DecodePolicy``)."""
+        max_num_seqs = self.server.config.scheduler.max_num_seqs
+        return decode_autoscaling_stats(self.server.stats(), max_num_seqs)
 
     # -- health and introspection --------------------------------------------------------------
 

@@ -25,6 +25,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
+from cluster.common.autoscaling_stats import RecentWindow
 from cluster.common.errors import ErrorCode, PDServeError
 from cluster.common.faults import FaultPoints
 from cluster.common.hashing import hash_block_tokens
@@ -70,6 +71,8 @@ class DecodeServer:
         self._reservations: dict[str, asyncio.Future[KVReservation]] = {}
         self._lock = threading.Lock()  # the reservation table: engine thread and event loop
         self._rng = random.Random()
+        # Recent time per output token of finished requests, one of the autoscaling signals.
+        self.recent_tpot = RecentWindow(self.config.decode.autoscaling.look_back_period_s)
         self.counters = {
             "local_prefills": 0,
             "remote_prefills": 0,
@@ -139,6 +142,7 @@ class DecodeServer:
             "role": "decode",
             "engine": self.loop.stats(),
             "transfer": self.receiver.stats(),
+            "recent_tpot_ms": self.recent_tpot.median(),
             **self.counters,
         }
 
@@ -309,9 +313,15 @@ class _Run:
             if out.finished:
                 self.finished = True
                 chunk.usage = self._final_usage(out)
+                self._record_tpot(out)
             yield chunk
             if out.finished:
                 return
+
+    def _record_tpot(self, out: RequestOutput) -> None:
+        if self.first_token_at is not None and out.num_output_tokens > 1:
+            decode_s = time.monotonic() - self.first_token_at
+            self.server.recent_tpot.add(decode_s * 1000 / (out.num_output_tokens - 1))
 
     def _chunk(self, out: RequestOutput) -> StreamChunk:
         if self.first_token_at is None and out.new_token_ids:

@@ -313,6 +313,15 @@ class LLMEngine:
                 f"{sorted(tracked ^ set(self.requests))[:5]}"
             )
 
+    def _queued_prefill_tokens(self) -> int:
+        """Prompt tokens not computed yet, over the waiting and running requests (autoscaling)."""
+        sched = self.scheduler
+        return sum(
+            max(0, r.num_prompt_tokens - r.num_computed_tokens)
+            for queue in (sched.waiting, sched.running)
+            for r in queue
+        )
+
     def stats(self) -> dict[str, Any]:
         c = self.counters
         bm = self.block_manager.stats()
@@ -321,6 +330,7 @@ class LLMEngine:
             "num_waiting": len(self.scheduler.waiting),
             "num_waiting_for_kv": len(self.scheduler.kv_waiting) + len(self.scheduler.kv_reserved),
             "num_held": len(self.scheduler.held),
+            "num_queued_prefill_tokens": self._queued_prefill_tokens(),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": c.num_steps,
             "num_prompt_tokens": c.num_prompt_tokens,

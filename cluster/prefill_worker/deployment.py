@@ -18,6 +18,7 @@ from typing import Any
 
 from ray import serve
 
+from cluster.common.autoscaling_stats import prefill_autoscaling_stats
 from cluster.common.metrics import PoolMetrics
 from cluster.common.protocol import Accepted, PrefillCall, PrefillReply
 from cluster.common.routing_policy import replica_routing_stats
@@ -60,6 +61,10 @@ class PrefillDeployment:
         """Cache-aware routing: this replica's cached blocks and load (common/routing_policy)."""
         period = self.config.prefill.routing.stats_period_s
         return await replica_routing_stats(self.server.loop, timeout_s=max(1.0, 2 * period))
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray Serve's autoscaler reads this (signals of ``cluster.autoscaling.PrefillPolicy``)."""
+        return prefill_autoscaling_stats(self.server.stats())
 
     # -- health and introspection --------------------------------------------------------------
 

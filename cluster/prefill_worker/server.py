@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from cluster.common.autoscaling_stats import RecentWindow
 from cluster.common.errors import ErrorCode, PDServeError
 from cluster.common.faults import FaultPoints
 from cluster.common.kv_layout import KVLayout
@@ -73,6 +74,10 @@ class PrefillServer:
         )
         self._leases: dict[str, _Lease] = {}
         self.num_prefills: int = 0
+        # Recent TTFT on this replica (queue + prefill), one of the autoscaling signals.
+        self.recent_ttft: RecentWindow = RecentWindow(
+            self.config.prefill.autoscaling.look_back_period_s
+        )
 
     def _allocate_pool(
         self, layout: KVLayout, num_blocks: int, device: torch.device
@@ -137,6 +142,7 @@ class PrefillServer:
                 raise PDServeError(ErrorCode.UNAVAILABLE, out.error, call.request_id)
             self.num_prefills += 1
             queue_ms, prefill_ms = _phase_ms(out, arrival)
+            self.recent_ttft.add(queue_ms + prefill_ms)
             # Prefill-only requests end as "length" after their first token; a real finish is a
             # stop (EOS, stop token) or a request that wanted a single token.
             real_finish = out.finish_reason != "length" or call.params.max_tokens <= 1
@@ -196,6 +202,7 @@ class PrefillServer:
             "transfer": self.sender.stats(),
             "num_active_leases": self.sender.num_active_leases,
             "num_prefills": self.num_prefills,
+            "recent_ttft_ms": self.recent_ttft.median(),
             "endpoint": self.endpoint,
             "instance_id": self.instance_id,
         }
