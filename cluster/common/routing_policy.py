@@ -8,7 +8,7 @@ equivalents, is the work the request would wait for and do there::
 
     cost = uncached prompt tokens                      (prefill compute it cannot skip)
          + queued prefill tokens on the replica        (work ahead of it)
-         + queue_cost_tokens x (waiting + dispatched since the replica's last snapshot)
+         + queue_cost_tokens x (requests queued or in flight there)
          + transfer_cost_per_block x blocks it lacks   (decode pool: bytes that would move)
 
 so a long cached prefix wins over a short queue, and a hot replica sheds load when the cache win
@@ -73,14 +73,14 @@ async def replica_routing_stats(loop: Any, timeout_s: float) -> dict[str, Any]:
 class _ReplicaState:
     cached: frozenset[int] = frozenset()
     snapshot_at: float = 0.0  # local time the current snapshot arrived
-    snapshot_id: int = 0  # id() of the stats object it came from (changes on every update)
+    snapshot: Any = None  # the stats object it came from (a new object on every update)
     kv_free: float = 1.0
     running: int = 0
     waiting: int = 0
     queued_tokens: int = 0
     # Optimistic: block hash -> when this caller dispatched a request with it here.
     dispatched_blocks: dict[int, float] = field(default_factory=dict)
-    dispatch_times: list[float] = field(default_factory=list)
+    inflight: int = 0  # this caller's requests on the replica, not completed yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,10 +106,10 @@ class PrefixIndex:
     ) -> None:
         """Take a replica's latest published snapshot (a no-op when it has not changed)."""
         state = self.replicas.setdefault(replica_id, _ReplicaState())
-        if not stats or stats.get("v") != SNAPSHOT_VERSION or id(stats) == state.snapshot_id:
+        if not stats or stats.get("v") != SNAPSHOT_VERSION or stats is state.snapshot:
             return
         now = time.monotonic() if now is None else now
-        state.snapshot_id = id(stats)
+        state.snapshot = stats
         state.cached = frozenset(stats.get("hashes", ()))
         state.snapshot_at = now
         state.kv_free = float(stats.get("kv_free", 1.0))
@@ -119,7 +119,6 @@ class PrefixIndex:
         # A snapshot taken well after a dispatch is authoritative about that dispatch's blocks.
         settled = now - 2 * self.config.stats_period_s
         state.dispatched_blocks = {h: t for h, t in state.dispatched_blocks.items() if t > settled}
-        state.dispatch_times = [t for t in state.dispatch_times if t > settled]
 
     def dispatched(
         self, replica_id: str, block_hashes: Sequence[int], now: float | None = None
@@ -128,7 +127,12 @@ class PrefixIndex:
         state = self.replicas.setdefault(replica_id, _ReplicaState())
         for h in block_hashes:
             state.dispatched_blocks[h] = now
-        state.dispatch_times.append(now)
+        state.inflight += 1
+
+    def completed(self, replica_id: str) -> None:
+        state = self.replicas.get(replica_id)
+        if state is not None and state.inflight > 0:
+            state.inflight -= 1
 
     def retain(self, replica_ids: Iterable[str]) -> None:
         """Forget replicas that left the pool."""
@@ -163,8 +167,10 @@ class PrefixIndex:
         state = self.replicas.get(replica_id) or _ReplicaState()
         hit = self.hit_blocks(replica_id, block_hashes, now)
         uncached = max(0, num_prompt_tokens - hit * self.block_size)
-        pending = sum(1 for t in state.dispatch_times if t > state.snapshot_at)
-        cost = uncached + state.queued_tokens + cfg.queue_cost_tokens * (state.waiting + pending)
+        # Queued there: what the replica last reported, or what this caller alone has in flight
+        # there, whichever is more (the report lags; other callers are not in the count).
+        queued = max(state.waiting, state.inflight)
+        cost = uncached + state.queued_tokens + cfg.queue_cost_tokens * queued
         if self.pool == "decode":
             cost += cfg.transfer_cost_per_block * (len(block_hashes) - hit)
         return Candidate(replica_id, float(cost), hit)

@@ -89,6 +89,9 @@ class CacheAwareRouter(RequestRouter):
             self.index.dispatched(replica_id.unique_id, hashes)
             self.num_routed += 1
 
+    def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:
+        self.index.completed(replica_id.unique_id)
+
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         self.index.retain(r.replica_id.unique_id for r in replicas)

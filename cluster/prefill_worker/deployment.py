@@ -10,6 +10,7 @@ lease) and cancellation reaches the lease. Options (replicas, CPUs, queue limits
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import os
@@ -37,10 +38,12 @@ class PrefillDeployment:
         self.server = PrefillServer(self.config, instance_id=self.replica_id).start()
         self.metrics = PoolMetrics("prefill")
         self._metrics_task: asyncio.Task[None] | None = None
+        self.recent_requests: collections.deque[str] = collections.deque(maxlen=1024)
         logger.info("prefill replica %s: KV endpoint %s", self.replica_id, self.server.endpoint)
 
     async def prefill(self, call: PrefillCall) -> AsyncIterator[Accepted | PrefillReply]:
         self._ensure_metrics_task()
+        self.recent_requests.append(call.request_id)  # where requests went (routing tests)
         yield Accepted(self.replica_id)
         async for reply in self.server.prefill(call):
             yield reply
@@ -77,6 +80,7 @@ class PrefillDeployment:
         s["replica_id"] = self.replica_id
         s["paused_faults"] = self.server.faults.paused()
         s["pid"] = os.getpid()
+        s["recent_requests"] = list(self.recent_requests)
         try:
             s["kv_used_blocks"] = self.server.loop.call(
                 lambda e: e.block_manager.num_used_blocks
