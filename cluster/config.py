@@ -592,6 +592,26 @@ def _fill_secrets_from_env(cfg: ClusterConfig) -> ClusterConfig:
     return cfg
 
 
+def portable_dict(cfg: ClusterConfig) -> dict[str, Any]:
+    """``cfg.to_dict()`` without what came from this process's environment (secrets, the KV
+    advertise address), for handing to other processes: each replica reads its own environment
+    (its pod's IP and Secrets), and secrets never ride in deployment arguments."""
+    d = cfg.to_dict()
+    advertise = os.environ.get("PDSERVE_ADVERTISE_HOST")
+    if advertise and d["transfer"]["advertise_host"] == advertise:
+        d["transfer"]["advertise_host"] = None
+    keys = os.environ.get("PDSERVE_API_KEYS")
+    if keys:
+        from_env = [k.strip() for k in keys.split(",") if k.strip()]
+        if list(d["router"]["api_keys"]) == from_env:
+            d["router"]["api_keys"] = []
+    for (section, key), env in _SECRET_ENV.items():
+        value = os.environ.get(env)
+        if value and d[section][key] == value:
+            d[section][key] = ""
+    return d
+
+
 def _default_cache_dir() -> Path:
     env = os.environ.get("PDSERVE_CACHE_DIR")
     if env:

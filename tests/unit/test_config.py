@@ -91,3 +91,25 @@ def test_flat_keys_and_registries_agree() -> None:
     assert set(RUNNER_REGISTRY) == {"torch", "fake"}
     assert ClusterConfig().model.runner in RUNNER_REGISTRY
     assert "zmq" in _TRANSPORTS
+
+
+def test_portable_dict_leaves_environment_values_to_each_replica(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from cluster.config import config_from_dict, load_config, portable_dict
+
+    monkeypatch.setenv("PDSERVE_ADVERTISE_HOST", "10.0.0.7")
+    monkeypatch.setenv("PDSERVE_API_KEYS", "key-from-env-123")
+    monkeypatch.setenv("PDSERVE_TRANSFER_SECRET", "s" * 32)
+    cfg = load_config()
+    assert cfg.transfer.advertise_host == "10.0.0.7"
+    assert cfg.router.api_keys == ("key-from-env-123",)
+    d = portable_dict(cfg)
+    assert d["transfer"]["advertise_host"] is None
+    assert d["router"]["api_keys"] == [] and d["transfer"]["hmac_secret"] == ""
+    assert "key-from-env-123" not in repr(d) and "s" * 32 not in repr(d)
+    monkeypatch.setenv("PDSERVE_ADVERTISE_HOST", "10.0.0.8")  # another pod
+    replica = config_from_dict(d)
+    assert replica.transfer.advertise_host == "10.0.0.8"
+    assert replica.router.api_keys == ("key-from-env-123",)
+    # values written in the config itself do travel
+    explicit = load_config(overrides={"transfer.advertise_host": "10.9.9.9"})
+    assert portable_dict(explicit)["transfer"]["advertise_host"] == "10.9.9.9"

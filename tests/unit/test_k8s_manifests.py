@@ -779,10 +779,19 @@ def test_podmonitor_scrapes_every_ray_pod(variant: tuple[str, list[dict[str, Any
 
 
 def _metric_kinds() -> dict[str, tuple[str, tuple[str, ...]]]:
-    """Exported name -> (Counter|Gauge|Histogram, tag keys), read from metrics.py's source."""
+    """Exported name -> (Counter|Gauge|Histogram, tag keys), read from the sources that declare
+    metrics: common/metrics.py and the autoscaling policies (recorded on the Serve controller)."""
+    from cluster.autoscaling import policies
     from cluster.common import metrics
 
-    tree = ast.parse(Path(metrics.__file__).read_text())
+    tree = ast.Module(
+        body=[
+            stmt
+            for mod in (metrics, policies)
+            for stmt in ast.parse(Path(mod.__file__ or "").read_text()).body
+        ],
+        type_ignores=[],
+    )
     # Tag tuples are sometimes held in a local (`tags = ("pool",)`): resolve simple assignments.
     consts: dict[str, Any] = {}
     for node in ast.walk(tree):
