@@ -977,6 +977,7 @@ def test_dockerfile() -> None:
 
     # Files the package reads at run time (not Python) reach the installed package.
     import fnmatch
+
     import tomllib
 
     patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
