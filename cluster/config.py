@@ -208,7 +208,7 @@ class TestingConfig:
 class RoutingConfig:
     """How a pool's Ray Serve ``RequestRouter`` picks a replica (callers of the pool run it)."""
 
-    policy: str = "cache_aware"  # cache_aware | least_loaded
+    policy: str = "cache_aware"  # cache_aware | least_loaded | round_robin (a baseline)
     # Replicas publish their cached-block events (stored / evicted) this often.
     stats_period_s: float = 0.5
     # Scoring, in prompt-token equivalents: a candidate's score is the prefill work it saves
@@ -222,7 +222,9 @@ class RoutingConfig:
     index_ttl_s: float = 30.0
 
     def _validate(self, name: str) -> None:
-        _check_choice(self.policy, f"{name}.routing.policy", ("cache_aware", "least_loaded"))
+        _check_choice(
+            self.policy, f"{name}.routing.policy", ("cache_aware", "least_loaded", "round_robin")
+        )
         _check(self.stats_period_s > 0, f"{name}.routing.stats_period_s", "must be > 0")
         _check(self.queue_cost_tokens >= 0, f"{name}.routing.queue_cost_tokens", "must be >= 0")
         _check(

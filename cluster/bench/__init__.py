@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, str] = {
     "chunked-prefill": "cluster.bench.chunked_prefill",
     "kv-transfer": "cluster.bench.kv_transfer",
     "serve": "cluster.bench.serve",
+    "routing": "cluster.bench.routing",
 }
 
 

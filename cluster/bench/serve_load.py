@@ -26,6 +26,7 @@ class RequestRecord:
     send: float = 0.0
     chunk_times: list[float] = field(default_factory=list)
     output_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from a prefix cache (the final usage)
     error: str | None = None
 
     @property
@@ -115,6 +116,8 @@ async def run_load(
                     if msg.token_ids or msg.text:
                         rec.chunk_times.append(time.perf_counter())
                         rec.output_tokens += len(msg.token_ids)
+                    if msg.HasField("usage"):
+                        rec.cached_tokens = msg.usage.cached_tokens
             except grpc.aio.AioRpcError as e:
                 rec.error = f"{e.code().name}: {e.details()}"
             return rec

@@ -13,7 +13,11 @@ from typing import Any
 
 from ray.serve.config import RequestRouterConfig
 
-from cluster.common.serve_routing import CACHE_AWARE_ROUTER, LEAST_LOADED_ROUTER
+from cluster.common.serve_routing import (
+    CACHE_AWARE_ROUTER,
+    LEAST_LOADED_ROUTER,
+    ROUND_ROBIN_ROUTER,
+)
 from cluster.config import ClusterConfig, PoolConfig, PrefillPoolConfig
 
 
@@ -63,7 +67,9 @@ def _router_config(pool: PoolConfig, role: str, block_size: int) -> Any:
     ``routing.stats_period_s``) or least outstanding work."""
     routing = pool.routing
     fields: dict[str, Any] = {"request_router_class": LEAST_LOADED_ROUTER}
-    if routing.policy == "cache_aware":
+    if routing.policy == "round_robin":
+        fields = {"request_router_class": ROUND_ROBIN_ROUTER}
+    elif routing.policy == "cache_aware":
         fields = {
             "request_router_class": CACHE_AWARE_ROUTER,
             "request_router_kwargs": {

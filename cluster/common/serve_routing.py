@@ -4,6 +4,7 @@ Ray's ``RequestRouter`` picks, within each rank of candidates it is given, the r
 shortest queue (probed or cached), and moves to the next rank when a whole rank is at capacity.
 
 * ``LeastLoadedRouter``: a single rank of every candidate (least outstanding work).
+* ``RoundRobinRouter``: each replica in turn (a benchmark baseline).
 * ``CacheAwareRouter``: ranks from ``routing_policy.PrefixIndex`` (cached prefix against queued
   work and KV headroom; see that module), fed by the snapshots replicas publish through
   ``record_routing_stats`` every ``routing.stats_period_s`` and by this caller's own dispatches.
@@ -24,6 +25,7 @@ from cluster.config import RoutingConfig
 
 LEAST_LOADED_ROUTER = "cluster.common.serve_routing.LeastLoadedRouter"
 CACHE_AWARE_ROUTER = "cluster.common.serve_routing.CacheAwareRouter"
+ROUND_ROBIN_ROUTER = "cluster.common.serve_routing.RoundRobinRouter"
 
 
 def _call(pending: PendingRequest | None) -> Any:
@@ -55,6 +57,26 @@ class LeastLoadedRouter(RequestRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         return [_without_excluded(candidate_replicas, pending_request)]
+
+
+class RoundRobinRouter(RequestRouter):
+    """Each replica in turn, whatever it holds (the baseline ``pdserve bench routing`` beats)."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        self.turn = 0
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        candidates = sorted(
+            _without_excluded(candidate_replicas, pending_request),
+            key=lambda r: r.replica_id.unique_id,
+        )
+        self.turn += 1
+        k = self.turn % len(candidates)
+        return [[r] for r in candidates[k:] + candidates[:k]]
 
 
 class CacheAwareRouter(RequestRouter):

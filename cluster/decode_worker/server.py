@@ -169,6 +169,7 @@ class _Run:
         self.finished = False
         self.kv: KVTransferParams | None = None
         self.kv_done = False
+        self.remote_cached_tokens: int | None = None
 
     def _sink(self, aloop: asyncio.AbstractEventLoop) -> Any:
         return lambda out: aloop.call_soon_threadsafe(self.queue.put_nowait, out)
@@ -250,6 +251,7 @@ class _Run:
             return
         self.usage.phases["prefill_queue_ms"] = reply.prefill_queue_ms
         self.usage.phases["prefill_ms"] = reply.prefill_ms
+        self.remote_cached_tokens = reply.num_cached_tokens
         if reply.kv is not None:
             self.kv = KVTransferParams.from_dict(reply.kv)
         first = await srv._call(
@@ -346,7 +348,10 @@ class _Run:
         u = self.usage
         u.prompt_tokens = out.num_prompt_tokens
         u.completion_tokens = out.num_output_tokens
-        u.cached_tokens = out.num_cached_tokens
+        # A remote prefill's compute was saved by the prefill replica's cache; a local one's (or
+        # a recompute's) by this replica's.
+        remote = self.remote_cached_tokens if u.prefill_mode == "remote" else None
+        u.cached_tokens = out.num_cached_tokens if remote is None else remote
         if self.first_token_at is not None:
             u.phases["decode_ms"] = (time.monotonic() - self.first_token_at) * 1000
         return u

@@ -128,3 +128,18 @@ def test_replicas_that_left_are_forgotten() -> None:
     idx.update("b", snap([2]), now=0)
     idx.retain(["b"])
     assert set(idx.replicas) == {"b"}
+
+
+def test_round_robin_router_takes_turns() -> None:
+    import asyncio
+    from types import SimpleNamespace
+
+    from cluster.common.serve_routing import RoundRobinRouter
+
+    router = RoundRobinRouter.__new__(RoundRobinRouter)  # the policy only, no Serve plumbing
+    router.initialize_state()
+    replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=u)) for u in "abc"]
+    firsts = [
+        asyncio.run(router.choose_replicas(replicas))[0][0].replica_id.unique_id for _ in range(6)
+    ]  # type: ignore[arg-type]
+    assert firsts == ["b", "c", "a", "b", "c", "a"]
