@@ -99,6 +99,7 @@ def run(ctx: BenchContext) -> BenchReport:
     assert raw.stdout is not None
     raw_endpoints = json.loads(raw.stdout.readline())
     zctx: zmq.Context[Any] = zmq.Context(io_threads=1)
+    zctx.linger = 0
     pool = KVPool.allocate(layout, max_blocks)
     assert pool.bytes is not None
     src_buf = np.full(max_blocks * bpb, 3, dtype=np.uint8)

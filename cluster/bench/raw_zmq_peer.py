@@ -21,6 +21,7 @@ def main() -> None:
     max_bytes = int(sys.argv[1])
     buf = np.full(max_bytes, 7, dtype=np.uint8)  # touched: no page faults while timed
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=1)
+    ctx.linger = 0
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind("tcp://127.0.0.1:0")

@@ -83,6 +83,7 @@ class KVReceiver:
             pool, config, PeerInfo(self.instance_id, host_id(), os.getpid()), self.stats_obj, clock
         )
         self.zmq_ctx: zmq.Context[Any] = zmq.Context(io_threads=1)
+        self.zmq_ctx.linger = 0  # a dropped receiver must never block in term()
         self.wire = Wire(HeaderSigner.from_config(config), router=False, faults=faults)
         self._conns: dict[tuple[str, str, int], PeerConnection] = {}
         self._closing: list[PeerConnection] = []

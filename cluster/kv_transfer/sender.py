@@ -101,6 +101,7 @@ class KVSender:
         self._commands = CommandQueue()
         self._ipc_path = ""
         self._zmq: zmq.Context[Any] = zmq.Context(io_threads=1)
+        self._zmq.linger = 0  # a dropped sender must never block in term()
         self._sock: zmq.Socket[Any] = sender_socket(self._zmq, config)
         self._auth: Any = None
         self._wire = Wire(HeaderSigner.from_config(config), router=True, faults=faults)

@@ -210,7 +210,9 @@ def test_f6_decode_queued_longer_than_the_lease_keeps_its_leases(tmp_path: Path)
                 *(tokens_of(client, gen_call(r, p, 30)) for r, p in prompts.items())
             )
             assert dict(zip(prompts, got)) == expected
-            pstats = await RpcClient(pw.endpoint).call("stats")
+            pclient = RpcClient(pw.endpoint)
+            pstats = await pclient.call("stats")
+            pclient.close()
             assert pstats["transfer"].get("leases_expired", 0) == 0
             client.close()
             await assert_idle_clean(dw, pw)

@@ -71,6 +71,7 @@ class RpcServer:
     def __init__(self, target: Any, host: str = "127.0.0.1") -> None:
         self.target = target
         self.ctx = zmq.asyncio.Context()
+        self.ctx.linger = 0  # never block interpreter exit or GC on queued messages
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         port = self.sock.bind_to_random_port(f"tcp://{host}")
@@ -125,6 +126,7 @@ class RpcClient:
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
         self.ctx = zmq.asyncio.Context()
+        self.ctx.linger = 0  # never block interpreter exit or GC on queued messages
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         # A killed peer must fail its calls, not leave them waiting forever.

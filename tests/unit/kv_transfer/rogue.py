@@ -21,6 +21,7 @@ class RogueClient:
 
     def __init__(self, endpoint: str) -> None:
         self.ctx: zmq.Context[Any] = zmq.Context()
+        self.ctx.linger = 0
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(endpoint)
@@ -60,6 +61,7 @@ class RogueSender:
         hello_layout: KVLayout | None = None,
     ) -> None:
         self.ctx: zmq.Context[Any] = zmq.Context()
+        self.ctx.linger = 0
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind("tcp://127.0.0.1:0")

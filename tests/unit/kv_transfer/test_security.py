@@ -79,6 +79,7 @@ def test_hmac_admits_only_the_shared_secret(
 
 def _raw_client(endpoint: str, keys: dict[str, bytes] | None) -> tuple[Any, Any]:
     ctx: Any = zmq.Context()
+    ctx.linger = 0
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     for name, value in (keys or {}).items():
