@@ -33,9 +33,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     import torch
 
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    # Full counts and soaks run only when asked for: `-m nightly` (or any -m naming it).
+    markexpr = config.getoption("markexpr", "") or ""
+    nightly = "nightly" in markexpr and "not nightly" not in markexpr
+    skip_nightly = pytest.mark.skip(reason="nightly: full counts, run with -m nightly")
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+        if "nightly" in item.keywords and not nightly:
+            item.add_marker(skip_nightly)
 
 
 from tests.serve_fixtures import serve_cluster  # noqa: E402, F401 (session-wide Ray + Serve)
