@@ -7,6 +7,9 @@ Each step:
   2. Decode role: requests waiting for remote KV get blocks reserved, oldest first.
   3. If nothing was preempted, waiting requests are admitted in arrival order (FCFS) while the
      budget, ``max_num_seqs`` and the pool allow; the first that does not fit stops admission.
+     A waiting request whose next uncached block a running request is computing right now is
+     passed over until that block is published (in-flight prefix dedup: two requests of one
+     prefix arriving together compute it once, the second hits the cache a step later).
 
 A request's state is its counters: it needs ``num_tokens - num_computed_tokens`` more tokens of
 KV, and a step that completes them ends in a sampled token. The scheduler never touches tensors;
@@ -52,6 +55,7 @@ class ScheduledBatch:
     num_batched_tokens: int = 0
     preempted_ids: list[str] = field(default_factory=list)
     reservations: list[KVReservation] = field(default_factory=list)
+    num_deferred: int = 0  # waiting requests held back for a prefix block being computed
 
     @property
     def is_empty(self) -> bool:
@@ -129,11 +133,18 @@ class Scheduler:
             self.kv_reserved[req.request_id] = req
             batch.reservations.append(reservation)
 
-        # 3. Admit waiting requests in arrival order.
+        # 3. Admit waiting requests in arrival order. One whose next uncached block another
+        # request is computing right now waits for it (a step or a few), then hits the cache,
+        # rather than computing the same prefix twice; the requests behind it go on.
+        pending = self._blocks_in_progress() if self.block_manager.enable_caching else set()
+        deferred: list[Request] = []
         while self.waiting and budget > 0 and not batch.preempted_ids:
             if len(self.running) >= cfg.max_num_seqs:
                 break
             req = self.waiting[0]
+            if pending and self._needs_pending_block(req, pending):
+                deferred.append(self.waiting.popleft())
+                continue
             n = self._admit(req, budget)
             if n == 0:
                 break
@@ -146,9 +157,37 @@ class Scheduler:
                 ScheduledRequest(req, n, self.block_manager.block_table(req.request_id))
             )
             budget -= n
+            if self.block_manager.enable_caching:
+                pending.update(self._uncomputed_full_blocks(req))
+        self.waiting.extendleft(reversed(deferred))
+        batch.num_deferred = len(deferred)
 
         batch.num_batched_tokens = cfg.max_num_batched_tokens - budget
         return batch
+
+    def _uncomputed_full_blocks(self, req: Request) -> list[int]:
+        """Hashes of the full blocks ``req`` has yet to compute (published as they finish)."""
+        hashes = req.update_block_hashes(self.block_size)
+        return hashes[req.num_computed_tokens // self.block_size :]
+
+    def _blocks_in_progress(self) -> set[int]:
+        pending: set[int] = set()
+        for req in self.running:
+            pending.update(self._uncomputed_full_blocks(req))
+        return pending
+
+    def _needs_pending_block(self, req: Request, pending: set[int]) -> bool:
+        """Whether the first block ``req`` would compute is one a running request computes."""
+        bm = self.block_manager
+        if bm.has_table(req.request_id):
+            return False  # decode role, KV arrived: nothing of the prompt left to compute
+        tokens = req.all_token_ids
+        hashes = req.update_block_hashes(self.block_size)
+        max_hit_blocks = (len(tokens) - 1) // self.block_size
+        if max_hit_blocks == 0:
+            return False
+        n = len(bm.match_prefix(hashes[:max_hit_blocks], tokens))
+        return n < max_hit_blocks and hashes[n] in pending
 
     def _num_tokens_to_schedule(self, req: Request, budget: int) -> int:
         n = req.num_uncomputed_tokens

@@ -156,6 +156,46 @@ def test_prefix_cache_hit_skips_computation_and_keeps_output() -> None:
     _assert_idle_clean(eng)
 
 
+def test_a_prefix_being_computed_is_waited_for_not_computed_twice() -> None:
+    # Budget for all three at once: without the dedup "b" would prefill the shared 48 tokens too.
+    eng = _engine(**{"scheduler.max_num_batched_tokens": 128, "scheduler.chunk_size": 32})
+    shared = _prompt(48)
+    prompts = {"a": shared + _prompt(6, 1), "b": shared + _prompt(9, 2), "c": _prompt(20, 3)}
+    for rid, p in prompts.items():
+        eng.add_request(rid, p, greedy(6))
+    out: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for o in eng.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+
+    step()
+    # "a" computed the first 32 shared tokens; "b" waits for the rest; "c" (no overlap) went on.
+    computed = {rid: r.num_computed_tokens for rid, r in eng.requests.items()}
+    assert computed == {"a": 32, "b": 0, "c": 20}
+    assert eng.requests["b"].status == RequestStatus.WAITING
+    step()  # "a" finishes its prompt and publishes the third shared block
+    step()  # "b" is admitted: the whole shared prefix is a cache hit
+    assert eng.requests["b"].num_cached_tokens == 48
+    for rid, tokens in run_until_done(eng).items():
+        out.setdefault(rid, []).extend(tokens)
+    assert out == _oracle(prompts, 6)
+    _assert_idle_clean(eng)
+
+
+def test_the_dedup_wait_ends_when_the_computing_request_goes_away() -> None:
+    eng = _engine()
+    shared = _prompt(64)
+    eng.add_request("a", [*shared, 7], greedy(4))
+    eng.add_request("b", [*shared, 9], greedy(4))
+    eng.step()
+    assert eng.requests["b"].status == RequestStatus.WAITING
+    eng.abort_request("a")  # its blocks will never all be published: "b" computes them itself
+    out = run_until_done(eng)
+    assert out["b"] == _oracle({"b": [*shared, 9]}, 4)["b"]
+    _assert_idle_clean(eng)
+
+
 def test_abort_in_every_state_frees_everything() -> None:
     eng = _engine(**{"scheduler.max_num_seqs": 2})
     eng.add_request("run", _prompt(8), greedy(50))
