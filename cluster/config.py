@@ -211,10 +211,13 @@ class RoutingConfig:
     policy: str = "cache_aware"  # cache_aware | least_loaded | round_robin (a baseline)
     # Replicas publish their cached-block events (stored / evicted) this often.
     stats_period_s: float = 0.5
-    # Scoring, in prompt-token equivalents: a candidate's score is the prefill work it saves
-    # (cached prefix tokens) minus queue_cost_tokens per outstanding request, minus (decode pool)
+    # Scoring, in prompt-token equivalents, lowest cost first: miss_cost_factor x the prompt
+    # tokens it has not cached (the request waits for that prefill, and the pool computes and
+    # caches a prefix again that another replica holds), + its queued prefill tokens, +
+    # queue_cost_tokens per request queued or in flight there, + (decode pool)
     # transfer_cost_per_block per prompt block it lacks. A replica with less free KV than
     # min_kv_headroom is only picked when no other one can take the request.
+    miss_cost_factor: float = 2.0
     queue_cost_tokens: float = 256.0
     transfer_cost_per_block: float = 0.5
     min_kv_headroom: float = 0.05
@@ -226,6 +229,7 @@ class RoutingConfig:
             self.policy, f"{name}.routing.policy", ("cache_aware", "least_loaded", "round_robin")
         )
         _check(self.stats_period_s > 0, f"{name}.routing.stats_period_s", "must be > 0")
+        _check(self.miss_cost_factor >= 1, f"{name}.routing.miss_cost_factor", "must be >= 1")
         _check(self.queue_cost_tokens >= 0, f"{name}.routing.queue_cost_tokens", "must be >= 0")
         _check(
             self.transfer_cost_per_block >= 0,

@@ -4,9 +4,11 @@ Each pool's caller (the router for the decode pool, decode replicas for the pref
 ``PrefixIndex``: per replica, the block hashes its prefix cache holds, from the snapshots the
 replicas publish (``record_routing_stats``) plus what this caller dispatched since (optimistic:
 a request's blocks will be cached where it was sent). A candidate's cost, in prompt-token
-equivalents, is the work the request would wait for and do there::
+equivalents, is the work the request would wait for and cause there::
 
-    cost = uncached prompt tokens                      (prefill compute it cannot skip)
+    cost = miss_cost_factor x uncached prompt tokens   (prefill it waits for, and the pool's
+                                                        compute and KV spent on a prefix that
+                                                        another replica may already hold)
          + queued prefill tokens on the replica        (work ahead of it)
          + queue_cost_tokens x (requests queued or in flight there)
          + transfer_cost_per_block x blocks it lacks   (decode pool: bytes that would move)
@@ -170,7 +172,9 @@ class PrefixIndex:
         # Queued there: what the replica last reported, or what this caller alone has in flight
         # there, whichever is more (the report lags; other callers are not in the count).
         queued = max(state.waiting, state.inflight)
-        cost = uncached + state.queued_tokens + cfg.queue_cost_tokens * queued
+        cost = (
+            cfg.miss_cost_factor * uncached + state.queued_tokens + cfg.queue_cost_tokens * queued
+        )
         if self.pool == "decode":
             cost += cfg.transfer_cost_per_block * (len(block_hashes) - hit)
         return Candidate(replica_id, float(cost), hit)

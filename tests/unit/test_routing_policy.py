@@ -116,10 +116,11 @@ def test_short_on_kv_goes_last_whatever_its_cache() -> None:
 def test_decode_pool_prices_the_blocks_that_would_move() -> None:
     p = prompt(10, 160)
     hashes = hash_block_tokens(p, BLOCK)
-    for pool, expected in (("prefill", 160 - 64 + 0), ("decode", 160 - 64 + 2.0 * (10 - 4))):
-        idx = index(pool, transfer_cost_per_block=2.0)
+    uncached = len(p) - 4 * BLOCK  # 168 tokens, 4 blocks cached
+    for pool, moved in (("prefill", 0.0), ("decode", 2.0 * (10 - 4))):
+        idx = index(pool, transfer_cost_per_block=2.0, miss_cost_factor=2.0)
         idx.update("a", snap(hashes[:4]), now=0)
-        assert idx.candidate("a", hashes, len(p), now=1).cost == expected + 8
+        assert idx.candidate("a", hashes, len(p), now=1).cost == 2.0 * uncached + moved
 
 
 def test_replicas_that_left_are_forgotten() -> None:
@@ -143,3 +144,21 @@ def test_round_robin_router_takes_turns() -> None:
         asyncio.run(router.choose_replicas(replicas))[0][0].replica_id.unique_id for _ in range(6)
     ]  # type: ignore[arg-type]
     assert firsts == ["b", "c", "a", "b", "c", "a"]
+
+
+def test_a_cache_holder_keeps_its_group_against_one_request_in_flight() -> None:
+    # The group's previous request is still prefilling on "a": waiting for it there costs about
+    # what a cold replica would, but the cold one would compute and cache the prefix again.
+    idx = index()
+    p = prompt(11, 512, tail=3)
+    hashes = hash_block_tokens(p, BLOCK)
+    idx.update("a", snap([], queued_tokens=len(p)), now=0)
+    idx.update("b", snap([]), now=0)
+    idx.dispatched("a", hashes[:-1], now=0.1)
+    assert idx.rank(["a", "b"], hashes, len(p), now=0.2)[0] == ["a"]
+    # With misses priced like any other token it would move (the old trade-off).
+    flat = index(miss_cost_factor=1.0)
+    flat.update("a", snap([], queued_tokens=len(p)), now=0)
+    flat.update("b", snap([]), now=0)
+    flat.dispatched("a", hashes[:-1], now=0.1)
+    assert flat.rank(["a", "b"], hashes, len(p), now=0.2)[0] == ["b"]
