@@ -155,7 +155,11 @@ def validate_prompt(
             f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) = "
             f"{num_prompt + params.max_tokens} exceeds max_model_len={max_model_len}",
         )
-    for i, t in enumerate(prompt_token_ids):
+    # The common case in C loops (exact ints: bool is not an id); the slow loop names the culprit.
+    ids = prompt_token_ids
+    if set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_size:
+        ids = ()
+    for i, t in enumerate(ids):
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
             raise _bad(
                 "prompt_token_ids",
