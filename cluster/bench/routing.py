@@ -95,6 +95,8 @@ def _router_overhead_ms(
         stats = routing_snapshot(hashes, kv_free=0.5, num_running=1, num_waiting=0, queued_tokens=0)
         index.update(rid, stats)
     texts = [tokenizer.decode(ids) for _, ids in items]
+    for text in texts[:8]:  # warm-up
+        parser.from_completion({"prompt": text, "max_tokens": OUTPUT_TOKENS})
     times = []
     for text in texts:
         t0 = time.perf_counter()
@@ -119,6 +121,8 @@ def run(ctx: BenchContext) -> BenchReport:
     offsets = poisson_offsets(len(items), shape["rate"], seed=9)
     work = [WorkItem(ids, OUTPUT_TOKENS) for _, ids in items]
     warm = [WorkItem([1 + (i * 7) % (vocab - 1) for i in range(24)], 2)]
+    # In-process and measured on a quiet machine, before any replica starts.
+    overhead = _router_overhead_ms(ctx, first, items, shape["groups"])
     records: dict[str, list[RequestRecord]] = {}
     started = False
     try:
@@ -137,7 +141,6 @@ def run(ctx: BenchContext) -> BenchReport:
         if started:
             serve.shutdown()
             ray.shutdown()
-    overhead = _router_overhead_ms(ctx, first, items, shape["groups"])
     return _report(ctx, shape, items, records, overhead)
 
 
@@ -159,10 +162,12 @@ def _report(
     table = []
     hit_rates: dict[str, float] = {}
     mean_ttft: dict[str, float] = {}
+    misses: dict[str, dict[str, int]] = {}
     for arm, recs in records.items():
         ok = [r for r in recs if r.ok]
         hits = sum(1 for i in later if recs[i].ok and recs[i].cached_tokens >= whole_prefix)
         hit_rates[arm] = hits / len(later) if later else 0.0
+        misses[arm] = _classify_misses(items, recs, later, whole_prefix)
         ttfts = [r.ttft for r in ok]
         mean_ttft[arm] = sum(ttfts) / len(ttfts) if ttfts else math.nan
         s = summary(ttfts)
@@ -193,5 +198,31 @@ def _report(
         keys=keys,
         table=table,
         targets=targets,
-        details={"shape": shape, "router_overhead_ms": summary(overhead)},
+        details={"shape": shape, "router_overhead_ms": summary(overhead), "misses": misses},
     )
+
+
+def _classify_misses(
+    items: list[tuple[int, list[int]]],
+    recs: list[RequestRecord],
+    later: list[int],
+    whole_prefix: int,
+) -> dict[str, int]:
+    """Why the counted requests missed: ``in_flight`` when the group's previous request had not
+    produced its first token yet when this one was sent (its prefix was still being computed),
+    ``lost`` otherwise (evicted, or sent to a replica that never held it), ``failed``."""
+    out = {"in_flight": 0, "lost": 0, "failed": 0}
+    counted = set(later)
+    last_seen: dict[int, int] = {}
+    for i, (g, _ids) in enumerate(items):
+        prev = last_seen.get(g)
+        last_seen[g] = i
+        if i not in counted or (recs[i].ok and recs[i].cached_tokens >= whole_prefix):
+            continue
+        if not recs[i].ok:
+            out["failed"] += 1
+        elif prev is not None and recs[prev].ok and recs[prev].chunk_times[0] > recs[i].send:
+            out["in_flight"] += 1
+        else:
+            out["lost"] += 1
+    return out
