@@ -51,7 +51,8 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own limit, capped at 8192
     num_threads: int | None = None  # torch intra-op threads of this process; None: all cores
     # CPU fp32 fast paths: native (a small C kernel for paged decode attention reading the cache
-    # in place, and oneDNN linear layers), torch (plain torch ops, any device), or auto (native
+    # in place, and oneDNN linear layers at the batch sizes where a start-up probe finds them
+    # faster than F.linear on this CPU), torch (plain torch ops, any device), or auto (native
     # where it applies; torch otherwise).
     kernels: str = "auto"
     seed: int = 0  # seed for requests that bring none

@@ -68,3 +68,19 @@ def test_engine_backends_agree(tiny_model_dir: Path) -> None:
         outs[backend] = run_until_done(eng)
         eng.check_integrity()
     assert outs["native"] == outs["torch"]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 32, 200])
+def test_the_chosen_linear_equals_f_linear_at_every_batch(rows: int) -> None:
+    import torch.nn.functional as F
+
+    from cluster.engine.models.llama import onednn_linear
+
+    linear = onednn_linear()  # oneDNN, a per-batch mix, or None (F.linear), by this machine
+    if linear is None:
+        pytest.skip("oneDNN is missing or never faster here: the engine uses F.linear")
+    g = torch.Generator().manual_seed(rows)
+    x, w, b = torch.randn(rows, 96, generator=g), torch.randn(40, 96, generator=g), None
+    torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+    x3 = x.view(1, rows, 96)  # leading batch dims count as rows
+    torch.testing.assert_close(linear(x3, w, b), F.linear(x3, w, b), atol=1e-4, rtol=1e-4)
