@@ -74,7 +74,8 @@ def run(ctx: BenchContext) -> BenchReport:
     bpb = layout.bytes_per_block
     max_blocks = -(-max(SIZES) // layout.block_size)
     cfg = ctx.config.transfer
-    cfg = dataclasses.replace(cfg, lease_s=600.0, heartbeat_s=5.0, transfer_timeout_s=60.0)
+    # A lease long enough for any pull here, under the drain timeout the config requires.
+    cfg = dataclasses.replace(cfg, lease_s=50.0, heartbeat_s=5.0, transfer_timeout_s=60.0)
     ctx.progress(f"layout {layout}, {bpb} bytes per block; starting peers")
     sender = SenderProcess(
         {
