@@ -1,4 +1,5 @@
-"""The engine and data-plane benchmarks run end to end in ``--smoke`` mode (the tiny random model, seconds).
+"""The engine and data-plane benchmarks run end to end in ``--smoke`` mode (seconds: the tiny
+random model, a small KV layout).
 
 Only the harness is checked: the RESULT line is the last stdout line and carries every key as
 a finite number, and the JSON lands in the results dir. The figures themselves mean nothing on
