@@ -46,9 +46,10 @@ the Serve controller and counted in ``pdserve_autoscaling_decisions`` (exported
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,7 +162,11 @@ def decode_utilization(
     return util
 
 
-def prefill_decision(
+Utilization = Callable[[Sequence[Mapping[str, float]], int, AutoscalingConfig], dict[str, float]]
+
+
+def _pool_decision(
+    utilization: Utilization,
     reports: Sequence[Mapping[str, float]],
     *,
     num_running: int,
@@ -171,7 +176,7 @@ def prefill_decision(
     max_replicas: int | None = None,
 ) -> Decision:
     return decide(
-        prefill_utilization(reports, num_running, cfg),
+        utilization(reports, num_running, cfg),
         num_running=num_running,
         current_target=current_target,
         min_replicas=cfg.min_replicas if min_replicas is None else min_replicas,
@@ -180,23 +185,9 @@ def prefill_decision(
     )
 
 
-def decode_decision(
-    reports: Sequence[Mapping[str, float]],
-    *,
-    num_running: int,
-    current_target: int,
-    cfg: AutoscalingConfig,
-    min_replicas: int | None = None,
-    max_replicas: int | None = None,
-) -> Decision:
-    return decide(
-        decode_utilization(reports, num_running, cfg),
-        num_running=num_running,
-        current_target=current_target,
-        min_replicas=cfg.min_replicas if min_replicas is None else min_replicas,
-        max_replicas=cfg.max_replicas if max_replicas is None else max_replicas,
-        scale_down_ratio=cfg.scale_down_ratio,
-    )
+# (reports, *, num_running, current_target, cfg, min_replicas=None, max_replicas=None) -> Decision
+prefill_decision = functools.partial(_pool_decision, prefill_utilization)
+decode_decision = functools.partial(_pool_decision, decode_utilization)
 
 
 def replica_reports(
