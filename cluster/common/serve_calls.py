@@ -8,6 +8,8 @@ otherwise wait forever), and which replica to exclude if it fails before the fir
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -69,3 +71,19 @@ class PoolStream:
 
     def cancel(self) -> None:
         self.response.cancel()
+
+
+def replica_stats(server: Any, replica_id: str) -> dict[str, Any]:
+    """A pool replica's ``stats()``: its server's engine stats plus what tests and operators ask
+    every replica (id, pid, paused fault points, KV blocks in use)."""
+    s: dict[str, Any] = server.stats()
+    s["replica_id"] = replica_id
+    s["paused_faults"] = server.faults.paused()
+    s["pid"] = os.getpid()
+    try:
+        s["kv_used_blocks"] = server.loop.call(lambda e: e.block_manager.num_used_blocks).result(
+            1.0
+        )
+    except concurrent.futures.TimeoutError:
+        s["kv_used_blocks"] = None  # the engine is busy or paused: unknown right now
+    return s

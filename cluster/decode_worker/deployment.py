@@ -9,7 +9,6 @@ and after the retries the decode replica prefills locally. Its ``generate`` stre
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -23,7 +22,7 @@ from cluster.common.errors import ErrorCode, PDServeError
 from cluster.common.metrics import PoolMetrics
 from cluster.common.protocol import Accepted, GenerateCall, PrefillCall, PrefillReply, StreamChunk
 from cluster.common.routing_policy import replica_routing_stats
-from cluster.common.serve_calls import PoolStream, as_pdserve_error, is_retryable
+from cluster.common.serve_calls import PoolStream, as_pdserve_error, is_retryable, replica_stats
 from cluster.config import ClusterConfig, config_from_dict
 from cluster.decode_worker.server import DecodeServer
 
@@ -113,18 +112,9 @@ class DecodeDeployment:
             raise RuntimeError(f"decode replica {self.replica_id}: engine or KV receiver is dead")
 
     def stats(self) -> dict[str, Any]:
-        s = self.server.stats()
-        s["replica_id"] = self.replica_id
-        s["paused_faults"] = self.server.faults.paused()
-        s["pid"] = os.getpid()
+        s = replica_stats(self.server, self.replica_id)
         s["peak_running"] = self.server.loop.peak_running
         s["prefill_retries"] = self.prefill_client.num_retries if self.prefill_client else 0
-        try:
-            s["kv_used_blocks"] = self.server.loop.call(
-                lambda e: e.block_manager.num_used_blocks
-            ).result(1.0)
-        except concurrent.futures.TimeoutError:
-            s["kv_used_blocks"] = None  # the engine is busy or paused: unknown right now
         return s
 
     def check_integrity(self) -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -23,6 +22,7 @@ from cluster.common.autoscaling_stats import prefill_autoscaling_stats
 from cluster.common.metrics import PoolMetrics
 from cluster.common.protocol import Accepted, PrefillCall, PrefillReply
 from cluster.common.routing_policy import replica_routing_stats
+from cluster.common.serve_calls import replica_stats
 from cluster.config import config_from_dict
 from cluster.prefill_worker.server import PrefillServer
 
@@ -76,17 +76,8 @@ class PrefillDeployment:
             raise RuntimeError(f"prefill replica {self.replica_id}: engine or KV sender is dead")
 
     def stats(self) -> dict[str, Any]:
-        s = self.server.stats()
-        s["replica_id"] = self.replica_id
-        s["paused_faults"] = self.server.faults.paused()
-        s["pid"] = os.getpid()
+        s = replica_stats(self.server, self.replica_id)
         s["recent_requests"] = list(self.recent_requests)
-        try:
-            s["kv_used_blocks"] = self.server.loop.call(
-                lambda e: e.block_manager.num_used_blocks
-            ).result(1.0)
-        except concurrent.futures.TimeoutError:
-            s["kv_used_blocks"] = None  # the engine is busy or paused: unknown right now
         return s
 
     def check_integrity(self) -> str:
