@@ -22,7 +22,13 @@ import time
 from typing import Any
 
 from cluster.bench.harness import BenchContext, BenchReport, percentile, summary
-from cluster.bench.serve_load import RequestRecord, WorkItem, poisson_offsets, run_load
+from cluster.bench.serve_load import (
+    RequestRecord,
+    WorkItem,
+    local_cluster,
+    poisson_offsets,
+    run_load,
+)
 from cluster.bench.workloads import bench_model_dir
 
 ARMS = {"prefix_aware": "cache_aware", "round_robin": "round_robin"}
@@ -107,11 +113,7 @@ def _router_overhead_ms(
 
 
 def run(ctx: BenchContext) -> BenchReport:
-    import ray
-    from ray import serve
-
     from cluster.common.model_paths import model_limits
-    from cluster.serve_main import deploy, start
 
     shape = _shape(ctx)
     first = _config(ctx, "prefix_aware", shape)
@@ -124,23 +126,13 @@ def run(ctx: BenchContext) -> BenchReport:
     # In-process and measured on a quiet machine, before any replica starts.
     overhead = _router_overhead_ms(ctx, first, items, shape["groups"])
     records: dict[str, list[RequestRecord]] = {}
-    started = False
-    try:
+    with local_cluster() as put:
         for arm in ARMS:
-            cfg = _config(ctx, arm, shape)
             ctx.progress(f"deploying arm {arm}")
-            if not started:
-                start(cfg, metrics_port=None)
-                started = True
-            else:
-                deploy(cfg)
+            put(_config(ctx, arm, shape))
             asyncio.run(run_load(target, warm, [0.0]))
             ctx.progress(f"{arm}: {len(work)} requests at {shape['rate']} req/s")
             records[arm], _ = asyncio.run(run_load(target, work, offsets))
-    finally:
-        if started:
-            serve.shutdown()
-            ray.shutdown()
     return _report(ctx, shape, items, records, overhead)
 
 

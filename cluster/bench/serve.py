@@ -20,6 +20,7 @@ from cluster.bench.serve_load import (
     RequestRecord,
     WorkItem,
     compute_metrics,
+    local_cluster,
     mixed_long,
     poisson_offsets,
     run_load,
@@ -70,10 +71,7 @@ def _unloaded(target: str, items: list[WorkItem]) -> list[RequestRecord]:
 
 
 def run(ctx: BenchContext) -> BenchReport:
-    import ray
-
     from cluster.common.model_paths import model_limits
-    from cluster.serve_main import deploy, start
 
     rates = ctx.pick([0.25, 0.5, 1.0, 1.5, 2.0], [0.25, 0.75], [2.0])
     per_rate = ctx.pick(200, 20, 6)
@@ -84,16 +82,10 @@ def run(ctx: BenchContext) -> BenchReport:
     unloaded_items = mixed_long(ctx.pick(6, 3, 2), vocab, seed=1, scale=scale)
     records: dict[str, dict[float, tuple[list[RequestRecord], float]]] = {}
     unloaded: dict[str, list[RequestRecord]] = {}
-    started = False
-    try:
+    with local_cluster() as put:
         for arm in ARMS:
-            cfg = _arm_config(ctx, arm)
             ctx.progress(f"deploying arm {arm}")
-            if not started:
-                start(cfg, metrics_port=None)
-                started = True
-            else:
-                deploy(cfg)
+            put(_arm_config(ctx, arm))
             asyncio.run(run_load(target, unloaded_items[:1], [0.0]))  # warm-up
             unloaded[arm] = _unloaded(target, unloaded_items)
             records[arm] = {}
@@ -103,12 +95,6 @@ def run(ctx: BenchContext) -> BenchReport:
                 records[arm][rate] = asyncio.run(
                     run_load(target, items, poisson_offsets(per_rate, rate, seed=200 + i))
                 )
-    finally:
-        if started:
-            from ray import serve
-
-            serve.shutdown()
-            ray.shutdown()
     return _report(ctx, rates, records, unloaded)
 
 

@@ -9,10 +9,11 @@ Goodput counts requests that meet every SLO (TTFT and TPOT) per second of the ru
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,3 +159,30 @@ def compute_metrics(
         "itl_s": summary(itls),
         "e2el_s": summary(e2els),
     }
+
+
+@contextlib.contextmanager
+def local_cluster() -> Iterator[Callable[[Any], None]]:
+    """Deploy benchmark arms one after another on one local Ray/Serve instance: the first call
+    starts it, later ones redeploy the app, and leaving the block shuts it down."""
+    from cluster.serve_main import deploy, start
+
+    started = False
+
+    def put(cfg: Any) -> None:
+        nonlocal started
+        if started:
+            deploy(cfg)
+        else:
+            start(cfg, metrics_port=None)
+            started = True
+
+    try:
+        yield put
+    finally:
+        if started:
+            import ray
+            from ray import serve
+
+            serve.shutdown()
+            ray.shutdown()
