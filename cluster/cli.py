@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from cluster.config import ClusterConfig, load_config, parse_override
+from cluster.config import ClusterConfig, api_keys, load_config, parse_override
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -77,7 +77,7 @@ def _generate_remote(args: argparse.Namespace, config: ClusterConfig) -> bool:
     host = "127.0.0.1" if config.router.host in ("0.0.0.0", "::") else config.router.host
     client = PDServeClient(
         f"{host}:{config.router.grpc_port}",
-        api_key=config.router.api_keys[0] if config.router.api_keys else None,
+        api_key=next(iter(api_keys(config.router)), None),
     )
     try:
         if not client.is_serving(timeout=0.5):

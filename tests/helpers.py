@@ -24,8 +24,10 @@ def make_config(**overrides: Any) -> ClusterConfig:
 
 
 def fake_config(**overrides: Any) -> ClusterConfig:
-    """The fake runner with a small pool (orchestration tests)."""
+    """The fake runner with a small pool, in test mode (orchestration and fault tests: fault
+    points and forced preemption may be set)."""
     defaults: dict[str, Any] = {
+        "testing.enabled": True,
         "model.runner": "fake",
         "model.num_threads": 1,
         "cache.num_blocks": 64,

@@ -10,6 +10,11 @@ worker reaches the named point it performs the action:
 
 Production code calls ``fault_points.hit("p.mid_send_frame_k")`` at each named point; with no
 spec for the name that is a dict lookup and a counter bump.
+
+Test-only: workers build theirs with ``FaultPoints.from_config(config.testing)``, which outside
+test mode (``testing.enabled: false``, the default) is inert: it holds no spec, so every hit
+passes, and ``arm`` refuses with ``PermissionError``. The config already refuses
+``testing.fault_points`` without ``testing.enabled``.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from cluster.config import TestingConfig
 
 ACTIONS = ("kill", "raise", "hang", "pause")
 
@@ -61,11 +68,16 @@ class FaultPoints:
 
     Thread-safe: points may be hit from several threads; counting is atomic, the action runs
     outside the lock (so a paused thread does not block others).
+
+    Invariant: a disabled instance never holds a spec (the constructor and ``arm`` refuse one),
+    so its ``hit`` is the same dict miss as an unarmed point's.
     """
 
-    def __init__(self, specs: Iterable[str] = ()) -> None:
+    def __init__(self, specs: Iterable[str] = (), *, enabled: bool = True) -> None:
+        self.enabled = enabled
         self._specs: dict[str, list[FaultSpec]] = {}
         for text in specs:
+            self._require_enabled()
             spec = FaultSpec.parse(text)
             self._specs.setdefault(spec.name, []).append(spec)
         self._counts: dict[str, int] = {}
@@ -73,6 +85,17 @@ class FaultPoints:
         self._released: dict[str, threading.Event] = {}
         self._paused: dict[str, threading.Event] = {}
         self._num_paused: dict[str, int] = {}
+
+    @classmethod
+    def from_config(cls, testing: TestingConfig) -> FaultPoints:
+        """The worker's fault points: ``testing.fault_points``, armable only in test mode."""
+        return cls(testing.fault_points, enabled=testing.enabled)
+
+    def _require_enabled(self) -> None:
+        if not self.enabled:
+            raise PermissionError(
+                "fault points are test-only: set testing.enabled: true in the config to arm them"
+            )
 
     def armed(self, name: str) -> bool:
         return name in self._specs
@@ -102,7 +125,9 @@ class FaultPoints:
 
     def arm(self, text: str) -> None:
         """Arm ``<name>[=action]`` at run time for the point's next hit (tests: one phase at a
-        time on a live replica). A later ``pause`` waits for a fresh ``release``."""
+        time on a live replica). A later ``pause`` waits for a fresh ``release``.
+        Outside test mode: ``PermissionError``."""
+        self._require_enabled()
         spec = FaultSpec.parse(text)
         with self._lock:
             nth = self._counts.get(spec.name, 0) + 1

@@ -2,11 +2,16 @@
 
 * ``auth: none`` is only accepted with a loopback ``bind_host`` (the config refuses otherwise).
 * ``auth: curve``: zmq CURVE (encrypts and authenticates every frame). The cluster shares one
-  keypair (``curve_public_key`` / ``curve_secret_key``); the sender runs a ZAP handler that
+  keypair (``curve_public_key`` / ``curve_secret_key``, or ``$PDSERVE_CURVE_PUBLIC_KEY`` /
+  ``$PDSERVE_CURVE_SECRET_KEY``); the sender runs a ZAP handler that
   admits only clients presenting that public key, so knowing the server key is not enough.
-* ``auth: hmac``: an HMAC-SHA256 of each header (``hmac_secret``) travels as the message's
+* ``auth: hmac``: an HMAC-SHA256 of each header (``hmac_secret`` or
+  ``$PDSERVE_TRANSFER_SECRET``) travels as the message's
   first frame and is compared in constant time. Payload frames are covered through the header
   only when checksums are on; use CURVE where an active attacker sits on the network.
+
+Secrets are read here, where they are used (``cluster.config.environment``), never from a config
+tree that had them written in, so they never travel in what a process hands to its replicas.
 
 ``python -m cluster.kv_transfer.security`` prints a fresh CURVE keypair for the config.
 """
@@ -21,7 +26,7 @@ from typing import Any
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from cluster.config import TransferConfig
+from cluster.config import TransferConfig, curve_keys, transfer_hmac_secret
 
 MAC_BYTES = 32
 MIN_HMAC_SECRET = 16
@@ -44,19 +49,24 @@ def host_id() -> str:
 
 
 def check_auth_config(config: TransferConfig) -> None:
-    """Raise ``ValueError`` naming the field when the chosen auth mode lacks its secret."""
-    if config.auth == "hmac" and len(config.hmac_secret) < MIN_HMAC_SECRET:
+    """Raise ``ValueError`` naming the field when the chosen auth mode lacks its secret (in the
+    config or the environment). The KV sender and receiver call it before they start."""
+    if config.auth == "hmac" and len(transfer_hmac_secret(config)) < MIN_HMAC_SECRET:
         raise ValueError(
             f"transfer.hmac_secret: auth is hmac but the secret is missing or shorter than "
             f"{MIN_HMAC_SECRET} characters (set it in the config or $PDSERVE_TRANSFER_SECRET)"
         )
     if config.auth == "curve":
-        for name in ("curve_public_key", "curve_secret_key"):
-            key = getattr(config, name)
+        secret, public = curve_keys(config)
+        for name, key, env in (
+            ("curve_public_key", public, "PDSERVE_CURVE_PUBLIC_KEY"),
+            ("curve_secret_key", secret, "PDSERVE_CURVE_SECRET_KEY"),
+        ):
             if len(key) != 40:
                 raise ValueError(
                     f"transfer.{name}: auth is curve but the key is missing or not 40 z85 "
-                    "characters (python -m cluster.kv_transfer.security prints a keypair)"
+                    f"characters (set it in the config or ${env}; "
+                    "python -m cluster.kv_transfer.security prints a keypair)"
                 )
         if not zmq.has("curve"):
             raise ValueError("transfer.auth: curve requested but libzmq was built without CURVE")
@@ -78,24 +88,25 @@ def start_server_auth(ctx: zmq.Context[Any], config: TransferConfig) -> ThreadAu
         return None
     auth = ThreadAuthenticator(ctx)
     auth.start()
-    auth.configure_curve_callback(
-        "*", credentials_provider=_OnlyClusterKey(config.curve_public_key)
-    )
+    _secret, public = curve_keys(config)
+    auth.configure_curve_callback("*", credentials_provider=_OnlyClusterKey(public))
     return auth
 
 
 def secure_server_socket(sock: zmq.Socket[Any], config: TransferConfig) -> None:
     if config.auth == "curve":
-        sock.curve_secretkey = config.curve_secret_key.encode("ascii")
-        sock.curve_publickey = config.curve_public_key.encode("ascii")
+        secret, public = curve_keys(config)
+        sock.curve_secretkey = secret.encode("ascii")
+        sock.curve_publickey = public.encode("ascii")
         sock.curve_server = True
 
 
 def secure_client_socket(sock: zmq.Socket[Any], config: TransferConfig) -> None:
     if config.auth == "curve":
-        sock.curve_serverkey = config.curve_public_key.encode("ascii")
-        sock.curve_publickey = config.curve_public_key.encode("ascii")
-        sock.curve_secretkey = config.curve_secret_key.encode("ascii")
+        secret, public = curve_keys(config)
+        sock.curve_serverkey = public.encode("ascii")
+        sock.curve_publickey = public.encode("ascii")
+        sock.curve_secretkey = secret.encode("ascii")
 
 
 class HeaderSigner:
@@ -117,7 +128,7 @@ class HeaderSigner:
 
     @classmethod
     def from_config(cls, config: TransferConfig) -> HeaderSigner:
-        return cls(config.hmac_secret if config.auth == "hmac" else None)
+        return cls(transfer_hmac_secret(config) if config.auth == "hmac" else None)
 
 
 if __name__ == "__main__":

@@ -7,10 +7,14 @@ import pytest
 from cluster.config import (
     _TRANSPORTS,
     ClusterConfig,
+    advertise_host,
+    api_keys,
     config_from_dict,
+    curve_keys,
     flat_key_index,
     load_config,
     parse_override,
+    transfer_hmac_secret,
 )
 
 
@@ -76,14 +80,77 @@ def test_config_round_trips_through_a_plain_dict() -> None:
     assert again == cfg and isinstance(again.transfer.transports, tuple)
 
 
-def test_secrets_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PDSERVE_TRANSFER_SECRET", "s3cret")
-    assert load_config().transfer.hmac_secret == "s3cret"
-    assert load_config(overrides={"transfer.hmac_secret": "file"}).transfer.hmac_secret == "file"
+def test_secrets_come_from_the_environment_at_the_point_of_use(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PDSERVE_TRANSFER_SECRET", "s3cret-from-env-0123")
+    monkeypatch.setenv("PDSERVE_CURVE_SECRET_KEY", "S" * 40)
+    monkeypatch.setenv("PDSERVE_CURVE_PUBLIC_KEY", "P" * 40)
+    monkeypatch.setenv("PDSERVE_API_KEYS", " key-from-env-123, ,key-from-env-456")
+    monkeypatch.setenv("PDSERVE_ADVERTISE_HOST", "10.0.0.7")
+    cfg = load_config()
+    # Nothing from the environment is written into the tree (nor into what replicas receive).
+    assert cfg == config_from_dict({})
+    assert cfg.transfer.hmac_secret == "" and cfg.router.api_keys == ()
+    assert cfg.transfer.advertise_host is None
+    plain = repr(cfg.to_dict())
+    assert "s3cret" not in plain and "key-from-env" not in plain and "10.0.0.7" not in plain
+    # Read where used: the environment's value when the config has none.
+    assert transfer_hmac_secret(cfg.transfer) == "s3cret-from-env-0123"
+    assert curve_keys(cfg.transfer) == ("S" * 40, "P" * 40)
+    assert api_keys(cfg.router) == ("key-from-env-123", "key-from-env-456")
+    assert advertise_host(cfg.transfer) == "10.0.0.7"
+    # The config's own value wins.
+    own = load_config(
+        overrides={
+            "transfer.hmac_secret": "file",
+            "transfer.curve_public_key": "p" * 40,
+            "transfer.advertise_host": "10.9.9.9",
+            "router.api_keys": ["key-in-config-1"],
+        }
+    )
+    assert transfer_hmac_secret(own.transfer) == "file"
+    assert curve_keys(own.transfer) == ("S" * 40, "p" * 40)
+    assert advertise_host(own.transfer) == "10.9.9.9"
+    assert api_keys(own.router) == ("key-in-config-1",)
+    # Neither: bind_host, no secret, no keys.
+    for env in ("PDSERVE_ADVERTISE_HOST", "PDSERVE_TRANSFER_SECRET", "PDSERVE_API_KEYS"):
+        monkeypatch.delenv(env)
+    assert advertise_host(cfg.transfer) == cfg.transfer.bind_host
+    assert transfer_hmac_secret(cfg.transfer) == "" and api_keys(cfg.router) == ()
+
+
+def test_api_keys_from_the_environment_are_checked_at_use(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("PDSERVE_API_KEYS", "short")
+    cfg = load_config()  # loading never reads the keys
+    with pytest.raises(ValueError, match=r"^router\.api_keys: .*PDSERVE_API_KEYS"):
+        api_keys(cfg.router)
+    monkeypatch.setenv("PDSERVE_API_KEYS", "env-key-12345")
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("# comment\nfile-key-12345\nenv-key-12345\n")
+    with_file = cfg.replace({"router.api_keys_file": str(keys_file)})
+    assert api_keys(with_file.router) == ("env-key-12345", "file-key-12345")
+
+
+def test_fault_points_and_forced_preemption_need_test_mode() -> None:
+    with pytest.raises(ValueError, match=r"^testing\.fault_points: .*set testing\.enabled"):
+        config_from_dict({"testing": {"fault_points": ["p.x=raise"]}})
+    with pytest.raises(
+        ValueError, match=r"^testing\.force_preempt_interval: .*set testing\.enabled"
+    ):
+        load_config(overrides={"testing.force_preempt_interval": 3})
+    assert not ClusterConfig().testing.enabled
+    on = config_from_dict(
+        {"testing": {"enabled": True, "fault_points": ["p.x"], "force_preempt_interval": 3}}
+    )
+    assert on.testing.fault_points == ("p.x",) and on.testing.force_preempt_interval == 3
+    config_from_dict({"testing": {"enabled": False, "fake_model": {"vocab_size": 64}}})
 
 
 def test_flat_keys_and_registries_agree() -> None:
-    from cluster.engine.model_runner import RUNNER_REGISTRY
+    from cluster.engine.runner_registry import RUNNER_REGISTRY
 
     index = flat_key_index()
     assert index["block_size"] == "cache.block_size"
@@ -91,25 +158,3 @@ def test_flat_keys_and_registries_agree() -> None:
     assert set(RUNNER_REGISTRY) == {"torch", "fake"}
     assert ClusterConfig().model.runner in RUNNER_REGISTRY
     assert "zmq" in _TRANSPORTS
-
-
-def test_portable_dict_leaves_environment_values_to_each_replica(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from cluster.config import config_from_dict, load_config, portable_dict
-
-    monkeypatch.setenv("PDSERVE_ADVERTISE_HOST", "10.0.0.7")
-    monkeypatch.setenv("PDSERVE_API_KEYS", "key-from-env-123")
-    monkeypatch.setenv("PDSERVE_TRANSFER_SECRET", "s" * 32)
-    cfg = load_config()
-    assert cfg.transfer.advertise_host == "10.0.0.7"
-    assert cfg.router.api_keys == ("key-from-env-123",)
-    d = portable_dict(cfg)
-    assert d["transfer"]["advertise_host"] is None
-    assert d["router"]["api_keys"] == [] and d["transfer"]["hmac_secret"] == ""
-    assert "key-from-env-123" not in repr(d) and "s" * 32 not in repr(d)
-    monkeypatch.setenv("PDSERVE_ADVERTISE_HOST", "10.0.0.8")  # another pod
-    replica = config_from_dict(d)
-    assert replica.transfer.advertise_host == "10.0.0.8"
-    assert replica.router.api_keys == ("key-from-env-123",)
-    # values written in the config itself do travel
-    explicit = load_config(overrides={"transfer.advertise_host": "10.9.9.9"})
-    assert portable_dict(explicit)["transfer"]["advertise_host"] == "10.9.9.9"

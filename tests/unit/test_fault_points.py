@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
@@ -36,3 +37,31 @@ def test_pause_is_visible_and_rearmable() -> None:
 def test_arm_rejects_a_bad_spec() -> None:
     with pytest.raises(ValueError, match="unknown action"):
         FaultPoints().arm("p=explode")
+
+
+def test_fault_points_outside_test_mode_are_inert_and_refuse_arming() -> None:
+    from cluster.config import TestingConfig
+
+    fp = FaultPoints.from_config(TestingConfig())  # production: testing.enabled is false
+    assert not fp.enabled
+    fp.hit("p")
+    asyncio.run(fp.hit_async("p"))
+    assert not fp.armed("p")
+    with pytest.raises(PermissionError, match=r"test-only.*testing\.enabled"):
+        fp.arm("p=raise")
+    fp.hit("p")  # still inert: nothing was armed
+    with pytest.raises(PermissionError, match="test-only"):
+        FaultPoints(["p=raise"], enabled=False)
+
+
+def test_fault_points_in_test_mode_come_from_the_config() -> None:
+    from cluster.config import TestingConfig
+
+    fp = FaultPoints.from_config(TestingConfig(enabled=True, fault_points=("p:2=raise",)))
+    assert fp.enabled and fp.armed("p")
+    fp.hit("p")
+    with pytest.raises(FaultInjected):
+        fp.hit("p")
+    fp.arm("q=raise")
+    with pytest.raises(FaultInjected):
+        asyncio.run(fp.hit_async("q"))

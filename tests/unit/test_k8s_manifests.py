@@ -532,6 +532,7 @@ def test_every_ray_container_reads_the_same_config(
 def test_config_transfer_and_secrets(
     variant: tuple[str, list[dict[str, Any]]], loaded: Loaded
 ) -> None:
+    from cluster.config import api_keys
     from cluster.kv_transfer.security import check_auth_config
 
     cfg = loaded.config
@@ -539,7 +540,23 @@ def test_config_transfer_and_secrets(
     # Multi-node: the KV socket listens on the pod IP, so it must be authenticated.
     assert not t.is_loopback_bind and t.auth in ("hmac", "curve")
     assert "shm" not in t.transports, "prefill and decode replicas never share a pod"
-    check_auth_config(t)  # the secret arrived through the environment, as in the pods
+    # Secrets are read from each pod's environment where they are used, never written into the
+    # config, so neither the loaded config nor what the app hands its replicas holds them.
+    assert not t.hmac_secret and not t.curve_secret_key and not cfg.router.api_keys
+    secrets = [s for v in SECRET_ENV.values() for s in v.split(",")]
+    for dep in loaded.deployments.values():
+        bound = repr(dep.init_args) + repr(dep.init_kwargs)
+        assert not any(s in bound for s in secrets), f"{dep.name} is handed a secret"
+    with pytest.MonkeyPatch.context() as mp:  # without the Secret, start-up refuses
+        for key in (*SECRET_ENV, "PDSERVE_CURVE_SECRET_KEY", "PDSERVE_CURVE_PUBLIC_KEY"):
+            mp.delenv(key, raising=False)
+        with pytest.raises(ValueError, match="PDSERVE_"):
+            check_auth_config(t)
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in SECRET_ENV.items():
+            mp.setenv(key, value)
+        check_auth_config(t)  # the secret arrives through the environment, as in the pods
+        assert api_keys(cfg.router) == tuple(SECRET_ENV["PDSERVE_API_KEYS"].split(","))
     # Secrets come from the Secret, never from the ConfigMap text.
     rs = _one(variant[1], "RayService")
     config_path = Path(_app_config(rs)["args"]["config_path"])
@@ -547,7 +564,6 @@ def test_config_transfer_and_secrets(
     for section, key in (("transfer", "hmac_secret"), ("transfer", "curve_secret_key")):
         assert not raw.get(section, {}).get(key), f"{section}.{key} must come from the Secret"
     assert not raw.get("router", {}).get("api_keys")
-    assert cfg.router.api_keys == tuple(SECRET_ENV["PDSERVE_API_KEYS"].split(","))
 
     secret = _docs(K8S / "secret.example.yaml")[0]
     needed = {
@@ -564,8 +580,7 @@ def test_config_transfer_and_secrets(
                 assert ref["key"] in secret["stringData"], (group_name, e["name"])
         advertise = env.get("PDSERVE_ADVERTISE_HOST")
         if group_name == "headgroup":
-            # The app is built (env read) in a task that usually runs on the head; an advertise
-            # host set there would be handed to every pool replica.
+            # The head runs no KV socket (each pool replica reads its own pod's address).
             assert advertise is None
         else:
             assert advertise["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
@@ -780,9 +795,9 @@ def test_podmonitor_scrapes_every_ray_pod(variant: tuple[str, list[dict[str, Any
 
 def _metric_kinds() -> dict[str, tuple[str, tuple[str, ...]]]:
     """Exported name -> (Counter|Gauge|Histogram, tag keys), read from the sources that declare
-    metrics: common/metrics.py and the autoscaling policies (recorded on the Serve controller)."""
-    from cluster.autoscaling import policies
-    from cluster.common import metrics
+    metrics: serving/metrics.py and the autoscaling policies (recorded on the Serve controller)."""
+    from cluster.serving import metrics
+    from cluster.serving import autoscaling as policies
 
     tree = ast.Module(
         body=[
@@ -835,7 +850,7 @@ INFRA_LABELS = {"le", "namespace", "pod", "instance", "job", "container", "ray_g
 def test_grafana_dashboard() -> None:
     import ray.serve
 
-    from cluster.common.metrics import METRIC_NAMES
+    from cluster.serving.metrics import METRIC_NAMES
 
     path = K8S / "grafana" / "pdserve-dashboard.json"
     dash = json.loads(path.read_text())
@@ -953,8 +968,8 @@ def test_dockerfile() -> None:
             env.update(dict(re.findall(r"(\w+)=(\S+)", rest)))
     assert env["PDSERVE_CACHE_DIR"] == "/opt/pdserve/cache"
     assert env["HF_HUB_OFFLINE"] == "1", "no hub downloads at run time"
-    from cluster.common.model_paths import COMPLETE_MARKER
     from cluster.config import DEFAULT_MODEL_NAME
+    from cluster.config.model_paths import COMPLETE_MARKER
 
     assert f"{DEFAULT_MODEL_NAME}/{COMPLETE_MARKER}" in runs[order["fetch"]]
     env_at = next(i for i, (op, rest) in enumerate(instructions) if "PDSERVE_CACHE_DIR=" in rest)

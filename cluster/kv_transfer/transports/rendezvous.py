@@ -13,7 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from cluster.config import TransferConfig
+from cluster.config import TransferConfig, advertise_host
 
 
 class RendezvousStore:
@@ -38,7 +38,7 @@ class RendezvousStore:
             listener.close()
             raise
         listener.detach()  # the store owns the descriptor now and closes it
-        host = config.advertise_host or config.bind_host
+        host = advertise_host(config)
         self.address = f"{host}:{self.port}"
 
     def close(self) -> None:

@@ -11,10 +11,9 @@ import psutil
 import pytest
 import zmq
 
-from cluster.common.kv_messages import Hello, encode
-from cluster.common.kv_wire import KVTransferError, Reason
 from cluster.config import TransferConfig
 from cluster.kv_transfer import KVReceiver
+from cluster.kv_transfer.protocol import Hello, KVTransferError, Reason, encode
 from cluster.kv_transfer.security import check_auth_config, generate_curve_keypair
 from tests.unit.kv_transfer.conftest import SenderHandle
 from tests.unit.kv_transfer.helpers import SMALL, transfer_config
@@ -48,6 +47,31 @@ def test_auth_settings_are_checked_with_the_field_named() -> None:
     check_auth_config(
         TransferConfig(auth="curve", curve_public_key=public, curve_secret_key=secret)
     )
+
+
+def test_secrets_from_the_environment_are_read_and_checked_at_start(
+    monkeypatch: pytest.MonkeyPatch,
+    make_sender: Callable[..., SenderHandle],
+    make_receiver: Callable[..., KVReceiver],
+) -> None:
+    """The config never holds them: the sender and receiver read and check them at start."""
+    for env in ("PDSERVE_TRANSFER_SECRET", "PDSERVE_CURVE_SECRET_KEY", "PDSERVE_CURVE_PUBLIC_KEY"):
+        monkeypatch.delenv(env, raising=False)
+    hmac_cfg = transfer_config(transports=("zmq",), auth="hmac")
+    with pytest.raises(ValueError, match=r"^transfer\.hmac_secret: .*PDSERVE_TRANSFER_SECRET"):
+        make_receiver(hmac_cfg)
+    with pytest.raises(ValueError, match=r"^transfer\.curve_public_key: .*PDSERVE_CURVE_PUBLIC"):
+        check_auth_config(TransferConfig(auth="curve"))
+    public, secret = generate_curve_keypair()
+    monkeypatch.setenv("PDSERVE_CURVE_PUBLIC_KEY", public)
+    monkeypatch.setenv("PDSERVE_CURVE_SECRET_KEY", secret)
+    check_auth_config(TransferConfig(auth="curve"))
+    monkeypatch.setenv("PDSERVE_TRANSFER_SECRET", SECRET)
+    h = make_sender(hmac_cfg)
+    _pull_ok(h, make_receiver(hmac_cfg), "from-env")
+    # The config's own secret wins over the environment's: this receiver signs with another.
+    wrong = dataclasses.replace(hmac_cfg, hmac_secret="another-secret-of-32-characters!")
+    assert _pull_refused(h, make_receiver(wrong), "wrong") == Reason.TIMEOUT
 
 
 def _pull_ok(h: SenderHandle, receiver: KVReceiver, rid: str) -> None:

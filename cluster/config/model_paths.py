@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cluster.config import DEFAULT_MODEL_NAME, ClusterConfig
+from cluster.config.model import DEFAULT_MODEL_NAME
+from cluster.config.tree import ClusterConfig
 
 COMPLETE_MARKER = ".pdserve-complete"
 

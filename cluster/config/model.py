@@ -1,0 +1,64 @@
+"""``model`` and ``cache``: which weights run where, and the KV pool they fill."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cluster.config.validation import check, check_choice
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICES = ("auto", "cpu", "cuda")
+_RUNNERS = ("torch", "fake")
+_BACKENDS = ("auto", "native", "torch")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str | None = None  # None: the default model, converted once into cache_dir
+    runner: str = "torch"  # model-runner registry key: torch | fake
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    max_model_len: int | None = None  # None: the model's own limit, capped at 8192
+    num_threads: int | None = None  # torch intra-op threads of this process; None: all cores
+    # CPU fp32 fast paths: native (a small C kernel for paged decode attention reading the cache
+    # in place, and oneDNN linear layers at the batch sizes where a start-up probe finds them
+    # faster than F.linear on this CPU), torch (plain torch ops, any device), or auto (native
+    # where it applies; torch otherwise).
+    kernels: str = "auto"
+    seed: int = 0  # seed for requests that bring none
+
+    def __post_init__(self) -> None:
+        check_choice(self.runner, "model.runner", _RUNNERS)
+        check_choice(self.dtype, "model.dtype", _DTYPES)
+        check_choice(self.device, "model.device", _DEVICES)
+        check_choice(self.kernels, "model.kernels", _BACKENDS)
+        if self.max_model_len is not None:
+            check(self.max_model_len >= 2, "model.max_model_len", "must be >= 2")
+        if self.num_threads is not None:
+            check(self.num_threads >= 1, "model.num_threads", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16  # tokens per KV block, the same everywhere (router hashes too)
+    memory_bytes: int = 1 << 30  # CPU: KV pool size in bytes
+    gpu_memory_fraction: float = 0.85  # CUDA: share of the free device memory for the KV pool
+    num_blocks: int | None = None  # explicit pool size, overriding the two budgets (tests)
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        check(
+            self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+            "cache.block_size",
+            f"must be a power of two >= 1, got {self.block_size}",
+        )
+        check(self.memory_bytes > 0, "cache.memory_bytes", "must be > 0")
+        check(
+            0.0 < self.gpu_memory_fraction <= 1.0,
+            "cache.gpu_memory_fraction",
+            "must be in (0, 1]",
+        )
+        if self.num_blocks is not None:
+            check(self.num_blocks >= 1, "cache.num_blocks", "must be >= 1")

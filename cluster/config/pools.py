@@ -1,0 +1,162 @@
+"""``prefill`` and ``decode``: each pool's replicas, request routing and autoscaling policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cluster.config.scheduler import SchedulerConfig
+from cluster.config.validation import check, check_choice
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """How a pool's Ray Serve ``RequestRouter`` picks a replica (callers of the pool run it)."""
+
+    policy: str = "cache_aware"  # cache_aware | least_loaded | round_robin (a baseline)
+    # Replicas publish their cached-block events (stored / evicted) this often.
+    stats_period_s: float = 0.5
+    # Scoring, in prompt-token equivalents, lowest cost first: miss_cost_factor x the prompt
+    # tokens it has not cached (the request waits for that prefill, and the pool computes and
+    # caches a prefix again that another replica holds), + its queued prefill tokens, +
+    # queue_cost_tokens per request queued or in flight there, + (decode pool)
+    # transfer_cost_per_block per prompt block it lacks. A replica with less free KV than
+    # min_kv_headroom is only picked when no other one can take the request.
+    miss_cost_factor: float = 2.0
+    queue_cost_tokens: float = 256.0
+    transfer_cost_per_block: float = 0.5
+    min_kv_headroom: float = 0.05
+    # The index forgets a replica's blocks it has not confirmed within this long.
+    index_ttl_s: float = 30.0
+
+    def _validate(self, name: str) -> None:
+        check_choice(
+            self.policy, f"{name}.routing.policy", ("cache_aware", "least_loaded", "round_robin")
+        )
+        check(self.stats_period_s > 0, f"{name}.routing.stats_period_s", "must be > 0")
+        check(self.miss_cost_factor >= 1, f"{name}.routing.miss_cost_factor", "must be >= 1")
+        check(self.queue_cost_tokens >= 0, f"{name}.routing.queue_cost_tokens", "must be >= 0")
+        check(
+            self.transfer_cost_per_block >= 0,
+            f"{name}.routing.transfer_cost_per_block",
+            "must be >= 0",
+        )
+        check(0 <= self.min_kv_headroom < 1, f"{name}.routing.min_kv_headroom", "must be in [0, 1)")
+        check(self.index_ttl_s > 0, f"{name}.routing.index_ttl_s", "must be > 0")
+
+
+@dataclass(frozen=True)
+class AutoscalingConfig:
+    """A pool's autoscaling policy, mapped onto Ray Serve's ``autoscaling_config`` fields.
+
+    Prefill scales on queued prefill tokens and recent TTFT against ``ttft_slo_ms``; decode on
+    KV-cache use, running sequences and recent TPOT against ``tpot_slo_ms``. Off by default: the
+    pool then runs ``num_replicas`` fixed replicas.
+    """
+
+    enabled: bool = False
+    min_replicas: int = 1
+    max_replicas: int = 4
+    initial_replicas: int | None = None  # None: min_replicas
+    metrics_interval_s: float = 10.0  # how often replicas report their signals
+    look_back_period_s: float = 30.0  # the window the signals are averaged over
+    upscale_delay_s: float = 30.0  # pressure must last this long before a scale-up
+    downscale_delay_s: float = 300.0  # calm must last this long before a scale-down
+    upscale_smoothing_factor: float = 1.0  # multiplies each step's change (<1: cautious)
+    downscale_smoothing_factor: float = 0.5
+    # Hysteresis: scale up when a signal exceeds its target, down only when every signal is
+    # below scale_down_ratio x its target for the whole delay.
+    scale_down_ratio: float = 0.6
+    # prefill signals
+    ttft_slo_ms: float = 2000.0
+    target_queued_prefill_tokens: int = 8192  # per replica
+    # decode signals
+    tpot_slo_ms: float = 200.0
+    target_kv_usage: float = 0.75  # fraction of a replica's KV blocks in use
+    target_running_fraction: float = 0.75  # running sequences / max_num_seqs per replica
+
+    def _validate(self, name: str) -> None:
+        n = f"{name}.autoscaling"
+        check(self.min_replicas >= 0, f"{n}.min_replicas", "must be >= 0")
+        check(
+            self.max_replicas >= max(1, self.min_replicas),
+            f"{n}.max_replicas",
+            f"must be >= max(1, min_replicas={self.min_replicas})",
+        )
+        if self.initial_replicas is not None:
+            check(
+                self.min_replicas <= self.initial_replicas <= self.max_replicas,
+                f"{n}.initial_replicas",
+                "must lie in [min_replicas, max_replicas]",
+            )
+        for key in ("metrics_interval_s", "look_back_period_s", "ttft_slo_ms", "tpot_slo_ms"):
+            check(getattr(self, key) > 0, f"{n}.{key}", "must be > 0")
+        for key in ("upscale_delay_s", "downscale_delay_s"):
+            check(getattr(self, key) >= 0, f"{n}.{key}", "must be >= 0")
+        for key in ("upscale_smoothing_factor", "downscale_smoothing_factor"):
+            check(getattr(self, key) > 0, f"{n}.{key}", "must be > 0")
+        check(0 < self.scale_down_ratio < 1, f"{n}.scale_down_ratio", "must be in (0, 1)")
+        check(
+            self.target_queued_prefill_tokens >= 1,
+            f"{n}.target_queued_prefill_tokens",
+            "must be >= 1",
+        )
+        check(0 < self.target_kv_usage <= 1, f"{n}.target_kv_usage", "must be in (0, 1]")
+        check(
+            0 < self.target_running_fraction <= 1,
+            f"{n}.target_running_fraction",
+            "must be in (0, 1]",
+        )
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """One pool (prefill or decode): its replicas and the Ray Serve settings that matter."""
+
+    num_replicas: int = 1
+    num_cpus: float = 0.5  # Ray logical CPUs per replica (fractional: 2-core machines)
+    num_gpus: float = 0.0  # GPUs per replica (Ray resource)
+    num_threads: int | None = None  # torch threads per replica; None: model.num_threads
+    scheduler: SchedulerConfig | None = None  # this pool's batching; None: the scheduler section
+    max_ongoing_requests: int | None = None  # None: sized to the batch (max_num_seqs + leases)
+    max_queued_requests: int = 64  # beyond this, callers get RESOURCE_EXHAUSTED / 429 at once
+    graceful_shutdown_timeout_s: float = 60.0  # must exceed the KV lease plus drain time
+    health_check_period_s: float = 5.0
+    health_check_timeout_s: float = 30.0
+    resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources (multi-node)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    autoscaling: AutoscalingConfig = field(default_factory=AutoscalingConfig)
+
+    def _validate(self, name: str) -> None:
+        self.routing._validate(name)
+        self.autoscaling._validate(name)
+        check(self.num_replicas >= 0, f"{name}.num_replicas", "must be >= 0")
+        check(self.num_cpus > 0, f"{name}.num_cpus", "must be > 0")
+        check(self.num_gpus >= 0, f"{name}.num_gpus", "must be >= 0")
+        if self.num_threads is not None:
+            check(self.num_threads >= 1, f"{name}.num_threads", "must be >= 1")
+        if self.max_ongoing_requests is not None:
+            check(self.max_ongoing_requests >= 1, f"{name}.max_ongoing_requests", "must be >= 1")
+        check(self.max_queued_requests >= 0, f"{name}.max_queued_requests", "must be >= 0")
+        check(
+            self.graceful_shutdown_timeout_s > 0,
+            f"{name}.graceful_shutdown_timeout_s",
+            "must be > 0",
+        )
+        check(self.health_check_period_s > 0, f"{name}.health_check_period_s", "must be > 0")
+
+
+@dataclass(frozen=True)
+class PrefillPoolConfig(PoolConfig):
+    def __post_init__(self) -> None:
+        self._validate("prefill")
+
+
+@dataclass(frozen=True)
+class DecodePoolConfig(PoolConfig):
+    # A request whose uncached prompt part is at most this many tokens is prefilled locally on
+    # its decode replica (no transfer); longer ones go to the prefill pool. 0: always remote.
+    local_prefill_threshold: int = 64
+
+    def __post_init__(self) -> None:
+        self._validate("decode")
+        check(self.local_prefill_threshold >= 0, "decode.local_prefill_threshold", "must be >= 0")

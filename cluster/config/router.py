@@ -1,0 +1,43 @@
+"""``router``: the public edge (listeners, limits, retries, API keys)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cluster.config.validation import check
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The public edge: Ray Serve ingress, gRPC and OpenAI-compatible HTTP."""
+
+    host: str = "127.0.0.1"  # public listeners; 0.0.0.0 only when configured (Kubernetes)
+    http_port: int = 8000
+    grpc_port: int = 9000
+    num_replicas: int = 1
+    num_cpus: float = 0.25
+    max_ongoing_requests: int = 1024
+    max_queued_requests: int = 256  # beyond this: RESOURCE_EXHAUSTED / HTTP 429 at once
+    request_timeout_s: float = 600.0  # default deadline of a request that brings none
+    max_request_bytes: int = 4 << 20  # gRPC message and HTTP body limit
+    retries: int = 3  # attempts before the first token reaches the client (never after)
+    assignment_timeout_s: float = 10.0  # a pool with no healthy replica answers UNAVAILABLE
+    # Empty: $PDSERVE_API_KEYS (comma list), read by the router at start; neither: no auth.
+    api_keys: tuple[str, ...] = ()
+    api_keys_file: str = ""  # one key per line, added to the keys above
+    model_name: str = ""  # the OpenAI `model` name; "" -> the model directory's name
+
+    def __post_init__(self) -> None:
+        for name in ("http_port", "grpc_port"):
+            check(0 < getattr(self, name) < 65536, f"router.{name}", "must be a TCP port")
+        check(self.http_port != self.grpc_port, "router.grpc_port", "must differ from http_port")
+        check(self.num_replicas >= 1, "router.num_replicas", "must be >= 1")
+        check(self.num_cpus > 0, "router.num_cpus", "must be > 0")
+        check(self.max_ongoing_requests >= 1, "router.max_ongoing_requests", "must be >= 1")
+        check(self.max_queued_requests >= 0, "router.max_queued_requests", "must be >= 0")
+        check(self.request_timeout_s > 0, "router.request_timeout_s", "must be > 0")
+        check(self.max_request_bytes >= 1024, "router.max_request_bytes", "must be >= 1024")
+        check(self.retries >= 0, "router.retries", "must be >= 0")
+        check(self.assignment_timeout_s > 0, "router.assignment_timeout_s", "must be > 0")
+        for key in self.api_keys:
+            check(len(key) >= 8, "router.api_keys", "keys must be at least 8 characters")

@@ -1,0 +1,24 @@
+"""``scheduler``: the batch one engine step may build (per pool too, under prefill/decode)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cluster.config.validation import check
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # sequences in one step's batch
+    max_num_batched_tokens: int = 2048  # tokens (prefill chunks + decodes) in one step
+    chunk_size: int | None = 256  # prefill tokens per request per step; None: no chunking
+
+    def __post_init__(self) -> None:
+        check(self.max_num_seqs >= 1, "scheduler.max_num_seqs", "must be >= 1")
+        check(
+            self.max_num_batched_tokens >= self.max_num_seqs,
+            "scheduler.max_num_batched_tokens",
+            f"must be >= scheduler.max_num_seqs ({self.max_num_seqs})",
+        )
+        if self.chunk_size is not None:
+            check(self.chunk_size >= 1, "scheduler.chunk_size", "must be >= 1 (or null)")

@@ -1,0 +1,73 @@
+"""``ClusterConfig``: the root of the frozen tree, and the checks that span its sections."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.config.model import CacheConfig, ModelConfig
+from cluster.config.paths import PathsConfig
+from cluster.config.pools import DecodePoolConfig, PoolConfig, PrefillPoolConfig
+from cluster.config.router import RouterConfig
+from cluster.config.scheduler import SchedulerConfig
+from cluster.config.schema import apply_dotted, build_dataclass, to_plain
+from cluster.config.testing import TestingConfig
+from cluster.config.transfer import TransferConfig
+from cluster.config.validation import check
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    prefill: PrefillPoolConfig = field(default_factory=PrefillPoolConfig)
+    decode: DecodePoolConfig = field(default_factory=DecodePoolConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    testing: TestingConfig = field(default_factory=TestingConfig)
+
+    def __post_init__(self) -> None:
+        sched, model = self.scheduler, self.model
+        if sched.chunk_size is None and model.max_model_len is not None:
+            check(
+                sched.max_num_batched_tokens >= model.max_model_len,
+                "scheduler.max_num_batched_tokens",
+                f"must be >= model.max_model_len ({model.max_model_len}) when chunked prefill "
+                "is off (scheduler.chunk_size: null), or a long prompt could never be scheduled",
+            )
+
+        for pool in (self.prefill, self.decode):
+            check(
+                pool.graceful_shutdown_timeout_s > self.transfer.lease_s,
+                f"{'prefill' if pool is self.prefill else 'decode'}.graceful_shutdown_timeout_s",
+                f"must exceed transfer.lease_s ({self.transfer.lease_s}), or a draining prefill "
+                "replica drops leased KV",
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (lists for tuples), safe to hand to other processes: the tree holds only
+        what the YAML and overrides said, never values from this process's environment."""
+        return to_plain(self)
+
+    def for_pool(self, role: str) -> ClusterConfig:
+        """This config as one pool's engine sees it: the pool's scheduler and threads applied."""
+        pool: PoolConfig = self.prefill if role == "prefill" else self.decode
+        cfg = self
+        if pool.scheduler is not None:
+            cfg = dataclasses.replace(cfg, scheduler=pool.scheduler)
+        if pool.num_threads is not None:
+            cfg = dataclasses.replace(
+                cfg, model=dataclasses.replace(cfg.model, num_threads=pool.num_threads)
+            )
+        return cfg
+
+    def replace(self, overrides: Mapping[str, Any]) -> ClusterConfig:
+        """A new validated config with dotted-key overrides (``{"cache.block_size": 32}``)."""
+        data = self.to_dict()
+        apply_dotted(data, overrides)
+        cfg: ClusterConfig = build_dataclass(type(self), data, "")
+        return cfg
