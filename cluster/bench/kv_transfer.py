@@ -32,9 +32,9 @@ import torch
 import zmq
 
 from cluster.bench.harness import BenchContext, BenchReport, percentile
+from cluster.bench.kv_sender_peer import SenderProcess
 from cluster.common.kv_layout import KVLayout
 from cluster.kv_transfer import KVPool, KVReceiver
-from cluster.kv_transfer.peer import SenderProcess
 
 SIZES = (32, 512, 1024)
 ARMS = ("memcpy", "raw_zmq_ipc", "raw_zmq_tcp", "shm", "zmq_ipc", "zmq_tcp")

@@ -4,8 +4,7 @@ and which transport does the pair use (the first of our preferences it offers an
 from __future__ import annotations
 
 from cluster.common.kv_layout import KVLayout
-from cluster.common.kv_messages import HelloReply
-from cluster.common.kv_wire import KVTransferError, Reason
+from cluster.kv_transfer.protocol import HelloReply, KVTransferError, Reason
 from cluster.kv_transfer.transports import TRANSPORTS
 from cluster.kv_transfer.transports.base import ReceiverContext, ReceiverSide
 

@@ -12,9 +12,8 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cluster.common.kv_messages import Segment
-from cluster.common.kv_wire import KVTransferError, KVTransferParams, Reason
 from cluster.kv_transfer.pool import KVPool
+from cluster.kv_transfer.protocol import KVTransferError, KVTransferParams, Reason, Segment
 
 MIN_FRAME_BYTES = 1 << 16
 MAX_FRAMES = 1 << 14

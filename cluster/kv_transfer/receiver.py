@@ -35,17 +35,17 @@ from typing import Any
 
 import zmq
 
-from cluster.common.kv_wire import KVTransferError, KVTransferParams, Reason, TransferState
 from cluster.config import TransferConfig
 from cluster.kv_transfer.commands import CommandQueue
-from cluster.kv_transfer.faulty import FaultyTransport
+from cluster.kv_transfer.framing import Framer, WireFaults
 from cluster.kv_transfer.plan import check_pull_request, plan_frames
 from cluster.kv_transfer.pool import KVPool
+from cluster.kv_transfer.protocol import KVTransferError, KVTransferParams, Reason, TransferState
 from cluster.kv_transfer.receiver_conn import PeerConnection
+from cluster.kv_transfer.receiver_link import PeerLink
 from cluster.kv_transfer.security import HeaderSigner, check_auth_config, host_id
 from cluster.kv_transfer.stats import TransferStats
 from cluster.kv_transfer.transports.base import PeerInfo, ReceiverContext, RecvPull
-from cluster.kv_transfer.wire import Wire
 
 logger = logging.getLogger(__name__)
 _TICK_S = 0.02
@@ -71,7 +71,7 @@ class KVReceiver:
         *,
         instance_id: str | None = None,
         clock: Callable[[], float] = time.monotonic,
-        faults: FaultyTransport | None = None,
+        faults: WireFaults | None = None,
     ) -> None:
         check_auth_config(config)
         self.config = config
@@ -84,7 +84,7 @@ class KVReceiver:
         )
         self.zmq_ctx: zmq.Context[Any] = zmq.Context(io_threads=1)
         self.zmq_ctx.linger = 0  # a dropped receiver must never block in term()
-        self.wire = Wire(HeaderSigner.from_config(config), router=False, faults=faults)
+        self.framer = Framer(HeaderSigner.from_config(config), router=False, faults=faults)
         self._conns: dict[tuple[str, str, int], PeerConnection] = {}
         self._closing: list[PeerConnection] = []
         self._poller = zmq.Poller()
@@ -227,14 +227,21 @@ class KVReceiver:
             self.stats_obj.inc("connections_opened")
         return conn
 
+    # -- what the connections call (``ConnectionOwner``, I/O thread) --------------------------
+
+    def open_link(self, endpoint: str) -> PeerLink:
+        routing_id = f"{self.instance_id[:16]}-{next(self._routing_ids)}".encode()
+        return PeerLink(self.zmq_ctx, self.config, self.framer, routing_id, endpoint)
+
     def watch(self, conn: PeerConnection) -> None:
-        self._by_socket[conn.sock] = (conn, False)
-        self._by_socket[conn.monitor] = (conn, True)
-        self._poller.register(conn.sock, zmq.POLLIN)
-        self._poller.register(conn.monitor, zmq.POLLIN)
+        link = conn.link
+        self._by_socket[link.sock] = (conn, False)
+        self._by_socket[link.monitor] = (conn, True)
+        self._poller.register(link.sock, zmq.POLLIN)
+        self._poller.register(link.monitor, zmq.POLLIN)
 
     def unwatch(self, conn: PeerConnection) -> None:
-        for sock in (conn.sock, conn.monitor):
+        for sock in (conn.link.sock, conn.link.monitor):
             if self._by_socket.pop(sock, None) is not None:
                 self._poller.unregister(sock)
 
@@ -269,8 +276,7 @@ class KVReceiver:
             self._lost.popitem(last=False)
         self.stats_obj.inc("leases_lost")
 
-    def next_routing_id(self) -> bytes:
-        return f"{self.instance_id[:16]}-{next(self._routing_ids)}".encode()
+    # -- I/O thread: bookkeeping and the loop -------------------------------------------------
 
     def _release(self, pull: RecvPull, state: TransferState) -> None:
         self._dst_in_use.difference_update(pull.dst_ids)

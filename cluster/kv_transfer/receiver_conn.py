@@ -1,8 +1,9 @@
 """The receiver's connection to one sender incarnation (endpoint, instance id, epoch).
 
-Owned by the receiver's I/O thread. States: HANDSHAKING -> READY, or FAILED (layout or version
-mismatch, a restarted peer, refused auth, no common transport): a failed connection fails its
-pulls with the reason and is replaced by a fresh one on the next pull.
+Owned by the receiver's I/O thread; it sees the receiver only as a ``ConnectionOwner`` and its
+socket as a ``PeerLink``. States: HANDSHAKING -> READY, or FAILED (layout or version mismatch, a
+restarted peer, refused auth, no common transport): a failed connection fails its pulls with the
+reason and is replaced by a fresh one on the next pull.
 
 A pull's data is validated against its plan before any write into the destination blocks; a
 pull that fails stays "failing" until its transport confirms nothing can still write those
@@ -11,14 +12,14 @@ blocks (torch_dist), and only then does the caller hear about it and may reuse t
 
 from __future__ import annotations
 
-import contextlib
-import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
-from cluster.common.kv_messages import (
+from cluster.kv_transfer.framing import Inbound
+from cluster.kv_transfer.handshake import check_reply, open_transport
+from cluster.kv_transfer.plan import plan_frames
+from cluster.kv_transfer.protocol import (
     MAX_HEARTBEAT_IDS,
     Abort,
     Ack,
@@ -28,32 +29,20 @@ from cluster.common.kv_messages import (
     HeartbeatReply,
     Hello,
     HelloReply,
+    KVTransferError,
+    KVTransferParams,
     Message,
     PullError,
     PullRequest,
     Ready,
+    Reason,
 )
-from cluster.common.kv_wire import KVTransferError, KVTransferParams, Reason
-from cluster.common.kv_wire import TransferState as State
-from cluster.kv_transfer.handshake import check_reply, open_transport
-from cluster.kv_transfer.plan import plan_frames
-from cluster.kv_transfer.sockets import receiver_socket
+from cluster.kv_transfer.protocol import TransferState as State
+from cluster.kv_transfer.receiver_link import PeerLink
 from cluster.kv_transfer.transports import TRANSPORTS
-from cluster.kv_transfer.transports.base import Completion, ReceiverSide, RecvPull
+from cluster.kv_transfer.transports.base import Completion, ReceiverContext, ReceiverSide, RecvPull
 from cluster.kv_transfer.transports.zmq_frames import Rejected
-from cluster.kv_transfer.wire import Inbound
 
-if TYPE_CHECKING:
-    from cluster.kv_transfer.receiver import KVReceiver
-
-logger = logging.getLogger(__name__)
-
-_MONITOR_EVENTS = (
-    zmq.EVENT_DISCONNECTED
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-)
 # The sender no longer holds these leases, or never did: no point telling it to free them.
 _NO_ABORT_REASONS = (
     Reason.UNKNOWN_TRANSFER,
@@ -63,43 +52,55 @@ _NO_ABORT_REASONS = (
 )
 
 
+class ConnectionOwner(Protocol):
+    """The receiver, as its connections see it (every call on the receiver's I/O thread)."""
+
+    rctx: ReceiverContext  # pool, config, our identity, stats, clock
+
+    def open_link(self, endpoint: str) -> PeerLink: ...  # a new socket, with its own routing id
+    def watch(self, conn: PeerConnection) -> None: ...  # poll conn.link (again for a new one)
+    def unwatch(self, conn: PeerConnection) -> None: ...
+    def finish_ok(self, pull: RecvPull) -> None: ...  # every block landed and verified
+    # The pull failed, and nothing can still write its destination blocks:
+    def finish_failed(self, pull: RecvPull, reason: str, message: str) -> None: ...
+    # The sender no longer holds the lease: a later pull of it fails at once:
+    def mark_lost(self, transfer_id: str, reason: str, message: str) -> None: ...
+
+
 class PeerConnection:
     HANDSHAKING, READY, FAILED = "handshaking", "ready", "failed"
 
-    def __init__(self, receiver: KVReceiver, params: KVTransferParams) -> None:
-        self.r = receiver
+    def __init__(self, owner: ConnectionOwner, params: KVTransferParams) -> None:
+        self.owner = owner
+        self.ctx = owner.rctx
         self.key = params.peer_key
-        cfg = receiver.config
-        use_ipc = cfg.ipc and params.ipc_endpoint and params.host_id == receiver.rctx.local.host_id
+        cfg = self.ctx.config
+        use_ipc = cfg.ipc and params.ipc_endpoint and params.host_id == self.ctx.local.host_id
         self.endpoint = params.ipc_endpoint if use_ipc else params.endpoint
         self.pulls: dict[int, RecvPull] = {}  # in flight (sent), by pull id
         self.waiting: list[RecvPull] = []  # admitted before the handshake finished
         self.outbox: list[Message] = []  # control messages held until the handshake
-        self.backlog: list[Message] = []  # sent while no pipe was up (zmq.Again), in order
         self.holds: dict[str, KVTransferParams] = {}  # leases to heartbeat, by transfer id
         self.failing: list[tuple[RecvPull, Completion, str, str]] = []
-        self.last_active = receiver.clock()
+        self.last_active = self.ctx.clock()
         self._open()
 
     def _open(self) -> None:
-        """A fresh socket and handshake (at start, and after the connection dropped)."""
-        cfg, local = self.r.config, self.r.rctx.local
-        sock = receiver_socket(self.r.zmq_ctx, cfg, self.r.next_routing_id())
-        self.monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
-        sock.connect(self.endpoint)
-        self.sock = sock
+        """A fresh link and handshake (at start, and after the connection dropped)."""
+        cfg, local = self.ctx.config, self.ctx.local
+        self.link = self.owner.open_link(self.endpoint)
         self.state = self.HANDSHAKING
         self.reply: HelloReply | None = None
         self.side: ReceiverSide | None = None
         self.transport = ""
-        self.next_heartbeat = self.r.clock() + cfg.heartbeat_s
-        self.r.watch(self)
-        self._send(
+        self.next_heartbeat = self.ctx.clock() + cfg.heartbeat_s
+        self.owner.watch(self)
+        self.link.send(
             Hello(
                 local.instance_id,
                 local.host_id,
                 local.pid,
-                self.r.pool.layout.to_dict(),  # type: ignore[arg-type]
+                self.ctx.pool.layout.to_dict(),  # type: ignore[arg-type]
                 tuple(cfg.transports),
             )
         )
@@ -115,11 +116,11 @@ class PeerConnection:
                 "connection dropped mid-transfer (sender died, or a frame exceeded "
                 "transfer.max_message_bytes)",
             )
-        self.outbox = [*self.backlog, *self.outbox]  # these go out after the new handshake
-        self.backlog = []
-        self.r.unwatch(self)
-        self._close_sockets()
-        self.r.stats_obj.inc("reconnects")
+        self.outbox = [*self.link.backlog, *self.outbox]  # these go out after the new handshake
+        self.link.backlog = []
+        self.owner.unwatch(self)
+        self._close_link()
+        self.ctx.stats.inc("reconnects")
         self._open()
 
     @property
@@ -129,7 +130,7 @@ class PeerConnection:
     # -- requests from the receiver (I/O thread) ----------------------------------------------
 
     def add_pull(self, pull: RecvPull) -> None:
-        self.last_active = self.r.clock()
+        self.last_active = self.ctx.clock()
         if self.state == self.READY:
             self._start_pull(pull)
         else:
@@ -145,7 +146,7 @@ class PeerConnection:
 
     def send(self, msg: Message) -> None:
         if self.state == self.READY:
-            self._send(msg)
+            self.link.send(msg)
         else:
             self.outbox.append(msg)
 
@@ -154,11 +155,11 @@ class PeerConnection:
     def on_readable(self) -> None:
         for _ in range(256):
             try:
-                batch = self.r.wire.recv(self.sock)
+                batch = self.link.recv()
             except zmq.Again:
                 return
             except KVTransferError as e:
-                self.r.stats_obj.rejected(e.reason)
+                self.ctx.stats.rejected(e.reason)
                 if self.state == self.HANDSHAKING and e.reason == Reason.BAD_VERSION:
                     self.fail(e.reason, f"the sender speaks another protocol ({e.detail})")
                 continue
@@ -166,40 +167,35 @@ class PeerConnection:
                 self._handle(inbound)
 
     def on_monitor(self) -> None:
-        while True:
-            try:
-                event = recv_monitor_message(self.monitor, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            kind = event["event"]
+        for kind in self.link.monitor_events():
             if kind == zmq.EVENT_DISCONNECTED:
                 self._reopen()
                 return  # the old monitor is closed
             if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 self.fail(Reason.BAD_AUTH, "the sender refused our CURVE key")
             else:  # e.g. a peer dying mid-handshake, or wrong keys: zmq retries, pulls time out
-                self.r.stats_obj.inc("handshake_failures")
+                self.ctx.stats.inc("handshake_failures")
 
     def _handle(self, inbound: Inbound) -> None:
         msg = inbound.msg
-        self.last_active = self.r.clock()
+        self.last_active = self.ctx.clock()
         if isinstance(msg, HelloReply):
             self._on_hello_reply(msg)
         elif self.state != self.READY:
-            self.r.stats_obj.rejected(Reason.UNEXPECTED)
+            self.ctx.stats.rejected(Reason.UNEXPECTED)
         elif isinstance(msg, Chunk | Ready):
             self._on_data(inbound, msg.pull_id)
         elif isinstance(msg, PullError):
             pull = self.pulls.get(msg.pull_id)
             if pull is None or pull.params.transfer_id != msg.transfer_id:
-                self.r.stats_obj.rejected(Reason.UNEXPECTED)
+                self.ctx.stats.rejected(Reason.UNEXPECTED)
                 return
             notify = msg.reason not in _NO_ABORT_REASONS
             self.fail_pull(pull, msg.reason, f"refused by the sender: {msg.message}", notify)
         elif isinstance(msg, AckReply):
             pull = self.pulls.get(msg.pull_id)
             if pull is None or not pull.confirming:
-                self.r.stats_obj.rejected(Reason.UNEXPECTED)
+                self.ctx.stats.rejected(Reason.UNEXPECTED)
             elif msg.ok:
                 self._complete(pull)
             else:
@@ -208,25 +204,25 @@ class PeerConnection:
         elif isinstance(msg, HeartbeatReply):
             for tid in msg.unknown:
                 if self.holds.pop(tid, None) is not None:
-                    self.r.mark_lost(tid, Reason.LEASE_EXPIRED, "the sender no longer holds it")
+                    self.owner.mark_lost(tid, Reason.LEASE_EXPIRED, "the sender no longer holds it")
         else:
-            self.r.stats_obj.rejected(Reason.UNEXPECTED)
+            self.ctx.stats.rejected(Reason.UNEXPECTED)
 
     def _on_hello_reply(self, msg: HelloReply) -> None:
         if self.state != self.HANDSHAKING:
-            self.r.stats_obj.rejected(Reason.UNEXPECTED)
+            self.ctx.stats.rejected(Reason.UNEXPECTED)
             return
         try:
-            check_reply(msg, self.key, self.endpoint, self.r.pool.layout)
-            self.transport, self.side = open_transport(self.r.rctx, msg)
+            check_reply(msg, self.key, self.endpoint, self.ctx.pool.layout)
+            self.transport, self.side = open_transport(self.ctx, msg)
         except KVTransferError as e:
             self.fail(e.reason, e.detail)
             return
         self.reply = msg
         self.state = self.READY
-        self.r.stats_obj.inc(f"connections_{self.transport}")
+        self.ctx.stats.inc(f"connections_{self.transport}")
         for m in self.side.control_messages() + self.outbox:
-            self._send(m)
+            self.link.send(m)
         self.outbox = []
         waiting, self.waiting = self.waiting, []
         for pull in waiting:
@@ -240,12 +236,12 @@ class PeerConnection:
         if max(pull.src_ids) >= self.reply.num_blocks:
             self.fail_pull(pull, Reason.BAD_BLOCKS, "source block ids outside the sender pool")
             return
-        cfg = self.r.config
+        cfg = self.ctx.config
         limit = min(cfg.frame_bytes, cfg.max_message_bytes, self.reply.max_frame_bytes)
-        bpb = self.r.pool.bytes_per_block
+        bpb = self.ctx.pool.bytes_per_block
         pull.plan = plan_frames(pull.src_ids, pull.dst_ids, bpb, limit)
         for m in self.side.control_messages():
-            self._send(m)
+            self.link.send(m)
         self.holds.pop(pull.params.transfer_id, None)  # the pull itself keeps the lease now
         p = pull.params
         fields: dict[str, Any] = {"dist_generation": 0, **self.side.pull_fields()}
@@ -261,28 +257,28 @@ class PeerConnection:
         )
         pull.transport = self.transport
         pull.state = State.TRANSFERRING
-        self._send(request)
+        self.link.send(request)
 
     def _on_data(self, inbound: Inbound, pull_id: int) -> None:
         pull = self.pulls.get(pull_id)
         if pull is None or pull.state is not State.TRANSFERRING or pull.confirming:
-            self.r.stats_obj.rejected(Reason.UNEXPECTED)  # e.g. late frames of a failed pull
+            self.ctx.stats.rejected(Reason.UNEXPECTED)  # e.g. late frames of a failed pull
             return
         assert self.side is not None
         try:
             landed = self.side.on_data(pull, inbound)
         except Rejected as e:
-            self.r.stats_obj.rejected(e.reason)
+            self.ctx.stats.rejected(e.reason)
             return
         except KVTransferError as e:
-            self.r.stats_obj.rejected(e.reason)
+            self.ctx.stats.rejected(e.reason)
             self.fail_pull(pull, e.reason, e.detail)
             return
         if landed:
             self._landed(pull)
 
     def _landed(self, pull: RecvPull) -> None:
-        self._send(Ack(pull.pull_id, pull.params.transfer_id))
+        self.link.send(Ack(pull.pull_id, pull.params.transfer_id))
         if TRANSPORTS[self.transport].needs_confirm:
             pull.confirming = True
         else:
@@ -291,7 +287,7 @@ class PeerConnection:
     def _complete(self, pull: RecvPull) -> None:
         del self.pulls[pull.pull_id]
         pull.state = State.DONE
-        self.r.finish_ok(pull)
+        self.owner.finish_ok(pull)
 
     def fail_pull(self, pull: RecvPull, reason: str, message: str, notify: bool = True) -> None:
         if pull.state in (State.DONE, State.FAILED):
@@ -311,14 +307,14 @@ class PeerConnection:
         for pull in [*self.pulls.values(), *self.waiting]:
             self.fail_pull(pull, reason, message, notify=False)
         for tid in self.holds:
-            self.r.mark_lost(tid, reason, message)
+            self.owner.mark_lost(tid, reason, message)
         self.holds.clear()
 
     # -- time ---------------------------------------------------------------------------------
 
     def tick(self, now: float) -> None:
-        self._flush_backlog()
-        timeout = self.r.config.transfer_timeout_s
+        self.link.flush()
+        timeout = self.ctx.config.transfer_timeout_s
         for pull in [*self.pulls.values(), *self.waiting]:
             if now >= pull.deadline:
                 self.fail_pull(pull, Reason.TIMEOUT, f"no complete transfer within {timeout} s")
@@ -333,47 +329,23 @@ class PeerConnection:
         still = []
         for pull, done, reason, message in self.failing:
             if done.done():
-                self.r.finish_failed(pull, reason, message)
+                self.owner.finish_failed(pull, reason, message)
             else:
                 still.append((pull, done, reason, message))
         self.failing = still
         if self.state == self.READY and self.holds and now >= self.next_heartbeat:
-            self.next_heartbeat = now + self.r.config.heartbeat_s
+            self.next_heartbeat = now + self.ctx.config.heartbeat_s
             ids = list(self.holds)
             for i in range(0, len(ids), MAX_HEARTBEAT_IDS):
-                self._send(Heartbeat(tuple(ids[i : i + MAX_HEARTBEAT_IDS])))
-            self.r.stats_obj.inc("heartbeats_sent")
-
-    def _send(self, msg: Message) -> None:
-        if self.backlog:
-            self.backlog.append(msg)  # keep the order
-            return
-        try:
-            self.r.wire.send(self.sock, msg)
-        except zmq.Again:  # no live pipe right now (reconnecting): retry on the next tick
-            self.backlog.append(msg)
-        except zmq.ZMQError as e:
-            logger.debug("kv-receiver: cannot send %s: %s", msg.TAG, e)
-
-    def _flush_backlog(self) -> None:
-        while self.backlog:
-            try:
-                self.r.wire.send(self.sock, self.backlog[0])
-            except zmq.Again:
-                return
-            except zmq.ZMQError as e:
-                logger.debug("kv-receiver: dropping %s: %s", self.backlog[0].TAG, e)
-            self.backlog.pop(0)
+                self.link.send(Heartbeat(tuple(ids[i : i + MAX_HEARTBEAT_IDS])))
+            self.ctx.stats.inc("heartbeats_sent")
 
     def close(self) -> None:
-        self.r.unwatch(self)
-        self._close_sockets()
+        self.owner.unwatch(self)
+        self._close_link()
 
-    def _close_sockets(self) -> None:
+    def _close_link(self) -> None:
         if self.side is not None:
             self.side.close()
             self.side = None
-        with contextlib.suppress(zmq.ZMQError):
-            self.sock.disable_monitor()
-        self.monitor.close(linger=0)
-        self.sock.close(linger=0)
+        self.link.close()

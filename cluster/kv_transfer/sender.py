@@ -35,13 +35,12 @@ from typing import Any
 import zmq
 
 from cluster.common.faults import FaultPoints
-from cluster.common.kv_messages import Message
-from cluster.common.kv_wire import KVTransferError, KVTransferParams, Reason
-from cluster.config import TransferConfig
+from cluster.config import TransferConfig, advertise_host
 from cluster.kv_transfer.commands import CommandQueue
-from cluster.kv_transfer.faulty import Buffer, FaultyTransport
+from cluster.kv_transfer.framing import Buffer, Framer, InboundError, WireFaults
 from cluster.kv_transfer.leases import Lease, LeaseState, LeaseTable
 from cluster.kv_transfer.pool import KVPool
+from cluster.kv_transfer.protocol import KVTransferError, KVTransferParams, Message, Reason
 from cluster.kv_transfer.security import (
     HeaderSigner,
     check_auth_config,
@@ -54,7 +53,6 @@ from cluster.kv_transfer.stats import TransferStats
 from cluster.kv_transfer.transports import TRANSPORTS
 from cluster.kv_transfer.transports.base import Completion, PeerInfo, SenderContext
 from cluster.kv_transfer.transports.direct import LOCAL_POOLS
-from cluster.kv_transfer.wire import InboundError, Wire
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +79,7 @@ class KVSender:
         epoch: int = 0,
         clock: Callable[[], float] = time.monotonic,
         fault_points: FaultPoints | None = None,
-        faults: FaultyTransport | None = None,
+        faults: WireFaults | None = None,
     ) -> None:
         check_auth_config(config)
         self.config = config
@@ -104,7 +102,7 @@ class KVSender:
         self._zmq.linger = 0  # a dropped sender must never block in term()
         self._sock: zmq.Socket[Any] = sender_socket(self._zmq, config)
         self._auth: Any = None
-        self._wire = Wire(HeaderSigner.from_config(config), router=True, faults=faults)
+        self._framer = Framer(HeaderSigner.from_config(config), router=True, faults=faults)
         self._ctx = SenderContext(
             pool=pool,
             config=config,
@@ -113,7 +111,7 @@ class KVSender:
             fault_points=fault_points or FaultPoints(),
             stats=self._stats,
         )
-        self._handlers = SenderHandlers(self)
+        self._handlers = SenderHandlers(self._ctx, leases=self, epoch=epoch)
 
     # -- caller API (any thread) --------------------------------------------------------------
 
@@ -234,7 +232,7 @@ class KVSender:
     def _drain_socket(self) -> None:
         for _ in range(256):  # bounded, so commands and the reaper still get their turn
             try:
-                batch = self._wire.recv(self._sock)
+                batch = self._framer.recv(self._sock)
             except zmq.Again:
                 return
             except KVTransferError as e:
@@ -267,17 +265,6 @@ class KVSender:
                 with self._lock:
                     self._leases.renew(transfer_id)  # the ack is due within one lease
 
-    def end_lease(self, lease: Lease, reason: str) -> None:
-        """Release now, or once the lease's in-flight reads finish (serving thread)."""
-        with self._lock:
-            if self._leases.get(lease.transfer_id) is not lease:
-                return  # already released
-            if lease.transfer_id in self._pending:
-                if lease.state is not LeaseState.DRAINING:
-                    lease.state, lease.end_reason = LeaseState.DRAINING, reason
-                return
-        self._release(lease, reason)
-
     def _release(self, lease: Lease, reason: str) -> None:
         with self._lock:
             self._leases.remove(lease.transfer_id)
@@ -289,25 +276,10 @@ class KVSender:
         except Exception:
             logger.exception("kv-sender: release callback raised for %s", lease.request_id)
 
-    def track(self, transfer_id: str, done: Completion) -> None:
-        self._pending[transfer_id] = done
-
-    def lease_for(self, transfer_id: str) -> Lease | None:
-        with self._lock:
-            return self._leases.get(transfer_id)
-
-    def lease_is_finished(self, transfer_id: str) -> bool:
-        with self._lock:
-            return self._leases.is_finished(transfer_id)
-
-    def renew(self, transfer_id: str) -> bool:
-        with self._lock:
-            return self._leases.renew(transfer_id)
-
     def _send(
         self, identity: bytes, msg: Message, frames: Sequence[Buffer], track: bool
     ) -> list[zmq.MessageTracker]:
-        return self._wire.send(self._sock, msg, frames, identity=identity, track=track)
+        return self._framer.send(self._sock, msg, frames, identity=identity, track=track)
 
     def _shutdown(self) -> None:
         self._handlers.close()
@@ -328,13 +300,44 @@ class KVSender:
             self._release(lease, ReleaseReason.CLOSED)
         self._commands.close()
 
+    # -- what the handlers call (``LeaseKeeper``, serving thread) -----------------------------
+
+    def end_lease(self, lease: Lease, reason: str) -> None:
+        """Release now, or once the lease's in-flight reads finish (serving thread)."""
+        with self._lock:
+            if self._leases.get(lease.transfer_id) is not lease:
+                return  # already released
+            if lease.transfer_id in self._pending:
+                if lease.state is not LeaseState.DRAINING:
+                    lease.state, lease.end_reason = LeaseState.DRAINING, reason
+                return
+        self._release(lease, reason)
+
+    def track(self, transfer_id: str, done: Completion) -> None:
+        self._pending[transfer_id] = done
+
+    def is_serving(self, transfer_id: str) -> bool:
+        return transfer_id in self._pending
+
+    def lease_for(self, transfer_id: str) -> Lease | None:
+        with self._lock:
+            return self._leases.get(transfer_id)
+
+    def lease_is_finished(self, transfer_id: str) -> bool:
+        with self._lock:
+            return self._leases.is_finished(transfer_id)
+
+    def renew(self, transfer_id: str) -> bool:
+        with self._lock:
+            return self._leases.renew(transfer_id)
+
 
 def _advertise_host(config: TransferConfig) -> str:
-    if config.advertise_host:
-        return config.advertise_host
-    if config.bind_host in ("0.0.0.0", "::", "*"):
+    """The config's or the environment's advertise host, else bind_host (a wildcard resolved)."""
+    host = advertise_host(config)
+    if host in ("0.0.0.0", "::", "*"):
         return socket.gethostbyname(socket.gethostname())
-    return config.bind_host
+    return host
 
 
 __all__ = ["TRANSPORTS", "KVSender", "ReleaseCallback", "ReleaseReason"]

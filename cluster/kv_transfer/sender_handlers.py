@@ -2,7 +2,7 @@
 
 Every request is validated before it touches a lease or the pool; a refusal is counted by reason
 (``rejected``) and, where the peer waits for an answer, answered with the reason. Nothing a peer
-sends can end the serving thread.
+sends can end the serving thread. The handlers see the sender only as a ``LeaseKeeper``.
 """
 
 from __future__ import annotations
@@ -11,12 +11,15 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Protocol
 
 import zmq
 
 from cluster.common.kv_layout import KVLayout
-from cluster.common.kv_messages import (
+from cluster.kv_transfer.framing import Inbound
+from cluster.kv_transfer.leases import Lease, LeaseState
+from cluster.kv_transfer.plan import check_source_frames
+from cluster.kv_transfer.protocol import (
     Abort,
     Ack,
     AckReply,
@@ -25,19 +28,20 @@ from cluster.common.kv_messages import (
     HeartbeatReply,
     Hello,
     HelloReply,
+    KVTransferError,
     Message,
     PullError,
     PullRequest,
+    Reason,
 )
-from cluster.common.kv_wire import KVTransferError, Reason
-from cluster.kv_transfer.leases import LeaseState
-from cluster.kv_transfer.plan import check_source_frames
 from cluster.kv_transfer.transports import TRANSPORTS
-from cluster.kv_transfer.transports.base import PeerInfo, SenderSide, ServeJob
-from cluster.kv_transfer.wire import Inbound
-
-if TYPE_CHECKING:
-    from cluster.kv_transfer.sender import KVSender
+from cluster.kv_transfer.transports.base import (
+    Completion,
+    PeerInfo,
+    SenderContext,
+    SenderSide,
+    ServeJob,
+)
 
 logger = logging.getLogger(__name__)
 _MAX_PEERS = 1024
@@ -50,11 +54,23 @@ class _Peer:
     transports: dict[str, str] = field(default_factory=dict)  # transfer_id -> transport used
 
 
+class LeaseKeeper(Protocol):
+    """The sender's leases, as the handlers see them (every call on the serving thread)."""
+
+    def lease_for(self, transfer_id: str) -> Lease | None: ...
+    def lease_is_finished(self, transfer_id: str) -> bool: ...  # released: a replay, not unknown
+    def renew(self, transfer_id: str) -> bool: ...  # False if the lease is gone or ending
+    def track(self, transfer_id: str, done: Completion) -> None: ...  # read until ``done``
+    def is_serving(self, transfer_id: str) -> bool: ...  # a tracked read not seen done yet
+    def end_lease(self, lease: Lease, reason: str) -> None: ...  # now, or once reads finish
+
+
 class SenderHandlers:
-    def __init__(self, sender: KVSender) -> None:
-        self.sender = sender
-        self.ctx = sender._ctx
-        self.stats = sender._stats
+    def __init__(self, ctx: SenderContext, leases: LeaseKeeper, *, epoch: int) -> None:
+        self.ctx = ctx
+        self.leases = leases
+        self.epoch = epoch
+        self.stats = ctx.stats
         self.peers: OrderedDict[bytes, _Peer] = OrderedDict()  # routing id -> handshaken peer
 
     def handle(self, inbound: Inbound) -> None:
@@ -112,15 +128,15 @@ class SenderHandlers:
             self._send(identity, self._hello_reply(False, Reason.BAD_VERSION, detail))
 
     def _hello_reply(self, ok: bool, reason: str, message: str) -> HelloReply:
-        ctx, sender = self.ctx, self.sender
+        ctx = self.ctx
         offered = tuple(n for n in ctx.config.transports if TRANSPORTS[n].offered(ctx))
         store = ctx.dist_store
         return HelloReply(
             ok=ok,
             reason=reason,
             message=message,
-            instance_id=sender.instance_id,
-            epoch=sender.epoch,
+            instance_id=ctx.local.instance_id,
+            epoch=self.epoch,
             host_id=ctx.local.host_id,
             pid=ctx.local.pid,
             layout=ctx.pool.layout.to_dict(),  # type: ignore[arg-type]
@@ -134,8 +150,7 @@ class SenderHandlers:
     # -- pulls --------------------------------------------------------------------------------
 
     def _pull(self, identity: bytes, peer: _Peer, msg: PullRequest) -> None:
-        sender = self.sender
-        lease = sender.lease_for(msg.transfer_id)
+        lease = self.leases.lease_for(msg.transfer_id)
         if lease is not None and (lease.peer, lease.pull_id) == (identity, msg.pull_id):
             # A replay of the pull being served (K5): drop it without an answer, which the
             # receiver would take as the failure of its pull.
@@ -150,7 +165,7 @@ class SenderHandlers:
             self._refuse(identity, msg, e.reason, e.detail)
             return
         lease.state, lease.pull_id, lease.peer = LeaseState.SENDING, msg.pull_id, identity
-        sender.renew(lease.transfer_id)
+        self.leases.renew(lease.transfer_id)
         peer.transports[lease.transfer_id] = msg.transport
         job = ServeJob(identity, msg, msg.frames)
         t0 = time.perf_counter()
@@ -161,22 +176,21 @@ class SenderHandlers:
             self.stats.failed(Reason.PEER_DISCONNECTED)
             logger.info("kv-sender: pull %s: %s", lease.request_id, e)
             return
-        sender.track(lease.transfer_id, done)
+        self.leases.track(lease.transfer_id, done)
         self.stats.observe("serve_time_s", time.perf_counter() - t0)  # to queue every frame
         num_blocks = sum(n for frame in msg.frames for _, n in frame)
         self.stats.inc("pulls_served")
         self.stats.inc("blocks_sent", num_blocks)
         self.stats.inc("bytes_sent", num_blocks * self.ctx.pool.bytes_per_block)
 
-    def _check_pull(self, msg: PullRequest) -> Any:
-        sender = self.sender
-        if msg.epoch != sender.epoch:
-            raise KVTransferError(Reason.STALE_EPOCH, f"epoch {msg.epoch}, this is {sender.epoch}")
+    def _check_pull(self, msg: PullRequest) -> Lease:
+        if msg.epoch != self.epoch:
+            raise KVTransferError(Reason.STALE_EPOCH, f"epoch {msg.epoch}, this is {self.epoch}")
         if msg.transport not in TRANSPORTS or not TRANSPORTS[msg.transport].offered(self.ctx):
             raise KVTransferError(Reason.NO_TRANSPORT, f"{msg.transport!r} is not offered")
-        lease = sender.lease_for(msg.transfer_id)
+        lease = self.leases.lease_for(msg.transfer_id)
         if lease is None or lease.request_id != msg.request_id:
-            if sender.lease_is_finished(msg.transfer_id):
+            if self.leases.lease_is_finished(msg.transfer_id):
                 raise KVTransferError(Reason.STALE_TRANSFER, "this transfer already ended")
             raise KVTransferError(Reason.UNKNOWN_TRANSFER, "no such lease (expired or never)")
         if lease.state is not LeaseState.LEASED:
@@ -197,12 +211,12 @@ class SenderHandlers:
     # -- lease messages -----------------------------------------------------------------------
 
     def _heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
-        unknown = tuple(tid for tid in msg.transfer_ids if not self.sender.renew(tid))
+        unknown = tuple(tid for tid in msg.transfer_ids if not self.leases.renew(tid))
         self.stats.inc("heartbeats_received")
         self._send(identity, HeartbeatReply(unknown))
 
     def _ack(self, identity: bytes, peer: _Peer, msg: Ack) -> None:
-        lease = self.sender.lease_for(msg.transfer_id)
+        lease = self.leases.lease_for(msg.transfer_id)
         transport = peer.transports.pop(msg.transfer_id, "")
         valid = (
             lease is not None
@@ -217,18 +231,18 @@ class SenderHandlers:
         assert lease is not None
         if transport and TRANSPORTS[transport].needs_confirm:  # the receiver waits for this
             self._send(identity, AckReply(msg.pull_id, True, ""))
-        self.sender.end_lease(lease, "acked")
+        self.leases.end_lease(lease, "acked")
 
     def _abort(self, identity: bytes, peer: _Peer, msg: Abort) -> None:
-        lease = self.sender.lease_for(msg.transfer_id)
+        lease = self.leases.lease_for(msg.transfer_id)
         if lease is None:
             self.stats.rejected(Reason.UNKNOWN_TRANSFER)
             return
         transport = peer.transports.pop(msg.transfer_id, "")
         side = peer.sides.get(transport)
-        if side is not None and msg.transfer_id in self.sender._pending:
+        if side is not None and self.leases.is_serving(msg.transfer_id):
             side.abort_pull(msg.pull_id)
-        self.sender.end_lease(lease, "peer_aborted")
+        self.leases.end_lease(lease, "peer_aborted")
 
     # -- helpers ------------------------------------------------------------------------------
 

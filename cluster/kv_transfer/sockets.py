@@ -12,8 +12,8 @@ from typing import Any
 
 import zmq
 
-from cluster.common.kv_messages import MAX_HEADER_BYTES
 from cluster.config import TransferConfig
+from cluster.kv_transfer.protocol import MAX_HEADER_BYTES
 from cluster.kv_transfer.security import secure_client_socket, secure_server_socket
 
 

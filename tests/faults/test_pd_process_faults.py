@@ -49,7 +49,7 @@ def prompt(n: int, seed: int) -> list[int]:
 def oracle(prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
     eng = LLMEngine(cfg())
     for rid, p in prompts.items():
-        eng.add_request(rid, p, greedy(max_tokens))
+        eng.add(rid, p, greedy(max_tokens))
     return run_until_done(eng)
 
 

@@ -28,14 +28,19 @@ from typing import Any
 import zmq
 
 from cluster.common.faults import FaultPoints
-from cluster.common.kv_messages import HelloReply, Message, PullRequest, Segment
-from cluster.common.kv_wire import KVTransferParams, TransferState
 from cluster.config import TransferConfig
-from cluster.kv_transfer.faulty import Buffer
+from cluster.kv_transfer.framing import Buffer, Inbound
 from cluster.kv_transfer.plan import FramePlan
 from cluster.kv_transfer.pool import KVPool
+from cluster.kv_transfer.protocol import (
+    HelloReply,
+    KVTransferParams,
+    Message,
+    PullRequest,
+    Segment,
+    TransferState,
+)
 from cluster.kv_transfer.stats import TransferStats
-from cluster.kv_transfer.wire import Inbound
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,10 +17,10 @@ import weakref
 
 import numpy as np
 
-from cluster.common.kv_messages import HelloReply, Ready
-from cluster.common.kv_wire import KVTransferError, Reason
+from cluster.kv_transfer.framing import Inbound
 from cluster.kv_transfer.plan import crc_segments
 from cluster.kv_transfer.pool import KVPool, MappedPool
+from cluster.kv_transfer.protocol import HelloReply, KVTransferError, Ready, Reason
 from cluster.kv_transfer.transports.base import (
     Completion,
     PeerInfo,
@@ -33,7 +33,6 @@ from cluster.kv_transfer.transports.base import (
     TransportSpec,
 )
 from cluster.kv_transfer.transports.zmq_frames import Rejected
-from cluster.kv_transfer.wire import Inbound
 
 # Sender instance id -> its pool, for in-process pulls. Weak: the registry never keeps a pool
 # alive; loopback is by definition a rendezvous inside one process.

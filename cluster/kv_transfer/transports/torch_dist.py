@@ -22,9 +22,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cluster.common.kv_messages import DistSetup, HelloReply, Message, Ready
-from cluster.common.kv_wire import KVTransferError, Reason
+from cluster.config import TransferConfig, advertise_host
+from cluster.kv_transfer.framing import Inbound
 from cluster.kv_transfer.plan import crc_segments
+from cluster.kv_transfer.protocol import (
+    DistSetup,
+    HelloReply,
+    KVTransferError,
+    Message,
+    Ready,
+    Reason,
+)
 from cluster.kv_transfer.transports.base import (
     Completion,
     PeerInfo,
@@ -38,15 +46,14 @@ from cluster.kv_transfer.transports.base import (
 )
 from cluster.kv_transfer.transports.dist_pair import DistPair
 from cluster.kv_transfer.transports.zmq_frames import Rejected
-from cluster.kv_transfer.wire import Inbound
 
 
 def _tag(pull_id: int) -> int:
     return pull_id & 0x3FFFFFFF
 
 
-def _host(config: Any) -> str:
-    return str(config.advertise_host or config.bind_host)
+def _host(config: TransferConfig) -> str:
+    return advertise_host(config)
 
 
 class DistSender(SenderSide):

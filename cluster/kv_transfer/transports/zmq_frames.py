@@ -12,9 +12,9 @@ import zlib
 
 import numpy as np
 
-from cluster.common.kv_messages import Chunk, HelloReply
-from cluster.common.kv_wire import KVTransferError, Reason
+from cluster.kv_transfer.framing import Inbound
 from cluster.kv_transfer.plan import crc_segments
+from cluster.kv_transfer.protocol import Chunk, HelloReply, KVTransferError, Reason
 from cluster.kv_transfer.transports.base import (
     Completion,
     PeerInfo,
@@ -26,7 +26,6 @@ from cluster.kv_transfer.transports.base import (
     ServeJob,
     TransportSpec,
 )
-from cluster.kv_transfer.wire import Inbound
 
 FAULT_MID_SEND = "p.mid_send_frame_k"
 

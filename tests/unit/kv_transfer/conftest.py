@@ -8,10 +8,11 @@ from typing import Any
 
 import pytest
 
+from cluster.bench.kv_sender_peer import fill_pattern
 from cluster.common.kv_layout import KVLayout
 from cluster.config import TransferConfig
-from cluster.kv_transfer import FaultyTransport, KVPool, KVReceiver, KVSender
-from cluster.kv_transfer.peer import fill_pattern
+from cluster.kv_transfer import KVPool, KVReceiver, KVSender
+from cluster.kv_transfer.framing import WireFaults
 from tests.unit.kv_transfer.helpers import SEED, SMALL, SenderHandle, transfer_config
 
 
@@ -25,7 +26,7 @@ def make_sender() -> Iterator[Callable[..., SenderHandle]]:
         layout: KVLayout = SMALL,
         num_blocks: int = 64,
         shared: bool = False,
-        faults: FaultyTransport | None = None,
+        faults: WireFaults | None = None,
         **kw: Any,
     ) -> SenderHandle:
         pool = KVPool.allocate(layout, num_blocks, shared=shared)

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
+from cluster.bench.kv_sender_peer import pattern_block
 from cluster.common.kv_layout import KVLayout
 from cluster.config import TransferConfig
 from cluster.kv_transfer import KVPool, KVSender
-from cluster.kv_transfer.peer import pattern_block
 
 # 8 KiB blocks (below pyzmq's zero-copy threshold: frames pack several) and 128 KiB blocks.
 SMALL = KVLayout("pdserve-test", "float32", 16, 2, 2, 16)

@@ -12,8 +12,14 @@ from typing import Any
 import zmq
 
 from cluster.common.kv_layout import KVLayout
-from cluster.common.kv_messages import Hello, HelloReply, Message, decode, encode
-from cluster.common.kv_wire import KVTransferParams
+from cluster.kv_transfer.protocol import (
+    Hello,
+    HelloReply,
+    KVTransferParams,
+    Message,
+    decode,
+    encode,
+)
 
 
 class RogueClient:

@@ -11,18 +11,20 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from cluster.bench.kv_sender_peer import pattern_block
 from cluster.common.kv_layout import KVLayout
-from cluster.common.kv_messages import (
+from cluster.kv_transfer import KVReceiver
+from cluster.kv_transfer.protocol import (
+    PROTOCOL_VERSION,
     Ack,
     Chunk,
     HelloReply,
+    KVTransferError,
     PullError,
     PullRequest,
+    Reason,
     encode,
 )
-from cluster.common.kv_wire import PROTOCOL_VERSION, KVTransferError, Reason
-from cluster.kv_transfer import KVReceiver
-from cluster.kv_transfer.peer import pattern_block
 from tests.unit.kv_transfer.conftest import SenderHandle
 from tests.unit.kv_transfer.helpers import (
     SEED,

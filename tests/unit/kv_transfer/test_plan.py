@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.common.kv_wire import KVTransferError, Reason
 from cluster.kv_transfer.plan import MIN_FRAME_BYTES, check_source_frames, plan_frames
+from cluster.kv_transfer.protocol import KVTransferError, Reason
 
 BIG = 737_280  # default model, fp32, block 16
 SMALL = 8192

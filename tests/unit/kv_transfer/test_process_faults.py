@@ -11,9 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from cluster.common.kv_layout import KVLayout
-from cluster.common.kv_wire import KVTransferError, Reason, TransferState
-from cluster.kv_transfer import FaultRule, FaultyTransport, KVReceiver
-from cluster.kv_transfer.peer import SenderProcess
+from cluster.kv_transfer import KVReceiver
+from cluster.kv_transfer.protocol import KVTransferError, Reason, TransferState
+from tests.harness.kv_faults import FaultRule, FaultyTransport
+from tests.harness.kv_sender_peer import FaultySenderProcess
 from tests.unit.kv_transfer.helpers import BIG, SEED, SMALL, assert_landed, crcs, transfer_config
 
 pytestmark = pytest.mark.timeout(180)
@@ -22,7 +23,7 @@ TIMEOUT_S = 1.0
 NIGHTLY = [pytest.param(20, marks=pytest.mark.nightly, id="nightly")]
 
 
-def _spawn(n: int, layout: KVLayout, **spec: object) -> list[SenderProcess]:
+def _spawn(n: int, layout: KVLayout, **spec: object) -> list[FaultySenderProcess]:
     base = {
         "layout": layout.to_dict(),
         "num_blocks": 32,
@@ -31,11 +32,11 @@ def _spawn(n: int, layout: KVLayout, **spec: object) -> list[SenderProcess]:
     }
     base.update(spec)
     with ThreadPoolExecutor(n) as pool:  # start-up is mostly `import torch`: overlap it
-        return list(pool.map(lambda _: SenderProcess(base), range(n)))
+        return list(pool.map(lambda _: FaultySenderProcess(base), range(n)))
 
 
 def _check_failed_cleanly(
-    receiver: KVReceiver, proc: SenderProcess, dst: list[int], before: list[int], hold: bool
+    receiver: KVReceiver, proc: FaultySenderProcess, dst: list[int], before: list[int], hold: bool
 ) -> None:
     params = proc.register("doomed", list(range(8)), num_tokens=128)
     if hold:

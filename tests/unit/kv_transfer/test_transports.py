@@ -8,10 +8,10 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from cluster.bench.kv_sender_peer import SenderProcess
 from cluster.common.kv_layout import KVLayout
-from cluster.common.kv_wire import KVTransferError, Reason, TransferState
 from cluster.kv_transfer import KVReceiver
-from cluster.kv_transfer.peer import SenderProcess
+from cluster.kv_transfer.protocol import KVTransferError, Reason, TransferState
 from tests.unit.kv_transfer.helpers import (
     BIG,
     SEED,

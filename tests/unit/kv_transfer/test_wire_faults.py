@@ -9,8 +9,9 @@ from collections.abc import Callable
 import psutil
 import pytest
 
-from cluster.common.kv_wire import KVTransferError, Reason, TransferState
-from cluster.kv_transfer import FaultRule, FaultyTransport, KVReceiver
+from cluster.kv_transfer import KVReceiver
+from cluster.kv_transfer.protocol import KVTransferError, Reason, TransferState
+from tests.harness.kv_faults import FaultRule, FaultyTransport
 from tests.unit.kv_transfer.conftest import SenderHandle
 from tests.unit.kv_transfer.helpers import assert_landed, assert_untouched, crcs, transfer_config
 

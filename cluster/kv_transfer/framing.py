@@ -2,22 +2,39 @@
 
 Every inbound message is checked here before anyone acts on it: the part count, the header size
 (before it is even copied out of zmq's buffer), the MAC in hmac mode, then the header schema
-and protocol version (``kv_messages.decode``). Raw frames stay zmq frames (zero-copy) until a
+and protocol version (``protocol.decode``). Raw frames stay zmq frames (zero-copy) until a
 transport has validated their count and lengths against its plan.
+
+A ``WireFaults`` injector (tests only: ``tests/harness/kv_faults.py``) may rewrite each message's
+raw frames on the way out or in; production passes none.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, Protocol
 
 import zmq
 
-from cluster.common.kv_messages import MAX_HEADER_BYTES, Message, decode, encode
-from cluster.common.kv_wire import KVTransferError, Reason
-from cluster.kv_transfer.faulty import Buffer, FaultyTransport
+from cluster.kv_transfer.protocol import (
+    MAX_HEADER_BYTES,
+    KVTransferError,
+    Message,
+    Reason,
+    decode,
+    encode,
+)
 from cluster.kv_transfer.security import MAC_BYTES, HeaderSigner
+
+Buffer = Any  # bytes, memoryview, numpy view or zmq.Frame: anything with the buffer protocol
+Direction = Literal["send", "recv"]
+
+
+class WireFaults(Protocol):
+    def apply(self, direction: Direction, tag: str, frames: list[Buffer]) -> list[list[Buffer]]:
+        """The raw frames of the messages to deliver instead of one (empty list: none)."""
+        ...
 
 
 class InboundError(KVTransferError):
@@ -35,9 +52,9 @@ class Inbound:
     frames: list[Buffer]  # raw payload frames after the header
 
 
-class Wire:
+class Framer:
     def __init__(
-        self, signer: HeaderSigner, *, router: bool, faults: FaultyTransport | None = None
+        self, signer: HeaderSigner, *, router: bool, faults: WireFaults | None = None
     ) -> None:
         self.signer = signer
         self.router = router
@@ -80,7 +97,7 @@ class Wire:
     def recv(self, sock: zmq.Socket[Any]) -> list[Inbound]:
         """One message off the socket (non-blocking), or ``KVTransferError`` with a reason.
 
-        Usually one ``Inbound``; a fault rule may turn it into none or several.
+        Usually one ``Inbound``; a fault injector may turn it into none or several.
         """
         parts: list[zmq.Frame] = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
         identity = b""

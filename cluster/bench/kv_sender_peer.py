@@ -1,15 +1,20 @@
-"""A ``KVSender`` in a child process, driven over its stdin/stdout (tests and ``bench``).
+"""A ``KVSender`` in a child process, driven over its stdin/stdout (``bench kv-transfer``, tests).
 
-The parent sends length-prefixed msgpack commands (never pickle), the child answers each:
+The parent sends length-prefixed msgpack messages (never pickle): first the spec, then commands,
+each answered by one reply:
 
+    spec {layout, num_blocks, shared?, seed?, transfer?, instance_id?, epoch?, quiet?}
+                                                   -> {endpoint, ipc, pid}
     register {request_id, block_ids, num_tokens}   -> {params}
     abort {request_id}                             -> {ok}
     stats                                          -> {stats, released: [[request_id, reason]]}
     crc {block_ids}                                -> {crcs}
     exit                                           -> {ok}, then the child exits
 
-The child's pool is filled with ``fill_pattern(seed)`` so a receiver can check what landed
-without asking. Fault points (``testing.fault_points``) and wire fault rules come in the spec.
+``transfer`` is the config's ``transfer`` section; ``quiet`` (default true) hides the child's
+stderr. The child's pool is filled with ``fill_pattern(seed)`` so a receiver can check what
+landed without asking. The tests' peer (``tests/harness/kv_sender_peer.py``) runs the same child
+with fault injectors: ``serve(spec, fault_points=..., faults=...)``.
 """
 
 from __future__ import annotations
@@ -22,19 +27,19 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import IO, Any
 
 import msgpack
 import torch
 
 from cluster.common.faults import FaultPoints
 from cluster.common.kv_layout import KVLayout
-from cluster.common.kv_wire import KVTransferParams
 from cluster.config import config_from_dict
-from cluster.kv_transfer.faulty import FaultRule, FaultyTransport
-from cluster.kv_transfer.pool import TORCH_DTYPES, KVPool
-from cluster.kv_transfer.sender import KVSender
+from cluster.kv_transfer import KVPool, KVSender, KVTransferParams
+from cluster.kv_transfer.framing import WireFaults
+from cluster.kv_transfer.pool import TORCH_DTYPES
 
 _LEN = struct.Struct(">I")
 
@@ -55,13 +60,13 @@ def pattern_block(layout: KVLayout, seed: int, block_id: int) -> torch.Tensor:
     return values.to(dtype).view(1, *layout.block_shape)
 
 
-def _write(stream: Any, obj: Any) -> None:
+def write_message(stream: IO[bytes], obj: Any) -> None:
     data = msgpack.packb(obj, use_bin_type=True)
     stream.write(_LEN.pack(len(data)) + data)
     stream.flush()
 
 
-def _read(stream: Any) -> Any:
+def read_message(stream: IO[bytes]) -> Any:
     head = stream.read(_LEN.size)
     if len(head) < _LEN.size:
         raise EOFError("peer closed its pipe")
@@ -69,11 +74,18 @@ def _read(stream: Any) -> Any:
     return msgpack.unpackb(stream.read(n), raw=False, strict_map_key=False)
 
 
-def _child(spec: dict[str, Any]) -> None:
+# -- child side ------------------------------------------------------------------------------
+
+
+def serve(
+    spec: dict[str, Any],
+    *,
+    fault_points: FaultPoints | None = None,
+    faults: WireFaults | None = None,
+) -> None:
+    """Run the sender of ``spec`` and answer commands on stdin until ``exit`` or EOF."""
     torch.set_num_threads(1)
-    cfg = config_from_dict(
-        {"transfer": spec.get("transfer", {}), "testing": {"fault_points": spec.get("faults", [])}}
-    )
+    cfg = config_from_dict({"transfer": spec.get("transfer", {})})
     layout = KVLayout(**spec["layout"])
     pool = KVPool.allocate(layout, spec["num_blocks"], shared=spec.get("shared", False))
     fill_pattern(pool, spec.get("seed", 0))
@@ -84,42 +96,42 @@ def _child(spec: dict[str, Any]) -> None:
         with lock:
             released.append([request_id, reason])
 
-    rules = [FaultRule(**r) for r in spec.get("wire_faults", [])]
     sender = KVSender(
         cfg.transfer,
         pool,
         on_release=on_release,
         instance_id=spec.get("instance_id"),
         epoch=spec.get("epoch", 0),
-        fault_points=FaultPoints(cfg.testing.fault_points),
-        faults=FaultyTransport(rules) if rules else None,
+        fault_points=fault_points,
+        faults=faults,
     )
     sender.start()
     out, inp = sys.stdout.buffer, sys.stdin.buffer
-    _write(out, {"endpoint": sender.endpoint, "ipc": sender.ipc_endpoint, "pid": os.getpid()})
+    write_message(
+        out, {"endpoint": sender.endpoint, "ipc": sender.ipc_endpoint, "pid": os.getpid()}
+    )
     while True:
         try:
-            cmd = _read(inp)
+            cmd = read_message(inp)
         except EOFError:
             break
         op = cmd.get("op")
         if op == "register":
             p = sender.register(cmd["request_id"], cmd["block_ids"], num_tokens=cmd["num_tokens"])
-            _write(out, {"params": p.to_dict()})
+            write_message(out, {"params": p.to_dict()})
         elif op == "abort":
-            _write(out, {"ok": sender.abort(cmd["request_id"])})
+            write_message(out, {"ok": sender.abort(cmd["request_id"])})
         elif op == "stats":
             with lock:
                 rel = list(released)
-            _write(
-                out, {"stats": _plain(sender.stats()), "released": rel, "alive": sender.is_alive()}
-            )
+            stats = _plain(sender.stats())
+            write_message(out, {"stats": stats, "released": rel, "alive": sender.is_alive()})
         elif op == "crc":
-            _write(out, {"crcs": pool.crc32(cmd["block_ids"])})
+            write_message(out, {"crcs": pool.crc32(cmd["block_ids"])})
         else:
             break
     sender.close()
-    _write(out, {"ok": True})
+    write_message(out, {"ok": True})
 
 
 def _plain(obj: Any) -> Any:
@@ -132,21 +144,34 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
+# -- parent side -----------------------------------------------------------------------------
+
+
 class SenderProcess:
     """Parent-side handle of a child running a ``KVSender``."""
 
+    module = "cluster.bench.kv_sender_peer"  # what the child runs (``python -m``)
+    cwd: Path | None = None  # where it runs (None: here)
+    spec_keys = frozenset(
+        {"layout", "num_blocks", "shared", "seed", "transfer", "instance_id", "epoch", "quiet"}
+    )
+
     def __init__(self, spec: dict[str, Any], *, start_timeout: float = 60.0) -> None:
+        unknown = sorted(set(spec) - self.spec_keys)
+        if unknown:
+            raise ValueError(f"{type(self).__name__} spec: unknown keys {unknown}")
         env = dict(os.environ, OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cluster.kv_transfer.peer"],
+            [sys.executable, "-m", self.module],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL if spec.get("quiet", True) else None,
+            cwd=self.cwd,
             env=env,
             start_new_session=True,
         )
         assert self.proc.stdin is not None
-        _write(self.proc.stdin, spec)
+        write_message(self.proc.stdin, spec)
         self.info = self._reply(start_timeout)
         self.pid: int = self.info["pid"]
         self.endpoint: str = self.info["endpoint"]
@@ -156,11 +181,11 @@ class SenderProcess:
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
         if not ready:
             raise TimeoutError("the sender process did not answer")
-        return _read(self.proc.stdout)
+        return read_message(self.proc.stdout)
 
     def call(self, cmd: dict[str, Any], timeout: float = 30.0) -> Any:
         assert self.proc.stdin is not None
-        _write(self.proc.stdin, cmd)
+        write_message(self.proc.stdin, cmd)
         return self._reply(timeout)
 
     def register(
@@ -196,7 +221,9 @@ class SenderProcess:
             if stream is not None:
                 stream.close()
 
-    def wait_until(self, predicate: Any, timeout: float = 10.0) -> dict[str, Any]:
+    def wait_until(
+        self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 10.0
+    ) -> dict[str, Any]:
         """Poll ``stats()`` until ``predicate(stats)`` holds; returns the last stats."""
         deadline = time.monotonic() + timeout
         while True:
@@ -207,4 +234,4 @@ class SenderProcess:
 
 
 if __name__ == "__main__":
-    _child(_read(sys.stdin.buffer))
+    serve(read_message(sys.stdin.buffer))

@@ -1,7 +1,8 @@
 """Scripted wire faults for deterministic fault tests (RELIABILITY.md K1-K8, F19, F21).
 
-A ``FaultyTransport`` sits inside a sender's or receiver's message wire and rewrites the n-th
-message of a tag on its way out (``send``) or in (``recv``):
+A ``FaultyTransport`` is the ``WireFaults`` injector a test hands a ``KVSender`` or
+``KVReceiver`` (``faults=``): their ``Framer`` asks it to rewrite the n-th message of a tag on
+its way out (``send``) or in (``recv``):
 
   * message actions: ``drop``, ``duplicate``, ``delay`` (the wire's thread sleeps, as a slow link
     stalls a pipeline), ``blackhole`` (drop this and every later match: a partition);
@@ -19,12 +20,11 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+
+from cluster.kv_transfer.framing import Buffer
 
 MESSAGE_ACTIONS = ("drop", "duplicate", "delay", "blackhole")
 FRAME_ACTIONS = ("drop_frame", "truncate", "flip", "extra_frame", "oversize")
-
-Buffer = Any  # bytes, memoryview, numpy view or zmq.Frame: anything with the buffer protocol
 
 
 @dataclass(frozen=True)

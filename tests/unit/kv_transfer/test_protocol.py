@@ -1,4 +1,4 @@
-"""Shared wire types: the handle, the codec, fault-point specs, the transport registry."""
+"""The protocol (handle, messages, codec), fault-point specs and the transport registry."""
 
 from __future__ import annotations
 
@@ -15,24 +15,22 @@ from hypothesis import strategies as st
 
 from cluster import config as config_module
 from cluster.common.faults import FaultInjected, FaultPoints, FaultSpec
-from cluster.common.kv_messages import (
+from cluster.config import TransferConfig, load_config
+from cluster.kv_transfer import TRANSPORTS, get_transport
+from cluster.kv_transfer.protocol import (
     MESSAGE_TYPES,
+    PROTOCOL_VERSION,
     Ack,
     Chunk,
     Heartbeat,
     Hello,
+    KVTransferError,
+    KVTransferParams,
     PullRequest,
+    Reason,
     decode,
     encode,
 )
-from cluster.common.kv_wire import (
-    PROTOCOL_VERSION,
-    KVTransferError,
-    KVTransferParams,
-    Reason,
-)
-from cluster.config import TransferConfig, load_config
-from cluster.kv_transfer import TRANSPORTS, get_transport
 from tests.unit.kv_transfer.helpers import SMALL
 
 # The live-endpoint fuzz (test_fuzz_endpoints) carries the K2 count; this one checks the codec.

@@ -1,0 +1,459 @@
+"""The KV-transfer protocol: the transfer handle, the wire messages, their one codec, the errors.
+
+A prefill replica hands a decode replica a ``KVTransferParams`` (through Ray, as a plain dict);
+the decode replica pulls the blocks it lacks over a transfer socket. A message on that socket is
+``[mac?] header *frames`` (framing: ``framing.py``): the header is a msgpack map
+``{"t": tag, "v": PROTOCOL_VERSION, **fields}``; KV bytes travel as separate raw frames that the
+header declares (count and byte length), never inside the map and never pickled.
+
+Conversation (decode side D = DEALER, prefill side P = ROUTER; D always speaks first):
+
+    D: Hello            P: HelloReply           layout, version and transports checked here
+    D: DistSetup        (torch_dist only: both build a fresh pair group of this generation)
+    D: PullRequest      P: Chunk* (zmq) | Ready (shm, loopback, torch_dist) | PullError
+    D: Ack              P: AckReply             (only transports where D reads P's memory)
+    D: Heartbeat        P: HeartbeatReply       renews the leases D is still waiting on
+    D: Abort                                    D gave up: P frees the lease now
+
+Schema rules (``decode`` and ``KVTransferParams.from_dict``, through ``from_plain``): a field's
+type is declared once, on its frozen dataclass, and checked on the way in:
+
+  * exactly the dataclass's fields: a missing or an unknown key is ``malformed``;
+  * ``bool``, ``int`` (not bool, within int64..uint64), ``float`` (an int is accepted), ``str``
+    (at most ``MAX_STR_LEN``), ``tuple[X, ...]`` / fixed tuples (at most ``MAX_LIST_LEN``
+    items), small ``dict`` (at most 64 keys) and unions of those; nothing else decodes;
+  * no msgpack ext types and no bin values; a header over ``MAX_HEADER_BYTES`` is ``oversized``
+    before it is parsed, and every declared length is bounded, so nothing is allocated in
+    proportion to what a peer claims;
+  * the version is checked before the tag (``bad_version``); an unknown tag is ``malformed``.
+
+Bump ``PROTOCOL_VERSION`` on any change to a message's fields or meaning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, ClassVar, TypeVar
+
+import msgpack
+
+from cluster.common.kv_layout import KVLayout
+
+# Bump on any change to a message's fields or meaning (or to the block-hash chain).
+PROTOCOL_VERSION = 1
+
+# Bounds every decoded value must respect: no allocation proportional to a declared size.
+MAX_STR_LEN = 1024
+MAX_LIST_LEN = 1 << 16
+_MAX_MAP_LEN = 64
+_INT_MIN, _UINT_MAX = -(1 << 63), (1 << 64) - 1
+
+# Headers are small (a pull of 512 scattered blocks is ~5 KB); the limit fits under the smallest
+# transfer.max_message_bytes, so zmq's MAXMSGSIZE can be that setting on every socket.
+MAX_HEADER_BYTES = 1 << 16
+MAX_HEARTBEAT_IDS = 1024  # transfer ids per Heartbeat message (~35 KB)
+
+# A frame plan: per frame, the (first source block id, number of blocks) segments it carries.
+Segment = tuple[int, int]
+
+
+# ---------------------------------------------------------------------------------------------
+# States and errors
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"  # registered / requested, no byte moved yet
+    TRANSFERRING = "transferring"
+    DONE = "done"  # every requested block landed and was verified; never set for partial data
+    FAILED = "failed"
+
+
+class Reason:
+    """Machine-readable ``KVTransferError.reason`` codes (also the keys of counters by reason)."""
+
+    MALFORMED = "malformed"  # undecodable header or schema violation
+    BAD_VERSION = "bad_version"
+    OVERSIZED = "oversized"
+    BAD_FRAMES = "bad_frames"  # frame count or byte length differs from what the header declares
+    CHECKSUM = "checksum_mismatch"
+    BAD_AUTH = "bad_auth"
+    LAYOUT_MISMATCH = "layout_mismatch"
+    STALE_EPOCH = "stale_epoch"  # the peer restarted (other instance id or epoch)
+    UNKNOWN_TRANSFER = "unknown_transfer"
+    STALE_TRANSFER = "stale_transfer"  # a transfer that already finished (replay)
+    DUPLICATE = "duplicate"  # a second pull of one lease, or a repeated frame
+    BAD_BLOCKS = "bad_blocks"  # source ids outside the pool or not in the lease
+    BAD_DESTINATION = "bad_destination"  # destination ids outside the pool or owned elsewhere
+    UNEXPECTED = "unexpected"  # a message with no matching pull, or out of order
+    STALE_ACK = "stale_ack"
+    NO_HANDSHAKE = "no_handshake"
+    NO_TRANSPORT = "no_transport"
+    TIMEOUT = "timeout"
+    PEER_DISCONNECTED = "peer_disconnected"
+    ABORTED = "aborted"
+    LEASE_EXPIRED = "lease_expired"
+    TRANSPORT_ERROR = "transport_error"
+    CLOSED = "closed"
+
+
+class KVTransferError(RuntimeError):
+    """A transfer failed or a message was refused; ``reason`` is one of ``Reason``'s codes."""
+
+    def __init__(self, reason: str, message: str = "") -> None:
+        super().__init__(f"{reason}: {message}" if message else reason)
+        self.reason = reason
+        self.detail = message
+
+
+# ---------------------------------------------------------------------------------------------
+# The transfer handle
+
+
+@dataclass(frozen=True)
+class KVTransferParams:
+    """What a decode replica needs to pull a prefilled request's KV (travels as ``to_dict()``).
+
+    ``block_ids`` are the source pool's block ids in prompt order (one per block of
+    ``num_tokens``, the last possibly partial); ``block_hashes`` the prefix-cache hashes of the
+    full ones. The lease is named by ``transfer_id`` (unique per registration), not by the
+    request id, so a replayed or late message for an earlier request with the same id is stale.
+    """
+
+    request_id: str
+    transfer_id: str
+    endpoint: str  # tcp://host:port of the sender's transfer socket
+    ipc_endpoint: str  # ipc://path, usable when host_id matches; "" when not offered
+    instance_id: str  # the sender process; with epoch, names one incarnation
+    epoch: int
+    host_id: str  # hostname/boot id: equal means shared memory is possible
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[int, ...]
+    num_tokens: int
+    layout: dict[str, str | int]  # KVLayout.to_dict() of the sender's pool
+    protocol_version: int = PROTOCOL_VERSION
+
+    def __post_init__(self) -> None:
+        if not self.request_id or not self.transfer_id:
+            raise ValueError("request_id and transfer_id must be non-empty")
+        if self.num_tokens < 1 or not self.block_ids:
+            raise ValueError("a transfer needs at least one token and one block")
+        if len(self.block_hashes) > len(self.block_ids):
+            raise ValueError("more block hashes than blocks")
+        if any(b < 0 for b in self.block_ids):
+            raise ValueError("block ids must be >= 0")
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_plain(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> KVTransferParams:
+        """Validate a plain dict (msgpack/JSON/Ray) into a handle; ``KVTransferError`` if bad."""
+        params = from_plain(cls, data)
+        if params.protocol_version != PROTOCOL_VERSION:
+            raise KVTransferError(
+                Reason.BAD_VERSION,
+                f"params protocol {params.protocol_version}, this side speaks {PROTOCOL_VERSION}",
+            )
+        return params
+
+    def kv_layout(self) -> KVLayout:
+        try:
+            return KVLayout(**self.layout)  # type: ignore[arg-type]
+        except (TypeError, ValueError) as e:
+            raise KVTransferError(Reason.MALFORMED, f"params.layout: {e}") from None
+
+    @property
+    def peer_key(self) -> tuple[str, str, int]:
+        """One connection per (endpoint, instance, epoch): a restarted peer is a new peer."""
+        return (self.endpoint, self.instance_id, self.epoch)
+
+
+# ---------------------------------------------------------------------------------------------
+# Messages, in conversation order
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    TAG: ClassVar[str] = "hello"
+    instance_id: str
+    host_id: str
+    pid: int
+    layout: dict[str, str | int]
+    transports: tuple[str, ...]  # what this receiver can use, in preference order
+
+
+@dataclass(frozen=True, slots=True)
+class HelloReply:
+    TAG: ClassVar[str] = "hello_reply"
+    ok: bool
+    reason: str  # "" when ok
+    message: str
+    instance_id: str
+    epoch: int
+    host_id: str
+    pid: int
+    layout: dict[str, str | int]
+    transports: tuple[str, ...]  # what this sender offers
+    num_blocks: int
+    shm_name: str  # the sender pool's shared segment ("" when not shared)
+    dist_store: str  # host:port of the torch_dist rendezvous store ("" when not offered)
+    max_frame_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class DistSetup:
+    TAG: ClassVar[str] = "dist_setup"
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class PullRequest:
+    TAG: ClassVar[str] = "pull"
+    pull_id: int  # chosen by D, unique on its connection
+    transfer_id: str
+    request_id: str
+    epoch: int
+    transport: str
+    frames: tuple[tuple[Segment, ...], ...]
+    checksum: bool
+    dist_generation: int  # 0 unless transport is torch_dist
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    TAG: ClassVar[str] = "chunk"
+    pull_id: int
+    first_frame: int  # index in the pull's frame plan of this message's first frame
+    nbytes: tuple[int, ...]  # per raw frame that follows the header
+    crcs: tuple[int, ...]  # crc32 per frame when the pull asked for checksums, else empty
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    TAG: ClassVar[str] = "ready"
+    pull_id: int
+    crcs: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PullError:
+    TAG: ClassVar[str] = "pull_error"
+    pull_id: int
+    transfer_id: str
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    TAG: ClassVar[str] = "ack"
+    pull_id: int
+    transfer_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class AckReply:
+    TAG: ClassVar[str] = "ack_reply"
+    pull_id: int
+    ok: bool  # False: the lease ended before the ack, what D read may be stale
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    TAG: ClassVar[str] = "heartbeat"
+    transfer_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatReply:
+    TAG: ClassVar[str] = "heartbeat_reply"
+    unknown: tuple[str, ...]  # leases P no longer holds (expired, aborted, never known)
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    TAG: ClassVar[str] = "abort"
+    transfer_id: str
+    pull_id: int  # 0 when no pull was running
+    reason: str
+
+
+Message = (
+    Hello
+    | HelloReply
+    | DistSetup
+    | PullRequest
+    | Chunk
+    | Ready
+    | PullError
+    | Ack
+    | AckReply
+    | Heartbeat
+    | HeartbeatReply
+    | Abort
+)
+
+MESSAGE_TYPES: dict[str, type[Any]] = {
+    cls.TAG: cls
+    for cls in (
+        Hello,
+        HelloReply,
+        DistSetup,
+        PullRequest,
+        Chunk,
+        Ready,
+        PullError,
+        Ack,
+        AckReply,
+        Heartbeat,
+        HeartbeatReply,
+        Abort,
+    )
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# The codec: message <-> header bytes
+
+
+def encode(msg: Message) -> bytes:
+    body = to_plain(msg)
+    body["t"] = msg.TAG
+    body["v"] = PROTOCOL_VERSION
+    packed: bytes = msgpack.packb(body, use_bin_type=True)
+    return packed
+
+
+def decode(data: bytes | memoryview) -> Message:
+    """Header bytes -> message; ``KVTransferError`` (malformed, bad_version, oversized) if not."""
+    if len(data) > MAX_HEADER_BYTES:
+        raise KVTransferError(Reason.OVERSIZED, f"header of {len(data)} bytes")
+    try:
+        obj = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            ext_hook=_no_ext,
+            max_str_len=MAX_STR_LEN,
+            max_bin_len=0,
+            max_array_len=MAX_LIST_LEN,
+            max_map_len=_MAX_MAP_LEN,
+            max_ext_len=0,
+        )
+    except Exception as e:  # msgpack raises a zoo of types (StackError, ExtraData, ...)
+        raise KVTransferError(
+            Reason.MALFORMED, f"undecodable header ({type(e).__name__})"
+        ) from None
+    if not isinstance(obj, dict):
+        raise KVTransferError(Reason.MALFORMED, "header is not a map")
+    version = obj.get("v")
+    if version != PROTOCOL_VERSION:
+        raise KVTransferError(
+            Reason.BAD_VERSION, f"protocol version {version!r}, expected {PROTOCOL_VERSION}"
+        )
+    tag = obj.get("t")
+    cls = MESSAGE_TYPES.get(tag) if isinstance(tag, str) else None
+    if cls is None:
+        raise KVTransferError(Reason.MALFORMED, f"unknown message tag {str(tag)[:32]!r}")
+    msg: Message = from_plain(cls, obj, skip=("t", "v"))
+    return msg
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ValueError("msgpack ext types are not part of the protocol")
+
+
+# ---------------------------------------------------------------------------------------------
+# Schema checking: plain (msgpack-decoded) data -> typed dataclass fields, and back
+
+T = TypeVar("T")
+
+
+def from_plain(cls: type[T], data: Any, *, skip: tuple[str, ...] = ()) -> T:
+    """Build dataclass ``cls`` from a plain mapping holding exactly its fields (minus ``skip``)."""
+    if not isinstance(data, Mapping):
+        raise KVTransferError(Reason.MALFORMED, f"{cls.__name__}: expected a mapping")
+    assert dataclasses.is_dataclass(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.name not in skip]
+    keys = set(data) - set(skip)
+    if keys != set(names):
+        missing = sorted(set(names) - keys)
+        extra = sorted(str(k) for k in keys - set(names))
+        raise KVTransferError(
+            Reason.MALFORMED, f"{cls.__name__}: missing fields {missing}, unknown {extra[:5]}"
+        )
+    hints = _hints(cls)
+    kwargs = {n: _check_value(data[n], hints[n], f"{cls.__name__}.{n}") for n in names}
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise KVTransferError(Reason.MALFORMED, f"{cls.__name__}: {e}") from None
+
+
+def to_plain(obj: Any) -> dict[str, Any]:
+    return {f.name: _plain_value(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+
+
+def _plain_value(v: Any) -> Any:
+    if isinstance(v, tuple):
+        return [_plain_value(x) for x in v]
+    return v
+
+
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _check_value(value: Any, tp: Any, name: str) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise KVTransferError(Reason.MALFORMED, f"{name}: expected bool")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise KVTransferError(Reason.MALFORMED, f"{name}: expected int")
+        if not _INT_MIN <= value <= _UINT_MAX:
+            raise KVTransferError(Reason.MALFORMED, f"{name}: int out of range")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise KVTransferError(Reason.MALFORMED, f"{name}: expected number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str) or len(value) > MAX_STR_LEN:
+            raise KVTransferError(Reason.MALFORMED, f"{name}: expected str <= {MAX_STR_LEN}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, list | tuple) or len(value) > MAX_LIST_LEN:
+            raise KVTransferError(Reason.MALFORMED, f"{name}: expected a list")
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_check_value(v, args[0], name) for v in value)
+        if len(value) != len(args):
+            raise KVTransferError(Reason.MALFORMED, f"{name}: expected {len(args)} items")
+        return tuple(_check_value(v, a, name) for v, a in zip(value, args))
+    if origin is dict:
+        key_tp, val_tp = typing.get_args(tp)
+        if not isinstance(value, Mapping) or len(value) > _MAX_MAP_LEN:
+            raise KVTransferError(Reason.MALFORMED, f"{name}: expected a small mapping")
+        return {
+            _check_value(k, key_tp, name): _check_value(v, val_tp, f"{name}.{k}")
+            for k, v in value.items()
+        }
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _check_value(value, arg, name)
+            except KVTransferError:
+                continue
+        raise KVTransferError(Reason.MALFORMED, f"{name}: no matching type")
+    raise TypeError(f"{name}: unsupported schema type {tp!r}")  # a bug in a dataclass here
