@@ -20,6 +20,7 @@ the 16 decodes. Keys: ``p99_itl_ratio`` (p99 ITL no chunking / chunk 128), ``lon
 
 from __future__ import annotations
 
+import functools
 import random
 import statistics
 import time
@@ -29,7 +30,6 @@ from typing import Any
 
 from cluster.bench.harness import BenchContext, BenchReport, percentile, summary
 from cluster.bench.workloads import (
-    MIN_CPU_UTIL,
     CpuMeter,
     Timeline,
     bench_threads,
@@ -37,13 +37,13 @@ from cluster.bench.workloads import (
     exact_tokens,
     make_engine,
     make_runner,
-    max_pair_retries,
     pin_threads,
     random_prompt,
     record,
+    run_pair,
     warm_up,
 )
-from cluster.engine.model_runner import ModelRunner
+from cluster.engine.runner import ModelRunner
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,18 @@ class ArmRun:
     cpu_util: float  # < MIN_CPU_UTIL: other work on the machine took cores during this arm
 
 
+def _run_named_arm(
+    ctx: BenchContext,
+    runner: ModelRunner,
+    arms: dict[str, dict[str, Any]],
+    shape: Shape,
+    decode_prompts: list[list[int]],
+    long_prompts: list[list[int]],
+    name: str,
+) -> ArmRun:
+    return run_arm(ctx, runner, name, arms[name], shape, decode_prompts, long_prompts)
+
+
 def run_arm(
     ctx: BenchContext,
     runner: ModelRunner,
@@ -82,7 +94,7 @@ def run_arm(
     t0 = time.perf_counter()
     for i, prompt in enumerate(decode_prompts):
         rid = f"decode-{i}"
-        engine.add_request(rid, prompt, exact_tokens(shape.decode_output_len))
+        engine.add(rid, prompt, exact_tokens(shape.decode_output_len))
         decodes[rid] = Timeline(send=t0)
     longs: dict[str, Timeline] = {}
     timelines: dict[str, Timeline] = dict(decodes)
@@ -95,7 +107,7 @@ def run_arm(
         arriving = arrivals.get(step)
         if arriving is not None:
             rid = f"long-{len(longs)}"
-            engine.add_request(rid, arriving, exact_tokens(shape.long_output_len))
+            engine.add(rid, arriving, exact_tokens(shape.long_output_len))
             longs[rid] = timelines[rid] = Timeline(send=time.perf_counter())
         record(engine.step(), timelines, time.perf_counter())
     drain(engine, timelines)
@@ -169,23 +181,21 @@ def run(ctx: BenchContext) -> BenchReport:
         long_prompts = [
             random_prompt(rng, shape.long_prompt_len, vocab) for _ in shape.arrival_steps
         ]
-        for attempt in range(max_pair_retries(ctx) + 1):
-            done: dict[str, ArmRun] = {}
-            for name in names if pair % 2 == 0 else names[::-1]:
-                pin_threads(ctx)
-                r = run_arm(ctx, runner, name, arms[name], shape, decode_prompts, long_prompts)
-                done[name] = r
-                ctx.progress(
-                    f"pair {pair + 1}/{num_pairs} {name}: p99 ITL "
-                    f"{1e3 * percentile(r.itls, 99):.0f} ms, long TTFT "
-                    f"{1e3 * statistics.fmean(r.long_ttfts):.0f} ms, {r.duration_s:.1f} s, "
-                    f"cpu util {r.cpu_util:.2f}"
-                )
-            utils = {name: r.cpu_util for name, r in done.items()}
-            if min(utils.values()) >= MIN_CPU_UTIL or attempt == max_pair_retries(ctx):
-                break
-            disturbed.append(utils)
-            ctx.progress(f"pair {pair + 1} disturbed by other work (cpu util {utils}): again")
+        done = run_pair(
+            ctx,
+            pair,
+            num_pairs,
+            names,
+            functools.partial(
+                _run_named_arm, ctx, runner, arms, shape, decode_prompts, long_prompts
+            ),
+            lambda r: (
+                f"p99 ITL {1e3 * percentile(r.itls, 99):.0f} ms, long TTFT "
+                f"{1e3 * statistics.fmean(r.long_ttfts):.0f} ms, {r.duration_s:.1f} s, "
+                f"cpu util {r.cpu_util:.2f}"
+            ),
+            disturbed,
+        )
         runs.append((done[names[0]], done[names[1]]))
 
     itl_ratio = [percentile(u.itls, 99) / percentile(c.itls, 99) for u, c in runs]

@@ -2,7 +2,7 @@
 
 How (BENCHMARKS.md, P6):
   1. One engine. For each (context, batch) the batch's prompt KV is filled synthetically through
-     the decode-role API: ``add_request(kv_pending=True)`` reserves the blocks, the bench writes
+     the decode-role API: ``add(prefill="remote")`` reserves the blocks, the bench writes
      random values into them (as a KV transfer would: untouched zero pages would make the
      attention gather unrealistically cheap), hands in a first token and calls ``kv_arrived``.
   2. Then the real ``engine.step()`` decodes the whole batch: a few warm-up steps, then timed
@@ -70,7 +70,7 @@ def _start_batch(
     rids = [f"{tag}-{i}" for i in range(batch)]
     for rid in rids:
         prompt = random_prompt(rng, context, engine.vocab_size)
-        engine.add_request(rid, prompt, exact_tokens(max_tokens), kv_pending=True)
+        engine.add(rid, prompt, exact_tokens(max_tokens), prefill="remote")
     engine.step()  # reserves blocks (no compute: nothing is runnable yet)
     reservations = engine.take_reservations()
     assert len(reservations) == batch, "pool too small for the batch"
@@ -102,7 +102,7 @@ def _measure(
         engine.step()
     steps: list[float] = []
     forwards: list[float] = []
-    bm = engine.block_manager
+    block_size = engine.config.cache.block_size
     for _ in range(num_steps):
         outputs, times = timer.step()
         assert len(outputs) == batch, f"expected a {batch}-wide decode step, got {len(outputs)}"
@@ -110,7 +110,7 @@ def _measure(
         forwards.append(times.phases["forward"])
         for p in PHASES:
             cell.phases_s[p].append(times.phases[p])
-        kv.reserved_slots += bm.num_used_blocks * bm.block_size
+        kv.reserved_slots += engine.stats()["kv"]["num_used_blocks"] * block_size
         kv.tokens_with_kv += sum(engine.requests[r].num_computed_tokens for r in rids)
     for rid in rids:
         engine.abort_request(rid)
@@ -130,7 +130,7 @@ def run(ctx: BenchContext) -> BenchReport:
     num_blocks = max_batch * per_req_blocks + 16
     ctx.progress(f"loading engine ({num_blocks} KV blocks) and HF reference")
     threads = pin_threads(ctx)
-    engine = make_engine(ctx, {"cache.num_blocks": num_blocks})
+    engine = make_engine(ctx, {"cache.num_blocks": num_blocks}, role="decode")
     hf = load_hf_model(bench_model_dir(ctx))
     pin_threads(ctx)
     warm_up(engine, rng, 64, 4)

@@ -28,7 +28,6 @@ from typing import Any
 from cluster.bench.harness import BenchContext, BenchReport, summary
 from cluster.bench.hf_reference import generate_exact, load_hf_model
 from cluster.bench.workloads import (
-    MIN_CPU_UTIL,
     CpuMeter,
     Timeline,
     bench_model_dir,
@@ -37,12 +36,12 @@ from cluster.bench.workloads import (
     exact_tokens,
     make_engine,
     make_runner,
-    max_pair_retries,
     pin_threads,
     random_prompt,
+    run_pair,
     warm_up,
 )
-from cluster.engine.model_runner import ModelRunner
+from cluster.engine.runner import ModelRunner
 
 
 @dataclass(frozen=True)
@@ -87,7 +86,7 @@ def run_ours(ctx: BenchContext, runner: ModelRunner, w: Workload) -> ArmRun:
     timelines = {}
     for i, (prompt, n) in enumerate(zip(w.prompts, w.output_lens)):
         rid = f"req-{i}"
-        engine.add_request(rid, prompt, exact_tokens(n), arrival_time=arrival)
+        engine.add(rid, prompt, exact_tokens(n), arrival_time=arrival)
         timelines[rid] = Timeline(send=t0)
     drain(engine, timelines)
     engine.check_integrity()
@@ -136,24 +135,20 @@ def run(ctx: BenchContext) -> BenchReport:
     runs: list[tuple[ArmRun, ArmRun]] = []
     disturbed: list[dict[str, float]] = []  # pairs run again: another job took cores
     for pair in range(num_pairs):
-        for attempt in range(max_pair_retries(ctx) + 1):
-            arms: dict[str, ArmRun] = {}
-            for arm in ("ours", "hf") if pair % 2 == 0 else ("hf", "ours"):
-                pin_threads(ctx)
-                arms[arm] = (
-                    run_ours(ctx, runner, w) if arm == "ours" else run_hf(hf, w, hf_batch, threads)
-                )
-                r = arms[arm]
-                ctx.progress(
-                    f"pair {pair + 1}/{num_pairs} {r.arm}: {r.duration_s:.1f} s, "
-                    f"{r.output_tok_s(w):.1f} tok/s, mean E2EL {statistics.fmean(r.e2el_s):.2f} "
-                    f"s, cpu util {r.cpu_util:.2f}"
-                )
-            utils = {name: r.cpu_util for name, r in arms.items()}
-            if min(utils.values()) >= MIN_CPU_UTIL or attempt == max_pair_retries(ctx):
-                break
-            disturbed.append(utils)
-            ctx.progress(f"pair {pair + 1} disturbed by other work (cpu util {utils}): again")
+        arms = run_pair(
+            ctx,
+            pair,
+            num_pairs,
+            ("ours", "hf"),
+            lambda arm: (
+                run_ours(ctx, runner, w) if arm == "ours" else run_hf(hf, w, hf_batch, threads)
+            ),
+            lambda r: (
+                f"{r.duration_s:.1f} s, {r.output_tok_s(w):.1f} tok/s, mean E2EL "
+                f"{statistics.fmean(r.e2el_s):.2f} s, cpu util {r.cpu_util:.2f}"
+            ),
+            disturbed,
+        )
         runs.append((arms["ours"], arms["hf"]))
 
     tput = [o.output_tok_s(w) / h.output_tok_s(w) for o, h in runs]

@@ -32,7 +32,7 @@ class StepTimer:
     _originals: dict[tuple[Any, str], Callable[..., Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._wrap(self.engine.scheduler, "schedule")
+        self._wrap(self.engine, "schedule")
         runner = self.engine.runner
         self._wrap(runner, "execute")
         for name in ("prepare", "forward"):

@@ -12,19 +12,20 @@ import random
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from cluster.bench.harness import BenchContext
-from cluster.common.model_paths import require_model_dir
 from cluster.common.sampling_params import SamplingParams
 from cluster.config import ClusterConfig, cpu_count
+from cluster.config.model_paths import require_model_dir
 from cluster.engine.engine import LLMEngine, RequestOutput
-from cluster.engine.model_runner import ModelRunner, create_runner
+from cluster.engine.runner import ModelRunner
+from cluster.engine.runner_registry import create_runner
 
 # Token ids below this are left out of random prompts (special tokens sit at the start of the
 # vocabularies we use: SmolLM2's 0-16, the tiny model's 0-2).
@@ -87,10 +88,11 @@ def make_engine(
     ctx: BenchContext,
     overrides: Mapping[str, Any] | None = None,
     runner: ModelRunner | None = None,
+    role: str = "colocated",
 ) -> LLMEngine:
     """An engine; arms that differ only in scheduler or cache policy may share one runner
     (same weights in the same memory), provided they never hold requests at the same time."""
-    return LLMEngine(engine_config(ctx, overrides), runner=runner)
+    return LLMEngine(engine_config(ctx, overrides), runner=runner, role=role)
 
 
 def random_prompt(rng: random.Random, num_tokens: int, vocab_size: int) -> list[int]:
@@ -104,7 +106,7 @@ def exact_tokens(n: int) -> SamplingParams:
 
 def warm_up(engine: LLMEngine, rng: random.Random, prompt_len: int, num_tokens: int) -> None:
     """One request end to end: first-call allocations and lazy inits happen outside the clock."""
-    engine.add_request(
+    engine.add(
         "warm-up", random_prompt(rng, prompt_len, engine.vocab_size), exact_tokens(num_tokens)
     )
     drain(engine, {})
@@ -118,6 +120,39 @@ MIN_CPU_UTIL = 0.93
 def max_pair_retries(ctx: BenchContext) -> int:
     """How often a disturbed pair of long arms is run again (never in smoke: no real timing)."""
     return int(ctx.pick(2, 2, 0))
+
+
+class MeteredRun(Protocol):
+    cpu_util: float  # < MIN_CPU_UTIL: other work on the machine took cores during this arm
+
+
+R = TypeVar("R", bound=MeteredRun)
+
+
+def run_pair(
+    ctx: BenchContext,
+    pair: int,
+    num_pairs: int,
+    names: Sequence[str],
+    run: Callable[[str], R],
+    describe: Callable[[R], str],
+    disturbed: list[dict[str, float]],
+) -> dict[str, R]:
+    """One pair of interleaved arms (A B on even pairs, B A on odd ones), run again at most
+    ``max_pair_retries`` times while another job took cores from either arm (``disturbed``
+    collects the utilizations of the pairs thrown away)."""
+    for attempt in range(max_pair_retries(ctx) + 1):
+        done: dict[str, R] = {}
+        for name in names if pair % 2 == 0 else names[::-1]:
+            pin_threads(ctx)
+            done[name] = run(name)
+            ctx.progress(f"pair {pair + 1}/{num_pairs} {name}: {describe(done[name])}")
+        utils = {name: r.cpu_util for name, r in done.items()}
+        if min(utils.values()) >= MIN_CPU_UTIL or attempt == max_pair_retries(ctx):
+            break
+        disturbed.append(utils)
+        ctx.progress(f"pair {pair + 1} disturbed by other work (cpu util {utils}): again")
+    return done
 
 
 class CpuMeter:

@@ -1,4 +1,4 @@
-"""Torch-free tokenizer, chat template and incremental detokenizer.
+"""Torch-free tokenizer and chat template (the engine's incremental detokenizer builds on it).
 
 The router tokenizes without importing torch or transformers (whose import pulls torch), so this
 reads a transformers checkpoint's ``tokenizer.json`` with the ``tokenizers`` library and renders
@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
+
+from cluster.config import ClusterConfig
+from cluster.config.model_paths import require_model_dir
 
 
 class ChatTemplateError(ValueError):
@@ -122,84 +125,6 @@ def validate_messages(messages: Sequence[Mapping[str, Any]]) -> None:
             raise ValueError(f"messages[{i}].content: must be a string")
 
 
-class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas, safe for multi-token characters.
-
-    Decodes a short window (``prefix_offset:``) each step instead of the whole output, and holds
-    back text that may still become a stop string, so a streamed delta is never retracted.
-    """
-
-    __slots__ = (
-        "_emitted",
-        "_max_stop_len",
-        "_prefix_offset",
-        "_read_offset",
-        "_skip_special",
-        "_stops",
-        "_tokenizer",
-        "text",
-        "token_ids",
-    )
-
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        stop: Sequence[str] = (),
-        skip_special_tokens: bool = True,
-        context_ids: Sequence[int] = (),
-    ) -> None:
-        self._tokenizer = tokenizer
-        self._stops = tuple(stop)
-        self._max_stop_len = max((len(s) for s in self._stops), default=0)
-        self._skip_special = skip_special_tokens
-        # A few context tokens make the first output token decode with its leading space right.
-        self.token_ids: list[int] = list(context_ids[-4:])
-        self._prefix_offset = 0
-        self._read_offset = len(self.token_ids)
-        self.text = ""
-        self._emitted = 0
-
-    def add(self, token_id: int) -> str | None:
-        """Append one token. Returns the matched stop string if the text now contains one."""
-        self.token_ids.append(token_id)
-        prefix_text = self._tokenizer.decode(
-            self.token_ids[self._prefix_offset : self._read_offset], self._skip_special
-        )
-        new_text = self._tokenizer.decode(self.token_ids[self._prefix_offset :], self._skip_special)
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-            return None  # an incomplete UTF-8 sequence: wait for the next token
-        start = len(self.text)
-        self.text += new_text[len(prefix_text) :]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self.token_ids)
-        if not self._stops:
-            return None
-        window = self.text[max(0, start - self._max_stop_len + 1) :]
-        base = len(self.text) - len(window)
-        best: tuple[int, str] | None = None
-        for s in self._stops:
-            i = window.find(s)
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
-        if best is None:
-            return None
-        self.text = self.text[: base + best[0]]
-        return best[1]
-
-    def delta(self, finished: bool) -> str:
-        """Text not yet handed out; while running, keeps back what may start a stop string."""
-        end = (
-            len(self.text)
-            if finished
-            else max(self._emitted, len(self.text) - self._max_stop_len + 1)
-        )
-        if self._max_stop_len == 0:
-            end = len(self.text)
-        out = self.text[self._emitted : end]
-        self._emitted = end
-        return out
-
-
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
@@ -290,10 +215,8 @@ class FakeTokenizer:
         return ids[0] if len(ids) == 1 else None
 
 
-def load_tokenizer(config: Any) -> Tokenizer | FakeTokenizer:
+def load_tokenizer(config: ClusterConfig) -> Tokenizer | FakeTokenizer:
     """The tokenizer the config's model uses (torch-free; the router's entry point)."""
-    from cluster.common.model_paths import require_model_dir
-
     if config.model.runner == "fake":
         fm = config.testing.fake_model
         return FakeTokenizer(fm.vocab_size, fm.eos_token_id)

@@ -1,14 +1,18 @@
 """The engine: ``step()`` = schedule -> execute -> update. One per pool replica, any role.
 
-Roles are not modes of this class but ways of adding requests:
-  * ``add_request(...)``: a normal request, prefilled and decoded here;
-  * ``add_request(..., prefill_only=True)`` (prefill role): stops after its first token and keeps
-    its blocks until ``release()`` (the KV is pulled by a decode replica under a lease);
-  * ``add_request(..., kv_pending=True)`` (decode role): blocks are reserved (reported by
-    ``take_reservations()``), the KV is written into them from outside, the first token is
-    handed in with ``accept_first_token()``, and ``kv_arrived()`` lets decoding start.
+The role is a collaborator, not a mode: ``LLMEngine(config, role=...)`` picks the hand-off
+(``cluster.engine.handoff``) that decides where a new request goes, reserves blocks for KV that
+arrives from outside, and holds a prefilled request's blocks for a pull:
 
-Single-threaded: a server drives it from one dedicated step thread.
+  * ``colocated`` (default): requests are prefilled and decoded here;
+  * ``prefill``: a request's part ends with its first token, whose output carries the block
+    table held for the decode replica's pull; ``release()`` frees it;
+  * ``decode``: ``add(..., prefill="auto" | "remote")`` may keep a request waiting for KV; its
+    blocks are reserved (``take_reservations()``), the KV is written into them from outside,
+    ``accept_first_token()`` streams the prefill replica's first token and ``kv_arrived()`` lets
+    it decode here.
+
+Single-threaded: a server drives it from one dedicated step thread (``client.EngineClient``).
 """
 
 from __future__ import annotations
@@ -19,33 +23,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.common.sampling_params import SamplingParams, validate_prompt
-from cluster.common.tokenizer import IncrementalDetokenizer
 from cluster.config import ClusterConfig
 from cluster.engine.block_manager import BlockManager
-from cluster.engine.model_runner import ModelRunner, create_runner
+from cluster.engine.handoff import (
+    Admission,
+    DecodeHandoff,
+    KVReservation,
+    PrefillMode,
+    create_handoff,
+)
+from cluster.engine.outputs import OutputProcessor, RequestOutput
 from cluster.engine.request import Request, RequestStatus
-from cluster.engine.scheduler import KVReservation, Scheduler
+from cluster.engine.runner import ModelRunner, RunnerOutput
+from cluster.engine.runner_registry import create_runner
+from cluster.engine.scheduler import ScheduledBatch, Scheduler
 
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What one step produced for one request (a delta), or its final state."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None = None
-    new_logprobs: list[float] | None = None
-    new_top_logprobs: list[list[tuple[int, float]]] | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    error: str | None = None
-    # Monotonic timestamps (this process's clock): arrival, first scheduled, first token.
-    arrival_time: float = 0.0
-    scheduled_time: float | None = None
-    first_token_time: float | None = None
+__all__ = ["Admission", "EngineCounters", "KVReservation", "LLMEngine", "RequestOutput"]
 
 
 @dataclass(slots=True)
@@ -60,45 +53,46 @@ class EngineCounters:
 
 
 class LLMEngine:
-    def __init__(self, config: ClusterConfig, runner: ModelRunner | None = None) -> None:
+    def __init__(
+        self, config: ClusterConfig, runner: ModelRunner | None = None, *, role: str = "colocated"
+    ) -> None:
         self.config = config
+        self.role = role
         self.runner = runner if runner is not None else create_runner(config)
         self.tokenizer = self.runner.tokenizer
-        self.block_size = config.cache.block_size
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size
         self.block_manager = BlockManager(
-            self.runner.num_blocks, self.block_size, config.cache.enable_prefix_caching
+            self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(
-            config.scheduler, self.block_manager, config.testing.force_preempt_interval
-        )
+        self.handoff = create_handoff(role, config, self.block_manager)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.handoff)
+        self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending_outputs: list[RequestOutput] = []
         self._reservations: list[KVReservation] = []
         self._seed_rng = random.Random(config.model.seed)
+        self._preempt_every = config.testing.force_preempt_interval  # test mode only
         self.counters = EngineCounters()
         self.last_num_scheduled = 0  # items + reservations of the last step (idle detection)
         self.eos_token_ids: tuple[int, ...] = tuple(self.tokenizer.eos_token_ids)
 
     # -- intake -------------------------------------------------------------------------------
 
-    def add_request(
+    def add(
         self,
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
         *,
-        prefill_only: bool = False,
-        kv_pending: bool = False,
+        prefill: PrefillMode = "local",
         seed: int | None = None,
         arrival_time: float | None = None,
-    ) -> Request:
+    ) -> Admission:
         """Validate and queue a request; raises ``ValueError`` naming the bad field."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id: must be a non-empty string")
-        if request_id in self.requests or request_id in self.scheduler.held:
+        if request_id in self.requests or self.handoff.is_holding(request_id):
             raise ValueError(f"request_id: {request_id!r} already exists")
         if not isinstance(params, SamplingParams):
             raise ValueError("params: must be a SamplingParams")
@@ -114,40 +108,28 @@ class LLMEngine:
             )
         if seed is None:
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        req = Request(
-            request_id=request_id,
-            prompt_token_ids=prompt,
-            params=params,
-            seed=seed,
-            eos_token_ids=self.eos_token_ids,
-            prefill_only=prefill_only,
-        )
+        req = Request(request_id, prompt, params, seed, self.eos_token_ids)
         if arrival_time is not None:
             req.arrival_time = arrival_time
-        self.requests[request_id] = req
-        if not prefill_only:
-            self._detok[request_id] = IncrementalDetokenizer(
-                self.tokenizer, params.stop, params.skip_special_tokens, prompt
-            )
-        if kv_pending:
-            self.scheduler.add_kv_pending(req)
-        else:
+        admission = self.handoff.admit(req, prefill)
+        if not admission.remote:
             self.scheduler.add(req)
+        self.requests[request_id] = req
+        self.outputs.add(req, with_text=self.handoff.streams_text)
         self.counters.num_prompt_tokens += len(prompt)
-        return req
+        return admission
 
     def abort_request(self, request_id: str, error: str | None = None) -> bool:
         """End a request wherever it is (queued, running, awaiting KV, held); frees its blocks."""
-        if self.scheduler.release_held(request_id):
+        if self.handoff.release(request_id):
             return True
         req = self.requests.get(request_id)
         if req is None:
             return False
-        status = RequestStatus.FINISHED_ERROR if error else RequestStatus.FINISHED_ABORTED
         req.error = error
-        self._finish(req, status)
+        self._finish(req, RequestStatus.FINISHED_ERROR if error else RequestStatus.FINISHED_ABORTED)
         self.counters.num_aborted += 1
-        self._pending_outputs.append(self._final_output(req))
+        self._pending_outputs.append(self.outputs.final(req))
         return True
 
     # -- decode role --------------------------------------------------------------------------
@@ -170,168 +152,130 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r} already has its first token")
         if not 0 <= token_id < self.vocab_size:
             raise ValueError(f"first token id {token_id} is outside the vocabulary")
-        return self._append_token(req, token_id, logprob, top_logprobs)
+        return self._append(req, token_id, logprob, top_logprobs)
 
     def kv_arrived(self, request_id: str) -> None:
         """All reserved blocks hold the prompt's KV: the request may join the decode batch."""
-        req = self.requests[request_id]
-        if not req.output_token_ids:
+        if not self.requests[request_id].output_token_ids:
             raise ValueError(f"request {request_id!r}: KV arrived before its first token")
-        self.scheduler.kv_arrived(request_id)
+        self.scheduler.add(self._decode_handoff().kv_arrived(request_id))
 
     def kv_failed(self, request_id: str, recompute: bool, error: str = "") -> None:
         """The transfer failed: prefill locally (exact, thanks to seeded sampling) or fail."""
         req = self.requests.get(request_id)
-        if recompute and req is not None and req.status == RequestStatus.WAITING_FOR_KV:
-            self.scheduler.kv_failed_recompute(request_id)
-        else:
+        if not recompute or req is None or req.status != RequestStatus.WAITING_FOR_KV:
             self.abort_request(request_id, error=error or "KV transfer failed")
+            return
+        self._decode_handoff().take(request_id)
+        if self.block_manager.has_table(request_id):
+            self.block_manager.free(request_id)
+        req.num_computed_tokens = req.num_cached_tokens = 0
+        self.scheduler.add(req)
+
+    def _decode_handoff(self) -> DecodeHandoff:
+        if not isinstance(self.handoff, DecodeHandoff):
+            raise ValueError(f"this engine's role is {self.role}; KV import needs the decode role")
+        return self.handoff
 
     # -- prefill role -------------------------------------------------------------------------
 
     def release(self, request_id: str) -> bool:
-        """Free a prefill-only request's held blocks (pulled, expired or cancelled)."""
-        return self.scheduler.release_held(request_id)
-
-    def held_block_ids(self, request_id: str) -> list[int]:
-        if request_id not in self.scheduler.held:
-            raise KeyError(request_id)
-        return self.block_manager.block_table(request_id)
+        """Free a prefilled request's held blocks (pulled, expired or cancelled)."""
+        return self.handoff.release(request_id)
 
     # -- the step -----------------------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self._pending_outputs)
+        return bool(self.requests) or bool(self._pending_outputs)
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        outputs, self._pending_outputs = self._pending_outputs, []
+        batch = self.schedule()
+        result = self.runner.execute(batch) if batch.items else None
+        outputs = self.update(batch, result)
+        if result is not None:
+            self.counters.step_times.append(time.perf_counter() - t0)
+            del self.counters.step_times[:-2048]
+        return outputs
+
+    def schedule(self) -> ScheduledBatch:
+        if self._preempt_every and (self.counters.num_steps + 1) % self._preempt_every == 0:
+            self.scheduler.preempt_newest()  # testing.force_preempt_interval: churn on purpose
         batch = self.scheduler.schedule()
         self._reservations.extend(batch.reservations)
         self.last_num_scheduled = len(batch.items) + len(batch.reservations)
-        if batch.is_empty:
+        return batch
+
+    def update(self, batch: ScheduledBatch, result: RunnerOutput | None) -> list[RequestOutput]:
+        """Record what the step computed and sampled; returns this step's outputs."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        if result is None:
             return outputs
-        result = self.runner.execute(batch)
         for item in batch.items:
             self.scheduler.commit(item)
         for i, rid in enumerate(result.request_ids):
-            req = self.requests[rid]
             lp = result.logprobs[i] if result.logprobs is not None else None
             top = result.top_logprobs[i] if result.top_logprobs is not None else None
-            outputs.append(self._append_token(req, result.token_ids[i], lp, top))
+            outputs.append(self._append(self.requests[rid], result.token_ids[i], lp, top))
         self.counters.num_steps += 1
-        self.counters.step_times.append(time.perf_counter() - t0)
-        if len(self.counters.step_times) > 4096:
-            del self.counters.step_times[:2048]
         return outputs
 
-    def _append_token(
+    def _append(
         self,
         req: Request,
         token_id: int,
         logprob: float | None,
         top: list[tuple[int, float]] | None,
     ) -> RequestOutput:
-        p = req.params
-        if req.first_token_time is None:
-            req.first_token_time = time.monotonic()
-        req.output_token_ids.append(token_id)
-        if logprob is not None and p.logprobs is not None:
-            req.output_logprobs.append(logprob)
-            req.output_top_logprobs.append(top or [])
+        status = self.outputs.append(req, token_id, logprob, top)
         self.counters.num_generated_tokens += 1
         if req.num_output_tokens == 1:
             self.counters.num_cached_prompt_tokens += req.num_cached_tokens
-        status: RequestStatus | None = None
-        if req.num_output_tokens >= p.min_tokens:
-            if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in req.eos_token_ids):
-                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token_id
-        detok = self._detok.get(req.request_id)
-        if status is None and detok is not None:
-            matched = detok.add(token_id)
-            if matched is not None and req.num_output_tokens >= p.min_tokens:
-                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, matched
-        if status is None and (
-            req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len
-        ):
-            status = RequestStatus.FINISHED_LENGTH
-        if status is None and req.prefill_only:
-            status = RequestStatus.FINISHED_LENGTH
+        held = self.handoff.hold(req) if status is None and self.handoff.ends_here(req) else None
+        out = self.outputs.delta(req, token_id, logprob, top, status, held)
         if status is not None:
             self._finish(req, status)
-        finished = status is not None
-        return RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=[token_id],
-            new_text=detok.delta(finished) if detok is not None else "",
-            finished=finished,
-            finish_reason=req.finish_reason.value if req.finish_reason else None,
-            new_logprobs=[logprob] if (logprob is not None and p.logprobs is not None) else None,
-            new_top_logprobs=[top or []]
-            if (logprob is not None and p.logprobs is not None)
-            else None,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=req.num_output_tokens,
-            num_cached_tokens=req.num_cached_tokens,
-            arrival_time=req.arrival_time,
-            scheduled_time=req.scheduled_time,
-            first_token_time=req.first_token_time,
-        )
+        elif held is not None:  # this engine's part is over; the blocks wait for a pull
+            self.scheduler.remove(req)
+            self._forget(req)
+        return out
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
-        hold = req.prefill_only and status == RequestStatus.FINISHED_LENGTH
-        self.scheduler.finish(req, status, hold_blocks=hold)
-        del self.requests[req.request_id]
-        self._detok.pop(req.request_id, None)
-        self.counters.num_finished += 1
+        if not self.scheduler.remove(req):
+            self.handoff.take(req.request_id)
+        req.status = status
+        if self.block_manager.has_table(req.request_id):
+            self.block_manager.free(req.request_id)
+        self._forget(req)
 
-    def _final_output(self, req: Request) -> RequestOutput:
-        detok = self._detok.get(req.request_id)
-        return RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=[],
-            new_text=detok.delta(True) if detok is not None else "",
-            finished=True,
-            finish_reason=req.finish_reason.value if req.finish_reason else None,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=req.num_output_tokens,
-            num_cached_tokens=req.num_cached_tokens,
-            error=req.error,
-            arrival_time=req.arrival_time,
-            scheduled_time=req.scheduled_time,
-            first_token_time=req.first_token_time,
-        )
+    def _forget(self, req: Request) -> None:
+        del self.requests[req.request_id]
+        self.outputs.forget(req.request_id)
+        self.counters.num_finished += 1
 
     # -- introspection ------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity()
         tracked = {r.request_id for r in self.scheduler.all_requests()}
+        tracked.update(r.request_id for r in self.handoff.requests())
         if tracked != set(self.requests):
             raise AssertionError(
                 f"engine and scheduler disagree on live requests: "
                 f"{sorted(tracked ^ set(self.requests))[:5]}"
             )
 
-    def _queued_prefill_tokens(self) -> int:
-        """Prompt tokens not computed yet, over the waiting and running requests (autoscaling)."""
-        sched = self.scheduler
-        return sum(
-            max(0, r.num_prompt_tokens - r.num_computed_tokens)
-            for queue in (sched.waiting, sched.running)
-            for r in queue
-        )
-
     def stats(self) -> dict[str, Any]:
         c = self.counters
-        bm = self.block_manager.stats()
+        sched = self.scheduler
         return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_waiting_for_kv": len(self.scheduler.kv_waiting) + len(self.scheduler.kv_reserved),
-            "num_held": len(self.scheduler.held),
-            "num_queued_prefill_tokens": self._queued_prefill_tokens(),
-            "num_preemptions": self.scheduler.num_preemptions,
+            "num_running": len(sched.running),
+            "num_waiting": len(sched.waiting),
+            **self.handoff.stats(),
+            "num_queued_prefill_tokens": sum(
+                max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in sched.all_requests()
+            ),
+            "num_preemptions": sched.num_preemptions,
             "num_steps": c.num_steps,
             "num_prompt_tokens": c.num_prompt_tokens,
             "num_cached_prompt_tokens": c.num_cached_prompt_tokens,
@@ -341,5 +285,5 @@ class LLMEngine:
             "prefix_cache_hit_rate": (
                 c.num_cached_prompt_tokens / c.num_prompt_tokens if c.num_prompt_tokens else 0.0
             ),
-            "kv": bm,
+            "kv": self.block_manager.stats(),
         }

@@ -15,10 +15,10 @@ import time
 import torch
 
 from cluster.common.kv_layout import KVLayout
-from cluster.common.model_paths import model_limits
 from cluster.common.tokenizer import FakeTokenizer
 from cluster.config import ClusterConfig
-from cluster.engine.model_runner import (
+from cluster.config.model_paths import model_limits
+from cluster.engine.runner import (
     KVAllocator,
     RunnerOutput,
     default_kv_allocator,

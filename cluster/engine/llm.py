@@ -87,7 +87,7 @@ class LLM:
         """One request's deltas as they are produced."""
         (tokens,) = self._tokenize_all([prompt])
         rid = f"stream-{next(self._ids)}"
-        self.engine.add_request(rid, tokens, params or SamplingParams())
+        self.engine.add(rid, tokens, params or SamplingParams())
         try:
             while True:
                 for out in self.engine.step():
@@ -138,7 +138,7 @@ class LLM:
         added: list[str] = []
         try:
             for rid, toks, p in zip(rids, token_lists, plist):
-                eng.add_request(rid, toks, p)
+                eng.add(rid, toks, p)
                 added.append(rid)
         except ValueError:
             for rid in added:

@@ -16,7 +16,7 @@ class RequestStatus(enum.IntEnum):
     """One ordered lifecycle. Everything ``> PREEMPTED`` is finished."""
 
     WAITING = 0
-    WAITING_FOR_KV = 1  # decode role: blocks reserved, KV arriving from a prefill replica
+    WAITING_FOR_KV = 1  # decode role: kept by the hand-off until its prompt's KV has arrived
     RUNNING = 2
     PREEMPTED = 3
     FINISHED_STOPPED = 4
@@ -27,6 +27,10 @@ class RequestStatus(enum.IntEnum):
     @property
     def is_finished(self) -> bool:
         return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
 
 
 class FinishReason(str, enum.Enum):
@@ -60,8 +64,6 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at admission (for metrics)
     num_preemptions: int = 0
-    # Prefill role: the request stops after its first token and its blocks stay held for a pull.
-    prefill_only: bool = False
     stop_reason: int | str | None = None
     error: str | None = None
     scheduled_time: float | None = None  # first admitted to a batch (or blocks reserved)
@@ -104,7 +106,7 @@ class Request:
 
     @property
     def finish_reason(self) -> FinishReason | None:
-        return _FINISH_REASONS.get(self.status)
+        return self.status.finish_reason
 
     def update_block_hashes(self, block_size: int) -> list[int]:
         """Extend the hash chain to every full block of the known tokens; returns all hashes."""

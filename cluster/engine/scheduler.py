@@ -4,7 +4,7 @@ Each step:
   1. Running requests, oldest first, get their next tokens (one for a decode, a chunk for a
      prefill) under the token budget. If blocks run out, the newest running request is
      preempted (blocks freed, recomputed later); a request may preempt itself.
-  2. Decode role: requests waiting for remote KV get blocks reserved, oldest first.
+  2. The role's hand-off reserves blocks for the requests it keeps (decode role: KV to pull).
   3. If nothing was preempted, waiting requests are admitted in arrival order (FCFS) while the
      budget, ``max_num_seqs`` and the pool allow; the first that does not fit stops admission.
      A waiting request whose next uncached block a running request is computing right now is
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from cluster.config import SchedulerConfig
 from cluster.engine.block_manager import BlockManager
+from cluster.engine.handoff import Handoff, KVReservation
 from cluster.engine.request import Request, RequestStatus
 
 
@@ -38,15 +39,6 @@ class ScheduledRequest:
     def samples(self) -> bool:
         r = self.request
         return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
-
-
-@dataclass(slots=True)
-class KVReservation:
-    """Decode role: blocks reserved for a request whose prompt KV comes from a prefill replica."""
-
-    request_id: str
-    block_ids: list[int]  # the whole table (prefix hits first)
-    num_hit_blocks: int  # leading blocks already cached here: they need no transfer
 
 
 @dataclass(slots=True)
@@ -64,83 +56,54 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, block_manager: BlockManager, force_preempt_interval: int = 0
+        self, config: SchedulerConfig, block_manager: BlockManager, handoff: Handoff
     ) -> None:
         self.config = config
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
+        self.handoff = handoff
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.kv_waiting: deque[Request] = deque()  # decode role: no blocks yet
-        self.kv_reserved: dict[str, Request] = {}  # decode role: blocks reserved, KV in flight
-        self.held: dict[str, Request] = {}  # prefill role: finished, blocks kept for a pull
-        self._force_preempt_interval = force_preempt_interval
-        self._num_steps = 0
         self.num_preemptions = 0
 
-    # -- intake -------------------------------------------------------------------------------
-
     def add(self, request: Request) -> None:
+        """Queue a request by arrival time (a new one goes last; one handed back, in its place)."""
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
-
-    def add_kv_pending(self, request: Request) -> None:
-        request.status = RequestStatus.WAITING_FOR_KV
-        self.kv_waiting.append(request)
+        idx = len(self.waiting)
+        while idx > 0 and self.waiting[idx - 1].arrival_time > request.arrival_time:
+            idx -= 1
+        self.waiting.insert(idx, request)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.kv_waiting) + len(self.kv_reserved)
+        return len(self.waiting) + len(self.running)
 
     # -- the step -----------------------------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch:
-        self._num_steps += 1
         cfg = self.config
         batch = ScheduledBatch()
         budget = cfg.max_num_batched_tokens
-        if self._force_preempt_interval and self._num_steps % self._force_preempt_interval == 0:
-            if self.running:
-                victim = self.running.pop()
-                self._preempt(victim)
-                batch.preempted_ids.append(victim.request_id)
-
-        # 1. Running requests, oldest first.
-        i = 0
+        i = 0  # 1. Running requests, oldest first.
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._num_tokens_to_schedule(req, budget)
-            if n == 0:
-                i += 1
-                continue
-            if not self._ensure_blocks(req, n, batch):
+            if n and not self._ensure_blocks(req, n, batch):
                 break  # req preempted itself; everything after it is gone too
-            batch.items.append(
-                ScheduledRequest(req, n, self.block_manager.block_table(req.request_id))
-            )
-            budget -= n
+            if n:
+                batch.items.append(self._item(req, n))
+                budget -= n
             i += 1
-
-        # 2. Decode role: reserve blocks for requests whose KV will be pulled.
-        while self.kv_waiting and not batch.preempted_ids:
-            if len(self.running) + len(self.kv_reserved) >= cfg.max_num_seqs:
-                break
-            reservation = self._reserve(self.kv_waiting[0])
-            if reservation is None:
-                break
-            req = self.kv_waiting.popleft()
-            req.scheduled_time = time.monotonic()
-            self.kv_reserved[req.request_id] = req
-            batch.reservations.append(reservation)
-
+        if batch.preempted_ids:
+            return self._close(batch, budget)
+        # 2. The role's hand-off: decode reserves blocks for KV that will be pulled.
+        batch.reservations = self.handoff.reserve(len(self.running), cfg.max_num_seqs)
         # 3. Admit waiting requests in arrival order. One whose next uncached block another
         # request is computing right now waits for it (a step or a few), then hits the cache,
         # rather than computing the same prefix twice; the requests behind it go on.
-        pending = self._blocks_in_progress() if self.block_manager.enable_caching else set()
+        pending = self._blocks_in_progress()
         deferred: list[Request] = []
-        while self.waiting and budget > 0 and not batch.preempted_ids:
-            if len(self.running) >= cfg.max_num_seqs:
-                break
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
             if pending and self._needs_pending_block(req, pending):
                 deferred.append(self.waiting.popleft())
@@ -153,57 +116,37 @@ class Scheduler:
                 req.scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            batch.items.append(
-                ScheduledRequest(req, n, self.block_manager.block_table(req.request_id))
-            )
+            batch.items.append(self._item(req, n))
             budget -= n
-            if self.block_manager.enable_caching:
-                pending.update(self._uncomputed_full_blocks(req))
+            pending.update(self._uncomputed_full_blocks(req))
         self.waiting.extendleft(reversed(deferred))
         batch.num_deferred = len(deferred)
+        return self._close(batch, budget)
 
-        batch.num_batched_tokens = cfg.max_num_batched_tokens - budget
+    def _item(self, req: Request, n: int) -> ScheduledRequest:
+        return ScheduledRequest(req, n, self.block_manager.block_table(req.request_id))
+
+    def _close(self, batch: ScheduledBatch, budget: int) -> ScheduledBatch:
+        batch.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return batch
 
-    def _uncomputed_full_blocks(self, req: Request) -> list[int]:
-        """Hashes of the full blocks ``req`` has yet to compute (published as they finish)."""
-        hashes = req.update_block_hashes(self.block_size)
-        return hashes[req.num_computed_tokens // self.block_size :]
-
-    def _blocks_in_progress(self) -> set[int]:
-        pending: set[int] = set()
-        for req in self.running:
-            pending.update(self._uncomputed_full_blocks(req))
-        return pending
-
-    def _needs_pending_block(self, req: Request, pending: set[int]) -> bool:
-        """Whether the first block ``req`` would compute is one a running request computes."""
-        bm = self.block_manager
-        if bm.has_table(req.request_id):
-            return False  # decode role, KV arrived: nothing of the prompt left to compute
-        tokens = req.all_token_ids
-        hashes = req.update_block_hashes(self.block_size)
-        max_hit_blocks = (len(tokens) - 1) // self.block_size
-        if max_hit_blocks == 0:
-            return False
-        n = len(bm.match_prefix(hashes[:max_hit_blocks], tokens))
-        return n < max_hit_blocks and hashes[n] in pending
-
     def _num_tokens_to_schedule(self, req: Request, budget: int) -> int:
-        n = req.num_uncomputed_tokens
+        return self._fit(req.num_uncomputed_tokens, budget)
+
+    def _fit(self, n: int, budget: int) -> int:
+        """How many of ``n`` tokens to feed this step: a chunk, or all or nothing unchunked."""
         chunk = self.config.chunk_size
         if chunk is None:
-            return n if n <= budget else 0  # no chunking: all of it or nothing this step
+            return n if n <= budget else 0
         return min(n, chunk, budget)
 
     def _ensure_blocks(self, req: Request, n: int, batch: ScheduledBatch) -> bool:
         """Blocks for ``n`` more tokens of ``req``, preempting the newest others if needed."""
         bm = self.block_manager
-        table = bm.block_table(req.request_id)
-        needed = bm.blocks_needed(req.num_computed_tokens + n) - len(table)
+        needed = bm.blocks_needed(req.num_computed_tokens + n) - len(bm.block_table(req.request_id))
         while needed > bm.num_free_blocks:
-            victim = self.running.pop()
-            self._preempt(victim)
+            victim = self.preempt_newest()
+            assert victim is not None
             batch.preempted_ids.append(victim.request_id)
             if victim is req:
                 return False
@@ -214,133 +157,87 @@ class Scheduler:
     def _admit(self, req: Request, budget: int) -> int:
         """Allocate blocks for a waiting request's first chunk; 0 if it cannot start now."""
         bm = self.block_manager
-        if bm.has_table(req.request_id):
-            # Decode role, KV arrived: only the first sampled token remains to be fed.
+        rid = req.request_id
+        if bm.has_table(rid):
+            # Its KV was imported (decode role): only the tokens after it remain to be fed.
             n = self._num_tokens_to_schedule(req, budget)
-            if n == 0:
-                return 0
-            needed = bm.blocks_needed(req.num_computed_tokens + n) - len(
-                bm.block_table(req.request_id)
-            )
-            if needed > bm.num_free_blocks:
+            needed = bm.blocks_needed(req.num_computed_tokens + n) - len(bm.block_table(rid))
+            if n == 0 or needed > bm.num_free_blocks:
                 return 0
             if needed > 0:
-                bm.append_blocks(req.request_id, needed)
+                bm.append_blocks(rid, needed)
             return n
-        tokens = req.all_token_ids
-        hashes = req.update_block_hashes(self.block_size)
         # Keep at least one token to compute: its logits give the next token.
-        max_hit_blocks = (len(tokens) - 1) // self.block_size
-        hits = bm.match_prefix(hashes[:max_hit_blocks], tokens)
+        max_hit_blocks = (req.num_tokens - 1) // self.block_size
+        hashes = req.update_block_hashes(self.block_size)[:max_hit_blocks]
+        hits = bm.match_prefix(hashes, req.all_token_ids)
         num_hit_tokens = len(hits) * self.block_size
-        remaining = len(tokens) - num_hit_tokens
-        chunk = self.config.chunk_size
-        if chunk is None:
-            if remaining > budget:
-                return 0
-            n = remaining
-        else:
-            n = min(remaining, chunk, budget)
+        n = self._fit(req.num_tokens - num_hit_tokens, budget)
         needed = bm.blocks_needed(num_hit_tokens + n) - len(hits)
-        if not bm.can_allocate(needed, hits):
+        if n == 0 or not bm.can_allocate(needed, hits):
             return 0
-        bm.allocate(req.request_id, needed, hits)
-        req.num_computed_tokens = num_hit_tokens
-        req.num_cached_tokens = num_hit_tokens
+        bm.allocate(rid, needed, hits)
+        req.num_computed_tokens = req.num_cached_tokens = num_hit_tokens
         return n
 
-    def _reserve(self, req: Request) -> KVReservation | None:
-        bm = self.block_manager
-        hashes = req.update_block_hashes(self.block_size)
-        hits = bm.match_prefix(hashes, req.prompt_token_ids)
-        needed = bm.blocks_needed(req.num_prompt_tokens) - len(hits)
-        if not bm.can_allocate(needed, hits):
+    def preempt_newest(self) -> Request | None:
+        """Free the newest running request's blocks; it is recomputed from scratch later."""
+        if not self.running:
             return None
-        table = bm.allocate(req.request_id, needed, hits)
-        req.num_cached_tokens = len(hits) * self.block_size
-        return KVReservation(req.request_id, list(table), len(hits))
-
-    def _preempt(self, req: Request) -> None:
+        req = self.running.pop()
         self.block_manager.free(req.request_id)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+        return req
+
+    # -- in-flight prefix dedup ---------------------------------------------------------------
+
+    def _uncomputed_full_blocks(self, req: Request) -> list[int]:
+        """Hashes of the full blocks ``req`` has yet to compute (published as they finish)."""
+        if not self.block_manager.enable_caching:
+            return []
+        hashes = req.update_block_hashes(self.block_size)
+        return hashes[req.num_computed_tokens // self.block_size :]
+
+    def _blocks_in_progress(self) -> set[int]:
+        return {h for req in self.running for h in self._uncomputed_full_blocks(req)}
+
+    def _needs_pending_block(self, req: Request, pending: set[int]) -> bool:
+        """Whether the first block ``req`` would compute is one a running request computes."""
+        if self.block_manager.has_table(req.request_id):
+            return False  # its KV was imported: nothing of the prompt left to compute
+        max_hit_blocks = (req.num_tokens - 1) // self.block_size
+        if max_hit_blocks == 0:
+            return False
+        hashes = req.update_block_hashes(self.block_size)
+        n = len(self.block_manager.match_prefix(hashes[:max_hit_blocks], req.all_token_ids))
+        return n < max_hit_blocks and hashes[n] in pending
 
     # -- after the step -----------------------------------------------------------------------
-
-    def kv_arrived(self, request_id: str) -> Request:
-        """Decode role: the prompt's KV is in the reserved blocks; decoding may start."""
-        req = self.kv_reserved.pop(request_id)
-        req.num_computed_tokens = req.num_prompt_tokens
-        self.block_manager.cache_blocks(
-            request_id,
-            req.update_block_hashes(self.block_size),
-            req.all_token_ids,
-            req.num_computed_tokens,
-        )
-        self._insert_waiting_by_arrival(req)
-        return req
-
-    def kv_failed_recompute(self, request_id: str) -> Request:
-        """Decode role: the transfer (or the prefill call) failed; prefill locally instead."""
-        req = self.kv_reserved.pop(request_id, None)
-        if req is None:  # not reserved yet: it holds no blocks
-            req = next(r for r in self.kv_waiting if r.request_id == request_id)
-            self.kv_waiting.remove(req)
-        else:
-            self.block_manager.free(request_id)
-        req.num_computed_tokens = 0
-        req.num_cached_tokens = 0
-        self._insert_waiting_by_arrival(req)
-        return req
-
-    def _insert_waiting_by_arrival(self, req: Request) -> None:
-        req.status = RequestStatus.WAITING
-        idx = len(self.waiting)
-        while idx > 0 and self.waiting[idx - 1].arrival_time > req.arrival_time:
-            idx -= 1
-        self.waiting.insert(idx, req)
 
     def commit(self, item: ScheduledRequest) -> None:
         """Record that the step computed ``item``'s tokens, and publish its full blocks."""
         req = item.request
         req.num_computed_tokens += item.num_new_tokens
-        bm = self.block_manager
-        if bm.enable_caching and req.num_computed_tokens >= self.block_size:
+        if req.num_computed_tokens >= self.block_size:
             hashes = req.update_block_hashes(self.block_size)
-            bm.cache_blocks(req.request_id, hashes, req.all_token_ids, req.num_computed_tokens)
+            self.block_manager.cache_blocks(
+                req.request_id, hashes, req.all_token_ids, req.num_computed_tokens
+            )
 
-    def finish(self, req: Request, status: RequestStatus, hold_blocks: bool = False) -> None:
-        """End a request wherever it is; free its blocks unless a pull will need them."""
-        assert status.is_finished
-        rid = req.request_id
+    def remove(self, req: Request) -> bool:
+        """Take ``req`` out of the queues (it finished or left); False if it is not in them."""
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(req)
-        elif req.status == RequestStatus.WAITING_FOR_KV:
-            if rid in self.kv_reserved:
-                del self.kv_reserved[rid]
-            else:
-                self.kv_waiting.remove(req)
-        req.status = status
-        if hold_blocks and self.block_manager.has_table(rid):
-            self.held[rid] = req
-        elif self.block_manager.has_table(rid):
-            self.block_manager.free(rid)
-
-    def release_held(self, request_id: str) -> bool:
-        """Prefill role: the blocks were pulled (or the lease ended); free them."""
-        req = self.held.pop(request_id, None)
-        if req is None:
+        else:
             return False
-        self.block_manager.free(request_id)
         return True
 
     def all_requests(self) -> Iterable[Request]:
         yield from self.running
         yield from self.waiting
-        yield from self.kv_waiting
-        yield from self.kv_reserved.values()

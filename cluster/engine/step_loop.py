@@ -1,9 +1,9 @@
 """The engine's step loop in one dedicated thread: the only thread that touches the engine.
 
-Servers (asyncio, Ray Serve replicas, transfer threads) talk to it through ``call(fn)``, which
-runs ``fn(engine)`` on the loop thread between steps and returns a Future. Each request's outputs
-go to the sink registered with it, called on the loop thread: sinks must not block (an asyncio
-server hands them to its event loop with ``call_soon_threadsafe``).
+Other threads reach it through ``call(fn)``, which runs ``fn(engine)`` on the loop thread between
+steps and returns a Future; servers use the typed ``client.EngineClient`` on top of it. Each
+request's outputs go to the sink registered with it, called on the loop thread: sinks must not
+block (an asyncio server hands them to its event loop with ``call_soon_threadsafe``).
 
 Liveness (``is_alive``) covers the thread itself, a fatal error, and a heartbeat stamped every
 iteration, so a wedged step turns the replica's health check red. A step that raises fails every
@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from cluster.common.sampling_params import SamplingParams
-from cluster.engine.engine import LLMEngine, RequestOutput
+from cluster.engine.engine import Admission, LLMEngine, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -93,29 +93,22 @@ class EngineLoop:
             self._fail_pending_commands()  # the loop died between the check and the put
         return fut
 
-    def add_request(
+    def add(
         self,
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
         sink: Sink,
         **kwargs: Any,
-    ) -> Future[None]:
+    ) -> Future[Admission]:
         """Queue a request whose outputs go to ``sink``; ``ValueError`` for bad input."""
 
-        def add(engine: LLMEngine) -> None:
-            engine.add_request(request_id, prompt_token_ids, params, **kwargs)
+        def add(engine: LLMEngine) -> Admission:
+            admission = engine.add(request_id, prompt_token_ids, params, **kwargs)
             self._sinks[request_id] = sink
+            return admission
 
         return self.call(add)
-
-    def attach(self, request_id: str, sink: Sink) -> Future[None]:
-        """Route a request's outputs (e.g. one added with ``call``) to ``sink``."""
-
-        def attach(engine: LLMEngine) -> None:
-            self._sinks[request_id] = sink
-
-        return self.call(attach)
 
     def abort(self, request_id: str) -> Future[bool]:
         return self.call(lambda engine: engine.abort_request(request_id))

@@ -73,7 +73,7 @@ def _engine(real_model_dir: Path, **overrides: Any) -> LLMEngine:
 
 def _run(eng: LLMEngine, prompts: dict[str, list[int]], tag: str) -> dict[str, list[int]]:
     for rid, p in prompts.items():
-        eng.add_request(f"{tag}{rid}", p, greedy(NUM_NEW))
+        eng.add(f"{tag}{rid}", p, greedy(NUM_NEW))
     out = run_until_done(eng)
     eng.check_integrity()
     assert eng.block_manager.num_used_blocks == 0

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.common.tokenizer import IncrementalDetokenizer, Tokenizer
+from cluster.common.tokenizer import Tokenizer
+from cluster.engine.detokenizer import IncrementalDetokenizer
 
 TEXTS = ["Hello world", "  spaced   out ", "naïve café — 東京 🚀", "def f(x):\n    return x", ""]
 

@@ -14,8 +14,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from cluster.common.model_paths import COMPLETE_MARKER, default_model_dir
 from cluster.config import ClusterConfig
+from cluster.config.model_paths import COMPLETE_MARKER, default_model_dir
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cluster.common.model_paths import resolve_max_model_len
+from cluster.config.model_paths import resolve_max_model_len
 from cluster.engine.models.llama import LayerWeights, Linear, LlamaArch, LlamaModel
 
 logger = logging.getLogger(__name__)

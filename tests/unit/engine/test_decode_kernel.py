@@ -64,7 +64,7 @@ def test_engine_backends_agree(tiny_model_dir: Path) -> None:
         except ValueError:
             pytest.skip("native backend unavailable here")
         for i in range(5):
-            eng.add_request(f"r{i}", [3 + i * 7 + j for j in range(5 + 11 * i)], greedy(20))
+            eng.add(f"r{i}", [3 + i * 7 + j for j in range(5 + 11 * i)], greedy(20))
         outs[backend] = run_until_done(eng)
         eng.check_integrity()
     assert outs["native"] == outs["torch"]

@@ -13,11 +13,11 @@ from tests.helpers import fake_config, greedy, run_until_done
 
 def test_a_bad_request_never_disturbs_the_batch() -> None:
     ref_eng = LLMEngine(fake_config())
-    ref_eng.add_request("good", [5, 6, 7, 8, 9], greedy(10))
+    ref_eng.add("good", [5, 6, 7, 8, 9], greedy(10))
     expected = run_until_done(ref_eng)["good"]
 
     eng = LLMEngine(fake_config(**{"model.max_model_len": 64}))
-    eng.add_request("good", [5, 6, 7, 8, 9], greedy(10))
+    eng.add("good", [5, 6, 7, 8, 9], greedy(10))
     first = [t for o in eng.step() for t in o.new_token_ids]
     bad = [
         ([], greedy(4), "prompt"),
@@ -27,11 +27,11 @@ def test_a_bad_request_never_disturbs_the_batch() -> None:
     ]
     for i, (prompt, params, field) in enumerate(bad):
         with pytest.raises(ValueError, match=rf"^{field}:"):
-            eng.add_request(f"bad{i}", prompt, params)
+            eng.add(f"bad{i}", prompt, params)
     with pytest.raises(ValueError, match="^request_id: 'good' already exists"):
-        eng.add_request("good", [1, 2], greedy(2))
+        eng.add("good", [1, 2], greedy(2))
     with pytest.raises(ValueError, match="^max_tokens: .*KV blocks"):
-        LLMEngine(fake_config(**{"cache.num_blocks": 2})).add_request("x", [1] * 30, greedy(10))
+        LLMEngine(fake_config(**{"cache.num_blocks": 2})).add("x", [1] * 30, greedy(10))
     assert first + run_until_done(eng)["good"] == expected
     eng.check_integrity()
     assert eng.block_manager.num_used_blocks == 0
@@ -39,12 +39,12 @@ def test_a_bad_request_never_disturbs_the_batch() -> None:
 
 def test_stop_conditions() -> None:
     eng = LLMEngine(fake_config())
-    eng.add_request("a", [5, 6, 7], greedy(10))
+    eng.add("a", [5, 6, 7], greedy(10))
     tokens = run_until_done(eng)["a"]
-    eng.add_request(
+    eng.add(
         "b", [5, 6, 7], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[tokens[3]])
     )
-    eng.add_request("c", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3))
+    eng.add("c", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3))
     outs = {}
     while eng.has_unfinished_requests():
         for o in eng.step():

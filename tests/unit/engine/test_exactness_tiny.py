@@ -56,7 +56,7 @@ def setup(tiny_model_dir: Path) -> tuple[dict[str, list[int]], dict[str, Referen
 
 def _run(eng: LLMEngine, prompts: dict[str, list[int]], suffix: str = "") -> dict[str, list[int]]:
     for rid, p in prompts.items():
-        eng.add_request(rid + suffix, p, greedy(NUM_NEW))
+        eng.add(rid + suffix, p, greedy(NUM_NEW))
     out = run_until_done(eng)
     eng.check_integrity()
     assert eng.block_manager.num_used_blocks == 0

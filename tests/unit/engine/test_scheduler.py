@@ -11,8 +11,8 @@ from cluster.engine.request import RequestStatus
 from tests.helpers import fake_config, greedy, run_until_done
 
 
-def _engine(**overrides: object) -> LLMEngine:
-    return LLMEngine(fake_config(**overrides))
+def _engine(role: str = "colocated", **overrides: object) -> LLMEngine:
+    return LLMEngine(fake_config(**overrides), role=role)
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:
@@ -22,7 +22,7 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
 def _assert_idle_clean(eng: LLMEngine) -> None:
     eng.check_integrity()
     assert eng.block_manager.num_used_blocks == 0
-    assert not eng.requests and not eng.scheduler.held
+    assert not eng.requests and eng.stats()["num_held"] == 0
 
 
 def _oracle(prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
@@ -36,24 +36,22 @@ def _oracle(prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[in
                 "scheduler.max_num_batched_tokens": 4096,
             }
         )
-        eng.add_request(rid, p, greedy(max_tokens))
+        eng.add(rid, p, greedy(max_tokens))
         out.update(run_until_done(eng))
     return out
 
 
 def test_requests_join_a_running_batch_and_share_steps() -> None:
     eng = _engine()
-    eng.add_request("a", _prompt(10), greedy(20))
+    eng.add("a", _prompt(10), greedy(20))
     for _ in range(3):
         eng.step()
-    eng.add_request("b", _prompt(40, 1), greedy(5))
-    batch = eng.scheduler.schedule()
+    eng.add("b", _prompt(40, 1), greedy(5))
+    batch = eng.schedule()
     # "a" decodes (1 token) in the same step as "b"'s first prefill chunk (16 tokens).
     sizes = {it.request.request_id: it.num_new_tokens for it in batch.items}
     assert sizes == {"a": 1, "b": 16}
-    eng.runner.execute(batch)  # keep the cache consistent with what was scheduled
-    for it in batch.items:
-        eng.scheduler.commit(it)
+    eng.update(batch, eng.runner.execute(batch))
     eng.abort_request("a")
     eng.abort_request("b")
     eng.step()
@@ -63,19 +61,14 @@ def test_requests_join_a_running_batch_and_share_steps() -> None:
 def test_token_budget_and_max_num_seqs_are_respected() -> None:
     eng = _engine(**{"scheduler.max_num_seqs": 3, "scheduler.max_num_batched_tokens": 20})
     for i in range(6):
-        eng.add_request(f"r{i}", _prompt(30, i), greedy(4))
+        eng.add(f"r{i}", _prompt(30, i), greedy(4))
     max_running = 0
     while eng.has_unfinished_requests():
-        batch = eng.scheduler.schedule()
+        batch = eng.schedule()
         assert batch.num_batched_tokens <= 20
         assert len(eng.scheduler.running) <= 3
         max_running = max(max_running, len(eng.scheduler.running))
-        if batch.items:
-            result = eng.runner.execute(batch)
-            for it in batch.items:
-                eng.scheduler.commit(it)
-            for rid, tok in zip(result.request_ids, result.token_ids):
-                eng._append_token(eng.requests[rid], tok, None, None)
+        eng.update(batch, eng.runner.execute(batch) if batch.items else None)
     assert max_running == 3
     _assert_idle_clean(eng)
 
@@ -83,7 +76,7 @@ def test_token_budget_and_max_num_seqs_are_respected() -> None:
 def test_fcfs_admission_order() -> None:
     eng = _engine(**{"scheduler.max_num_seqs": 1})
     for i in range(4):
-        eng.add_request(f"r{i}", _prompt(5, i), greedy(3))
+        eng.add(f"r{i}", _prompt(5, i), greedy(3))
     order = []
     while eng.has_unfinished_requests():
         for out in eng.step():
@@ -102,7 +95,7 @@ def test_chunked_output_equals_unchunked_and_oracle() -> None:
             over["scheduler.max_num_batched_tokens"] = 4096
         eng = _engine(**over)
         for rid, p in prompts.items():
-            eng.add_request(rid, p, greedy(12))
+            eng.add(rid, p, greedy(12))
         assert run_until_done(eng) == ref
         _assert_idle_clean(eng)
 
@@ -112,7 +105,7 @@ def test_preemption_under_pressure_is_exact_and_never_deadlocks() -> None:
     ref = _oracle(prompts, 24)
     eng = _engine(**{"cache.num_blocks": 12})  # 8 requests x 4 blocks do not fit
     for rid, p in prompts.items():
-        eng.add_request(rid, p, greedy(24))
+        eng.add(rid, p, greedy(24))
     tokens: dict[str, list[int]] = {}
     steps = 0
     while eng.has_unfinished_requests():
@@ -129,9 +122,9 @@ def test_preemption_under_pressure_is_exact_and_never_deadlocks() -> None:
 def test_forced_preemption_churn_keeps_outputs_exact() -> None:
     prompts = {f"r{i}": _prompt(20 + i, i) for i in range(6)}
     ref = _oracle(prompts, 16)
-    eng = _engine(**{"testing.force_preempt_interval": 3})
+    eng = _engine(**{"testing.enabled": True, "testing.force_preempt_interval": 3})
     for rid, p in prompts.items():
-        eng.add_request(rid, p, greedy(16))
+        eng.add(rid, p, greedy(16))
     assert run_until_done(eng) == ref
     assert eng.scheduler.num_preemptions > 3
     _assert_idle_clean(eng)
@@ -140,18 +133,16 @@ def test_forced_preemption_churn_keeps_outputs_exact() -> None:
 def test_prefix_cache_hit_skips_computation_and_keeps_output() -> None:
     eng = _engine()
     p = _prompt(50)
-    eng.add_request("a", p, greedy(8))
+    eng.add("a", p, greedy(8))
     first = run_until_done(eng)["a"]
-    eng.add_request("b", p, greedy(8))
-    batch = eng.scheduler.schedule()
+    eng.add("b", p, greedy(8))
+    batch = eng.schedule()
     (item,) = batch.items
     assert item.request.num_cached_tokens == 48  # 3 full blocks; the last token is recomputed
     assert item.num_new_tokens == 2
-    eng.runner.execute(batch)
-    for it in batch.items:
-        eng.scheduler.commit(it)
+    eng.update(batch, eng.runner.execute(batch))
     eng.abort_request("b")
-    eng.add_request("c", p, greedy(8))
+    eng.add("c", p, greedy(8))
     assert run_until_done(eng)["c"] == first
     _assert_idle_clean(eng)
 
@@ -162,7 +153,7 @@ def test_a_prefix_being_computed_is_waited_for_not_computed_twice() -> None:
     shared = _prompt(48)
     prompts = {"a": shared + _prompt(6, 1), "b": shared + _prompt(9, 2), "c": _prompt(20, 3)}
     for rid, p in prompts.items():
-        eng.add_request(rid, p, greedy(6))
+        eng.add(rid, p, greedy(6))
     out: dict[str, list[int]] = {}
 
     def step() -> None:
@@ -186,8 +177,8 @@ def test_a_prefix_being_computed_is_waited_for_not_computed_twice() -> None:
 def test_the_dedup_wait_ends_when_the_computing_request_goes_away() -> None:
     eng = _engine()
     shared = _prompt(64)
-    eng.add_request("a", [*shared, 7], greedy(4))
-    eng.add_request("b", [*shared, 9], greedy(4))
+    eng.add("a", [*shared, 7], greedy(4))
+    eng.add("b", [*shared, 9], greedy(4))
     eng.step()
     assert eng.requests["b"].status == RequestStatus.WAITING
     eng.abort_request("a")  # its blocks will never all be published: "b" computes them itself
@@ -198,35 +189,64 @@ def test_the_dedup_wait_ends_when_the_computing_request_goes_away() -> None:
 
 def test_abort_in_every_state_frees_everything() -> None:
     eng = _engine(**{"scheduler.max_num_seqs": 2})
-    eng.add_request("run", _prompt(8), greedy(50))
-    eng.add_request("pre", _prompt(60, 1), greedy(50))
-    eng.add_request("wait", _prompt(8, 2), greedy(50))
-    eng.add_request("kv", _prompt(20, 3), greedy(50), kv_pending=True)
-    eng.add_request("held", _prompt(20, 4), greedy(50), prefill_only=True)
+    eng.add("run", _prompt(8), greedy(50))
+    eng.add("pre", _prompt(60, 1), greedy(50))
+    eng.add("wait", _prompt(8, 2), greedy(50))
     for _ in range(3):
         eng.step()
     assert eng.requests["run"].status == RequestStatus.RUNNING
     assert eng.requests["wait"].status == RequestStatus.WAITING
-    for rid in ["run", "pre", "wait", "kv", "held"]:
+    for rid in ["run", "pre", "wait"]:
         eng.abort_request(rid)
     assert not eng.abort_request("unknown")
     outs = eng.step()
-    assert {o.request_id for o in outs if o.finished} >= {"run", "pre", "wait", "kv"}
+    assert {o.request_id for o in outs if o.finished} == {"run", "pre", "wait"}
     _assert_idle_clean(eng)
 
 
+def test_abort_while_waiting_for_kv_or_held_frees_everything() -> None:
+    dec = _engine("decode", **{"scheduler.max_num_seqs": 2})
+    dec.add("kv-queued", _prompt(20, 3), greedy(50), prefill="remote")
+    dec.add("kv-reserved", _prompt(20, 5), greedy(50), prefill="remote")
+    dec.add("kv-waiting", _prompt(20, 6), greedy(50), prefill="remote")
+    dec.step()  # two get blocks (max_num_seqs), the third has none yet
+    assert len(dec.take_reservations()) == 2
+    pre = _engine("prefill")
+    pre.add("held", _prompt(20, 4), greedy(50))
+    run_until_done(pre)
+    assert pre.stats()["num_held"] == 1
+    for rid in ["kv-queued", "kv-reserved", "kv-waiting"]:
+        assert dec.abort_request(rid)
+    assert pre.abort_request("held") and not pre.abort_request("held")
+    assert {o.request_id for o in dec.step() if o.finished} == {
+        "kv-queued",
+        "kv-reserved",
+        "kv-waiting",
+    }
+    _assert_idle_clean(dec)
+    _assert_idle_clean(pre)
+
+
 def test_prefill_role_holds_blocks_until_released() -> None:
-    eng = _engine()
+    eng = _engine("prefill")
     p = _prompt(37)
-    eng.add_request("p", p, greedy(10), prefill_only=True)
+    eng.add("p", p, greedy(10))
     (out,) = [o for o in run_until_done_outputs(eng) if o.request_id == "p"]
-    assert out.finished and out.finish_reason == "length" and len(out.new_token_ids) == 1
-    held = eng.held_block_ids("p")
-    assert len(held) == 3  # 37 prompt tokens -> 3 blocks, the first token's KV not computed
-    assert eng.block_manager.num_used_blocks == 3
+    assert out.finished and out.finish_reason is None and len(out.new_token_ids) == 1
+    held = out.held_block_ids
+    assert held is not None and len(held) == 3  # 37 prompt tokens -> 3 blocks
+    assert eng.stats()["kv"]["num_used_blocks"] == 3
     eng.check_integrity()
     assert eng.release("p")
     assert not eng.release("p")
+    _assert_idle_clean(eng)
+
+
+def test_prefill_role_first_token_that_finishes_frees_at_once() -> None:
+    eng = _engine("prefill")
+    eng.add("one", _prompt(20), greedy(1))
+    (out,) = run_until_done_outputs(eng)
+    assert out.finished and out.finish_reason == "length" and out.held_block_ids is None
     _assert_idle_clean(eng)
 
 
@@ -241,15 +261,17 @@ def test_decode_role_with_kv_copied_in_equals_local_run() -> None:
     """Prefill on one engine, copy the held blocks into another's reservation, decode there."""
     p = _prompt(45)
     local = _engine()
-    local.add_request("x", p, greedy(12))
+    local.add("x", p, greedy(12))
     expected = run_until_done(local)["x"]
 
-    pre, dec = _engine(), _engine(**{"cache.num_blocks": 40})
-    pre.add_request("x", p, greedy(12), prefill_only=True, seed=7)
+    pre, dec = _engine("prefill"), _engine("decode", **{"cache.num_blocks": 40})
+    pre.add("x", p, greedy(12), seed=7)
     (first,) = [o for o in run_until_done_outputs(pre) if o.request_id == "x"]
-    src = pre.held_block_ids("x")
+    src = first.held_block_ids
+    assert src is not None
 
-    dec.add_request("x", p, greedy(12), kv_pending=True, seed=7)
+    admission = dec.add("x", p, greedy(12), prefill="remote", seed=7)
+    assert admission.remote and admission.num_cached_tokens == 0
     dec.step()
     (res,) = dec.take_reservations()
     assert res.num_hit_blocks == 0 and len(res.block_ids) == len(src)
@@ -266,10 +288,11 @@ def test_decode_role_with_kv_copied_in_equals_local_run() -> None:
 
 def test_decode_role_reuses_its_own_prefix_cache() -> None:
     p = _prompt(40)
-    dec = _engine()
-    dec.add_request("warm", p, greedy(2))
+    dec = _engine("decode")
+    dec.add("warm", p, greedy(2))
     run_until_done(dec)
-    dec.add_request("y", [*p, 5, 6, 7], greedy(4), kv_pending=True)
+    admission = dec.add("y", [*p, 5, 6, 7], greedy(4), prefill="remote")
+    assert admission.num_cached_tokens == 32
     dec.step()
     (res,) = dec.take_reservations()
     assert res.num_hit_blocks == 2  # 40 tokens -> 2 full cached blocks; the 3rd must move
@@ -281,16 +304,41 @@ def test_decode_role_reuses_its_own_prefix_cache() -> None:
 def test_failed_transfer_falls_back_to_exact_local_prefill() -> None:
     p = _prompt(30)
     ref = _oracle({"z": p}, 10)["z"]
-    dec = _engine()
-    dec.add_request("z", p, greedy(10), kv_pending=True)
+    dec = _engine("decode")
+    dec.add("z", p, greedy(10), prefill="remote")
     dec.step()
     dec.take_reservations()
     dec.kv_failed("z", recompute=True)
     assert run_until_done(dec)["z"] == ref
     _assert_idle_clean(dec)
-    dec.add_request("w", p, greedy(10), kv_pending=True)
+    dec.add("w", p, greedy(10), prefill="remote")
     dec.step()
     dec.kv_failed("w", recompute=False, error="peer gone")
     outs = run_until_done_outputs(dec)
     assert any(o.request_id == "w" and o.finish_reason == "error" for o in outs)
     _assert_idle_clean(dec)
+
+
+def test_decode_role_decides_local_or_remote_by_what_it_has_cached() -> None:
+    # decode.local_prefill_threshold: at most that many uncached tokens prefill here.
+    dec = _engine("decode", **{"decode.local_prefill_threshold": 16})
+    p = _prompt(64)
+    assert dec.add("far", p, greedy(2), prefill="auto").remote  # 64 uncached > 16
+    dec.abort_request("far")
+    dec.add("warm", p, greedy(2))
+    run_until_done(dec)
+    near = dec.add("near", [*p, 9, 9, 9], greedy(2), prefill="auto")  # 3 uncached
+    assert not near.remote and near.num_cached_tokens == 64
+    run_until_done(dec)
+    _assert_idle_clean(dec)
+
+
+def test_a_role_api_on_the_wrong_role_is_refused() -> None:
+    eng = _engine()
+    try:
+        eng.add("x", _prompt(8), greedy(2), prefill="remote")
+    except ValueError as e:
+        assert "decode role" in str(e)
+    else:
+        raise AssertionError("remote prefill on a colocated engine must be refused")
+    _assert_idle_clean(eng)

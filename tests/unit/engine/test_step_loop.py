@@ -28,7 +28,7 @@ def test_concurrent_requests_stream_exact_outputs() -> None:
     prompts = {f"r{i}": [1 + (i * 31 + j * 7) % 500 for j in range(10 + i)] for i in range(6)}
     ref_engine = LLMEngine(fake_config())
     for rid, p in prompts.items():
-        ref_engine.add_request(rid, p, greedy(12))
+        ref_engine.add(rid, p, greedy(12))
     expected = run_until_done(ref_engine)
 
     loop = EngineLoop(LLMEngine(fake_config())).start()
@@ -39,9 +39,7 @@ def test_concurrent_requests_stream_exact_outputs() -> None:
         results[rid] = outs
         events.append(done)
         threading.Thread(
-            target=lambda rid=rid, p=p, sink=sink: loop.add_request(
-                rid, p, greedy(12), sink
-            ).result()
+            target=lambda rid=rid, p=p, sink=sink: loop.add(rid, p, greedy(12), sink).result()
         ).start()
     for e in events:
         assert e.wait(10)
@@ -55,9 +53,9 @@ def test_concurrent_requests_stream_exact_outputs() -> None:
 def test_bad_request_raises_to_the_caller_and_the_loop_keeps_serving() -> None:
     loop = EngineLoop(LLMEngine(fake_config())).start()
     with pytest.raises(ValueError, match="^prompt:"):
-        loop.add_request("bad", [], greedy(4), lambda o: None).result(5)
+        loop.add("bad", [], greedy(4), lambda o: None).result(5)
     outs, done, sink = _collect()
-    loop.add_request("ok", [3, 4, 5], greedy(4), sink).result(5)
+    loop.add("ok", [3, 4, 5], greedy(4), sink).result(5)
     assert done.wait(10) and outs[-1].finish_reason == "length"
     loop.stop()
 
@@ -65,7 +63,7 @@ def test_bad_request_raises_to_the_caller_and_the_loop_keeps_serving() -> None:
 def test_abort_frees_blocks() -> None:
     loop = EngineLoop(LLMEngine(fake_config(**{"testing.fake_model.decode_delay_s": 0.01}))).start()
     outs, done, sink = _collect()
-    loop.add_request("long", [3, 4, 5], greedy(500), sink).result(5)
+    loop.add("long", [3, 4, 5], greedy(500), sink).result(5)
     assert loop.abort("long").result(5)
     assert done.wait(5) and outs[-1].finish_reason == "abort"
     loop.call(lambda eng: eng.check_integrity()).result(5)
@@ -83,7 +81,7 @@ def test_a_raising_step_fails_in_flight_requests_and_marks_the_loop_dead() -> No
 
     loop = EngineLoop(LLMEngine(fake_config()), before_step=boom).start()
     outs, done, sink = _collect()
-    loop.add_request("r", [3, 4, 5], greedy(50), sink).result(5)
+    loop.add("r", [3, 4, 5], greedy(50), sink).result(5)
     assert done.wait(5)
     assert outs[-1].finish_reason == "error" and "injected fault" in (outs[-1].error or "")
     assert not loop.is_alive()

@@ -1,0 +1,199 @@
+"""``EngineClient``: the one typed way a pool replica talks to its engine.
+
+The engine runs on its own step-loop thread (``step_loop.EngineLoop``); every method here is safe
+from an asyncio event loop or any other thread, and nothing outside ``cluster.engine`` reaches
+the engine, its scheduler or its block manager directly. The async methods await the engine
+thread's answer; ``abort`` and ``release`` are fire-and-forget (their Future may be ignored).
+
+Entries into the engine thread for one request:
+  * local prefill: ``add``;
+  * remote prefill (decode role): ``add`` (which also says local or remote and how much of the
+    prompt is cached here), ``accept_first_token``, ``kv_arrived``; the block reservation in
+    between is handed out by the step loop itself, into the Future ``add`` returned;
+  * prefill role: ``add``, then ``release`` once the KV was pulled (the output that ends the
+    request here carries the held block table).
+Failure paths add ``kv_failed`` or ``abort``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cluster.common.kv_layout import KVLayout
+from cluster.common.sampling_params import SamplingParams
+from cluster.engine.engine import LLMEngine, RequestOutput
+from cluster.engine.handoff import KVReservation, PrefillMode
+from cluster.engine.step_loop import EngineLoop, Sink
+
+
+@dataclass(frozen=True, slots=True)
+class Added:
+    """What ``add`` decided: the caller needs no second round trip to ask."""
+
+    num_cached_tokens: int  # prompt tokens this engine's prefix cache held at admission
+    remote: bool  # the prompt's KV comes from a prefill replica
+    # Remote only: resolves (on the caller's event loop) once the engine reserved the blocks.
+    reservation: asyncio.Future[KVReservation] | None
+
+
+class EngineClient:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        name: str = "engine-loop",
+        before_step: Callable[[], None] | None = None,
+    ) -> None:
+        self._engine = engine  # touched only on the loop thread, through self._loop
+        self._loop = EngineLoop(
+            engine, name=name, before_step=before_step, after_step=self._hand_out_reservations
+        )
+        self._reservations: dict[str, asyncio.Future[KVReservation]] = {}
+        self._lock = threading.Lock()  # the reservation table: engine thread and event loop
+        self.kv_cache: torch.Tensor = engine.runner.kv_cache  # the pool the KV transfer uses
+        self.kv_layout: KVLayout = engine.runner.layout
+        self.block_size = engine.config.cache.block_size
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> EngineClient:
+        self._loop.start()
+        return self
+
+    def stop(self) -> None:
+        self._loop.stop()
+
+    def is_alive(self) -> bool:
+        return self._loop.is_alive()
+
+    @property
+    def fatal_error(self) -> str | None:
+        return self._loop.fatal_error
+
+    # -- requests -----------------------------------------------------------------------------
+
+    async def add(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        sink: Sink,
+        *,
+        prefill: PrefillMode = "local",
+        seed: int | None = None,
+        arrival_time: float | None = None,
+    ) -> Added:
+        """Queue a request whose outputs go to ``sink`` (on the engine thread: must not block).
+
+        Raises ``ValueError`` naming the bad field; nothing is left behind then.
+        """
+        reservation: asyncio.Future[KVReservation] | None = None
+        if prefill != "local":  # registered first: the very next step may reserve the blocks
+            reservation = asyncio.get_running_loop().create_future()
+            with self._lock:
+                self._reservations[request_id] = reservation
+            # However it ends (reserved, cancelled by the caller, timed out), it leaves the table.
+            reservation.add_done_callback(lambda fut: self._discard(request_id, fut))
+        try:
+            admission = await asyncio.wrap_future(
+                self._loop.add(
+                    request_id,
+                    prompt_token_ids,
+                    params,
+                    sink,
+                    prefill=prefill,
+                    seed=seed,
+                    arrival_time=arrival_time,
+                )
+            )
+        except BaseException:
+            self._forget_reservation(request_id)
+            raise
+        if not admission.remote:
+            self._forget_reservation(request_id)
+            reservation = None
+        return Added(admission.num_cached_tokens, admission.remote, reservation)
+
+    async def accept_first_token(
+        self,
+        request_id: str,
+        token_id: int,
+        logprob: float | None = None,
+        top_logprobs: list[tuple[int, float]] | None = None,
+    ) -> RequestOutput:
+        """Decode role: the prefill replica's first token, streamed before the KV arrives."""
+        return await self._call(
+            lambda eng: eng.accept_first_token(request_id, token_id, logprob, top_logprobs)
+        )
+
+    async def kv_arrived(self, request_id: str) -> None:
+        """Decode role: the reserved blocks hold the prompt's KV; the request may decode."""
+        await self._call(lambda eng: eng.kv_arrived(request_id))
+
+    async def kv_failed(self, request_id: str, *, recompute: bool, error: str) -> None:
+        """Decode role: the prefill call or the pull failed: prefill locally, or fail it."""
+        self._forget_reservation(request_id)
+        await self._call(lambda eng: eng.kv_failed(request_id, recompute, error))
+
+    def abort(self, request_id: str) -> Future[bool]:
+        """End a request wherever it is; frees its blocks (any thread, fire-and-forget)."""
+        self._forget_reservation(request_id)
+        return self._loop.abort(request_id)
+
+    def release(self, request_id: str) -> Future[bool]:
+        """Prefill role: free a held block table (pulled, expired, cancelled; any thread)."""
+        return self._loop.call(lambda eng: eng.release(request_id))
+
+    # -- introspection ------------------------------------------------------------------------
+
+    async def cached_block_hashes(self) -> list[int]:
+        """Every block hash this engine's prefix cache holds (what routers index)."""
+        return await self._call(lambda eng: eng.block_manager.cached_hashes())
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's stats as of its last step (no hop to the engine thread)."""
+        return self._loop.stats()
+
+    @property
+    def peak_running(self) -> int:
+        return self._loop.peak_running
+
+    def check_integrity(self, timeout_s: float = 30.0) -> None:
+        """Raise ``AssertionError`` naming the first broken invariant (blocks, requests)."""
+        self._loop.call(lambda eng: eng.check_integrity()).result(timeout=timeout_s)
+
+    # -- internals ----------------------------------------------------------------------------
+
+    async def _call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        return await asyncio.wrap_future(self._loop.call(fn))
+
+    def _hand_out_reservations(self, engine: LLMEngine) -> None:
+        """Engine thread, after each step: give new block reservations to their waiting calls."""
+        for res in engine.take_reservations():
+            with self._lock:
+                fut = self._reservations.pop(res.request_id, None)
+            if fut is not None:
+                fut.get_loop().call_soon_threadsafe(_resolve, fut, res)
+
+    def _discard(self, request_id: str, fut: asyncio.Future[KVReservation]) -> None:
+        with self._lock:
+            if self._reservations.get(request_id) is fut:
+                del self._reservations[request_id]
+
+    def _forget_reservation(self, request_id: str) -> None:
+        with self._lock:
+            fut = self._reservations.pop(request_id, None)
+        if fut is not None:
+            fut.get_loop().call_soon_threadsafe(fut.cancel)
+
+
+def _resolve(fut: asyncio.Future[KVReservation], res: KVReservation) -> None:
+    if not fut.done():
+        fut.set_result(res)

@@ -1,0 +1,212 @@
+"""What differs between roles: how a request's KV crosses between pools, as one collaborator.
+
+The scheduler stays the plain continuous batcher (waiting, running). Each engine has one hand-off,
+chosen by role from ``HANDOFFS``, which the engine calls at three points:
+
+  * admit (``admit``): where a new request goes. ``decode`` keeps a request whose prompt is
+    prefilled elsewhere (``WAITING_FOR_KV``, no blocks yet); everything else is the scheduler's.
+  * reserve (``reserve``, each step after the running batch): ``decode`` gives the requests it
+    keeps their blocks (its own cached prefix first); the KV is then written into them from
+    outside and ``kv_arrived`` hands the request to the scheduler, which feeds its first token.
+  * finish (``ends_here`` / ``hold``, after each token): ``prefill`` ends a request's part with
+    its first token and holds its blocks (not freed, not evictable) until ``release`` (the
+    decode side pulled them, or the lease ended).
+
+``colocated`` (the offline engine, a colocated pool) does none of it. No role flags live on the
+request or in the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from cluster.config import ClusterConfig
+from cluster.engine.block_manager import BlockManager
+from cluster.engine.request import Request, RequestStatus
+
+# How a request's prompt gets its KV: computed here, pulled from a prefill replica, or (decode
+# role) remote when more than ``decode.local_prefill_threshold`` tokens are not cached here.
+PrefillMode = Literal["local", "remote", "auto"]
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """What adding a request decided, for the caller (no second round trip to ask)."""
+
+    num_cached_tokens: int  # prompt tokens this engine's prefix cache holds right now
+    remote: bool  # the prompt's KV comes from a prefill replica into reserved blocks
+
+
+@dataclass(slots=True)
+class KVReservation:
+    """Decode role: blocks reserved for a request whose prompt KV comes from a prefill replica."""
+
+    request_id: str
+    block_ids: list[int]  # the whole table (prefix hits first)
+    num_hit_blocks: int  # leading blocks already cached here: they need no transfer
+
+
+class Handoff:
+    """Colocated: every request is prefilled and decoded by this engine; nothing crosses."""
+
+    streams_text = True  # whether outputs carry text (the prefill role's go to a decode replica)
+
+    def __init__(self, config: ClusterConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.block_size = block_manager.block_size
+
+    def admit(self, req: Request, prefill: PrefillMode) -> Admission:
+        """A new request: ``remote`` means the hand-off keeps it; otherwise it is queued."""
+        if prefill == "remote":
+            raise ValueError("prefill: remote prefill needs an engine in the decode role")
+        return Admission(self.num_cached_blocks(req) * self.block_size, remote=False)
+
+    def reserve(self, num_running: int, max_num_seqs: int) -> list[KVReservation]:
+        return []
+
+    def ends_here(self, req: Request) -> bool:
+        """After a token that did not finish ``req``: is this engine's part of it over?"""
+        return False
+
+    def hold(self, req: Request) -> list[int]:
+        raise AssertionError("only the prefill hand-off holds blocks")
+
+    def release(self, request_id: str) -> bool:
+        """Free a held request's blocks; False when it holds none for that id."""
+        return False
+
+    def take(self, request_id: str) -> Request | None:
+        """Hand back a request this hand-off keeps (to abort it or to prefill it locally)."""
+        return None
+
+    def is_holding(self, request_id: str) -> bool:
+        """Whether blocks of a request that ended here are held under that id."""
+        return False
+
+    def requests(self) -> Iterable[Request]:
+        return ()
+
+    def stats(self) -> dict[str, int]:
+        return {"num_waiting_for_kv": 0, "num_held": 0}
+
+    def num_cached_blocks(self, req: Request) -> int:
+        """Leading prompt blocks cached here (tokens compared), keeping one token to compute."""
+        max_hit_blocks = (req.num_prompt_tokens - 1) // self.block_size
+        hashes = req.update_block_hashes(self.block_size)[:max_hit_blocks]
+        return len(self.block_manager.match_prefix(hashes, req.prompt_token_ids))
+
+
+class PrefillHandoff(Handoff):
+    """Prefill role: a request ends here after its first token; its blocks wait for a pull."""
+
+    streams_text = False
+
+    def __init__(self, config: ClusterConfig, block_manager: BlockManager) -> None:
+        super().__init__(config, block_manager)
+        self.held: set[str] = set()
+
+    def ends_here(self, req: Request) -> bool:
+        return req.num_output_tokens >= 1
+
+    def hold(self, req: Request) -> list[int]:
+        self.held.add(req.request_id)
+        return list(self.block_manager.block_table(req.request_id))
+
+    def release(self, request_id: str) -> bool:
+        if request_id not in self.held:
+            return False
+        self.held.remove(request_id)
+        self.block_manager.free(request_id)
+        return True
+
+    def is_holding(self, request_id: str) -> bool:
+        return request_id in self.held
+
+    def stats(self) -> dict[str, int]:
+        return {"num_waiting_for_kv": 0, "num_held": len(self.held)}
+
+
+class DecodeHandoff(Handoff):
+    """Decode role: requests whose prompt KV is pulled from a prefill replica wait here."""
+
+    def __init__(self, config: ClusterConfig, block_manager: BlockManager) -> None:
+        super().__init__(config, block_manager)
+        self.threshold = config.decode.local_prefill_threshold
+        self.kv_waiting: deque[Request] = deque()  # no blocks yet
+        self.kv_reserved: dict[str, Request] = {}  # blocks reserved, KV in flight
+
+    def admit(self, req: Request, prefill: PrefillMode) -> Admission:
+        num_cached = self.num_cached_blocks(req) * self.block_size
+        remote = prefill == "remote" or (
+            prefill == "auto" and req.num_prompt_tokens - num_cached > self.threshold
+        )
+        if remote:
+            req.status = RequestStatus.WAITING_FOR_KV
+            self.kv_waiting.append(req)
+        return Admission(num_cached, remote)
+
+    def reserve(self, num_running: int, max_num_seqs: int) -> list[KVReservation]:
+        """Blocks for waiting requests, oldest first, while seats and blocks last."""
+        out: list[KVReservation] = []
+        bm = self.block_manager
+        while self.kv_waiting and num_running + len(self.kv_reserved) < max_num_seqs:
+            req = self.kv_waiting[0]
+            hits = bm.match_prefix(req.update_block_hashes(self.block_size), req.prompt_token_ids)
+            needed = bm.blocks_needed(req.num_prompt_tokens) - len(hits)
+            if not bm.can_allocate(needed, hits):
+                break
+            self.kv_waiting.popleft()
+            table = bm.allocate(req.request_id, needed, hits)
+            req.num_cached_tokens = len(hits) * self.block_size
+            self.kv_reserved[req.request_id] = req
+            out.append(KVReservation(req.request_id, list(table), len(hits)))
+        return out
+
+    def kv_arrived(self, request_id: str) -> Request:
+        """The prompt's KV is in the reserved blocks: publish them; the request may decode."""
+        req = self.kv_reserved.pop(request_id)
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.block_manager.cache_blocks(
+            request_id,
+            req.update_block_hashes(self.block_size),
+            req.all_token_ids,
+            req.num_computed_tokens,
+        )
+        return req
+
+    def take(self, request_id: str) -> Request | None:
+        req = self.kv_reserved.pop(request_id, None)
+        if req is None:
+            req = next((r for r in self.kv_waiting if r.request_id == request_id), None)
+            if req is not None:
+                self.kv_waiting.remove(req)
+        return req
+
+    def requests(self) -> Iterable[Request]:
+        yield from self.kv_waiting
+        yield from self.kv_reserved.values()
+
+    def stats(self) -> dict[str, int]:
+        return {"num_waiting_for_kv": len(self.kv_waiting) + len(self.kv_reserved), "num_held": 0}
+
+
+HandoffFactory = Callable[[ClusterConfig, BlockManager], Handoff]
+HANDOFFS: dict[str, HandoffFactory] = {
+    "colocated": Handoff,
+    "prefill": PrefillHandoff,
+    "decode": DecodeHandoff,
+}
+
+
+def create_handoff(role: str, config: ClusterConfig, block_manager: BlockManager) -> Handoff:
+    try:
+        factory = HANDOFFS[role]
+    except KeyError:
+        raise ValueError(
+            f"role: unknown engine role {role!r}; valid: {', '.join(HANDOFFS)}"
+        ) from None
+    return factory(config, block_manager)

@@ -1,0 +1,130 @@
+"""From sampled tokens to what a caller sees: stop conditions, text deltas, ``RequestOutput``.
+
+``OutputProcessor`` keeps each live request's incremental detokenizer (only where text is
+wanted: a prefill-role engine streams no text) and decides, per appended token, whether the
+request stopped: a stop or EOS token (after ``min_tokens``), a stop string in the text, or the
+length limit (``max_tokens``, the model's context).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from cluster.common.tokenizer import Tokenizer
+from cluster.engine.detokenizer import IncrementalDetokenizer
+from cluster.engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request (a delta), or its final state."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+    new_logprobs: list[float] | None = None
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+    # Prefill role: the request's part here ended with this output and these blocks (its whole
+    # table, prompt order) are held for a decode replica's pull; finish_reason is then None.
+    held_block_ids: list[int] | None = None
+    # Monotonic timestamps (this process's clock): arrival, first scheduled, first token.
+    arrival_time: float = 0.0
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+
+    def add(self, req: Request, with_text: bool) -> None:
+        if with_text:
+            p = req.params
+            self._detok[req.request_id] = IncrementalDetokenizer(
+                self.tokenizer, p.stop, p.skip_special_tokens, req.prompt_token_ids
+            )
+
+    def forget(self, request_id: str) -> None:
+        self._detok.pop(request_id, None)
+
+    def append(
+        self,
+        req: Request,
+        token_id: int,
+        logprob: float | None,
+        top: list[tuple[int, float]] | None,
+    ) -> RequestStatus | None:
+        """Append a sampled token to ``req``; returns its finished status if it stopped."""
+        p = req.params
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        req.output_token_ids.append(token_id)
+        if logprob is not None and p.logprobs is not None:
+            req.output_logprobs.append(logprob)
+            req.output_top_logprobs.append(top or [])
+        may_stop = req.num_output_tokens >= p.min_tokens
+        if may_stop and (
+            token_id in p.stop_token_ids or (not p.ignore_eos and token_id in req.eos_token_ids)
+        ):
+            req.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        detok = self._detok.get(req.request_id)
+        matched = detok.add(token_id) if detok is not None else None
+        if matched is not None and may_stop:
+            req.stop_reason = matched
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def delta(
+        self,
+        req: Request,
+        token_id: int,
+        logprob: float | None,
+        top: list[tuple[int, float]] | None,
+        status: RequestStatus | None,
+        held_block_ids: list[int] | None = None,
+    ) -> RequestOutput:
+        """The output of one appended token; ``status``: the request finished with it."""
+        with_logprobs = logprob is not None and req.params.logprobs is not None
+        finished = status is not None or held_block_ids is not None
+        out = self._output(req, [token_id], finished, status)
+        out.new_logprobs = [logprob] if with_logprobs and logprob is not None else None
+        out.new_top_logprobs = [top or []] if with_logprobs else None
+        out.held_block_ids = held_block_ids
+        return out
+
+    def final(self, req: Request) -> RequestOutput:
+        """The last output of a request ended from outside (aborted, failed)."""
+        out = self._output(req, [], True, req.status)
+        out.error = req.error
+        return out
+
+    def _output(
+        self, req: Request, token_ids: list[int], finished: bool, status: RequestStatus | None
+    ) -> RequestOutput:
+        detok = self._detok.get(req.request_id)
+        reason = status.finish_reason if status is not None else None
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=token_ids,
+            new_text=detok.delta(finished) if detok is not None else "",
+            finished=finished,
+            finish_reason=reason.value if reason is not None else None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            arrival_time=req.arrival_time,
+            scheduled_time=req.scheduled_time,
+            first_token_time=req.first_token_time,
+        )

@@ -1,0 +1,92 @@
+"""The model-runner seam: ``execute(batch) -> RunnerOutput``. The runner never decides who runs.
+
+Implementations (``runner_registry`` maps ``model.runner`` to one): ``torch`` (Llama-family
+models with paged attention, ``torch_runner``) and ``fake`` (a deterministic tiny model for
+orchestration and fault tests, ``fake_runner``). Each owns the KV cache tensor, whose layout
+every transfer relies on:
+
+    kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from cluster.common.kv_layout import KVLayout
+from cluster.config import ClusterConfig, cpu_count
+from cluster.engine.scheduler import ScheduledBatch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    # One entry per scheduled request whose step ended in a sampled token, in batch order.
+    request_ids: list[str]
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
+class ModelRunner(Protocol):
+    kv_cache: torch.Tensor
+    layout: KVLayout
+    num_blocks: int
+    vocab_size: int
+    max_model_len: int
+    tokenizer: Any  # Tokenizer-like: encode/decode/eos_token_ids
+
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput: ...
+
+
+# (layout, num_blocks, device) -> a zeroed, contiguous KV tensor of that layout. Servers pass one
+# to place the pool in shared memory (the shm transport); the default is plain torch.zeros.
+KVAllocator = Callable[[KVLayout, int, torch.device], torch.Tensor]
+
+
+def default_kv_allocator(layout: KVLayout, num_blocks: int, device: torch.device) -> torch.Tensor:
+    # Zeros, not empty: padded attention rows multiply probabilities 0 by these values.
+    return torch.zeros((num_blocks, *layout.block_shape), dtype=DTYPES[layout.dtype], device=device)
+
+
+def resolve_device(config: ClusterConfig) -> torch.device:
+    if config.model.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if config.model.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("model.device: cuda requested but no CUDA device is available")
+    return torch.device(config.model.device)
+
+
+def resolve_dtype(config: ClusterConfig, device: torch.device) -> torch.dtype:
+    if config.model.dtype == "auto":
+        # No bf16 hardware on most CPUs (4x slower here): fp32 there, bf16 on GPUs.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[config.model.dtype]
+
+
+def num_kv_blocks(config: ClusterConfig, bytes_per_block: int, device: torch.device) -> int:
+    """How many blocks the budget allows: a measured fact, returned, never written to config."""
+    cache = config.cache
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = int(free * cache.gpu_memory_fraction)
+    else:
+        budget = cache.memory_bytes
+    n = budget // bytes_per_block
+    if n < 1:
+        raise ValueError(
+            f"cache.memory_bytes: {budget} bytes hold no KV block ({bytes_per_block} bytes each)"
+        )
+    return n
+
+
+def set_torch_threads(config: ClusterConfig) -> int:
+    n = config.model.num_threads or cpu_count()
+    torch.set_num_threads(n)
+    return n

@@ -1,0 +1,218 @@
+"""The ``torch`` model runner: Llama-family models with paged attention over block tables."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from cluster.common.kv_layout import KVLayout
+from cluster.common.tokenizer import Tokenizer
+from cluster.config import ClusterConfig
+from cluster.config.model_paths import model_name, require_model_dir
+from cluster.engine.attention import AttentionMetadata, PrefillSeq, decode_row_index
+from cluster.engine.kernels import load_paged_decode
+from cluster.engine.models.default_model import ensure_default_model
+from cluster.engine.models.llama import onednn_linear
+from cluster.engine.models.loader import load_llama
+from cluster.engine.runner import (
+    KVAllocator,
+    RunnerOutput,
+    default_kv_allocator,
+    num_kv_blocks,
+    resolve_device,
+    resolve_dtype,
+    set_torch_threads,
+)
+from cluster.engine.sampler import SampleRequest, sample
+from cluster.engine.scheduler import ScheduledBatch, ScheduledRequest
+
+logger = logging.getLogger(__name__)
+
+
+class TorchModelRunner:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        model_dir: Path | None = None,
+        kv_allocator: KVAllocator = default_kv_allocator,
+    ) -> None:
+        self.config = config
+        set_torch_threads(config)
+        self.device = resolve_device(config)
+        dtype = resolve_dtype(config, self.device)
+        if model_dir is None:
+            model_dir = ensure_default_model(config) if config.model.path is None else None
+            model_dir = model_dir or require_model_dir(config)
+        # CPU fp32 fast paths (model.kernels): oneDNN linear layers and the paged decode kernel.
+        self.native = config.model.kernels != "torch" and (
+            self.device.type == "cpu" and dtype == torch.float32
+        )
+        if config.model.kernels == "native" and not self.native:
+            raise ValueError("model.kernels: native needs a CPU fp32 model; use auto or torch")
+        linear = (onednn_linear() if self.native else None) or F.linear
+        self.model, _hf_config = load_llama(
+            model_dir, dtype, self.device, config.model.max_model_len, linear
+        )
+        self.tokenizer = Tokenizer(model_dir)
+        arch = self.model.arch
+        self.vocab_size = arch.vocab_size
+        self.max_model_len = self.model.cos.shape[0]
+        self.block_size = config.cache.block_size
+        self.layout = KVLayout(
+            model=model_name(config),
+            dtype=str(dtype).removeprefix("torch."),
+            block_size=self.block_size,
+            num_layers=arch.num_layers,
+            num_kv_heads=arch.num_kv_heads,
+            head_dim=arch.head_dim,
+        )
+        self.num_blocks = num_kv_blocks(config, self.layout.bytes_per_block, self.device)
+        self.decode_kernel = self._load_decode_kernel(config, dtype)
+        self.kv_cache = kv_allocator(self.layout, self.num_blocks, self.device)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            self.num_blocks,
+            self.block_size,
+            self.num_blocks * self.layout.bytes_per_block / 2**20,
+        )
+
+    def _load_decode_kernel(self, config: ClusterConfig, dtype: torch.dtype) -> Any:
+        kernel = None
+        if self.native:
+            arch = self.model.arch
+            kernel = load_paged_decode(
+                config.paths.resolved_cache_dir,
+                torch.get_num_threads(),
+                arch.num_heads,
+                arch.num_kv_heads,
+            )
+        if kernel is None and config.model.kernels == "native":
+            raise ValueError("model.kernels: native needs a C compiler (cc); use auto or torch")
+        return kernel
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
+        inputs = self.prepare(batch)
+        logits = self.forward(inputs)
+        rows = [_sample_request(it) for it in inputs.sampled]
+        out = sample(logits, rows)
+        return RunnerOutput(
+            [it.request.request_id for it in inputs.sampled],
+            out.token_ids,
+            out.logprobs,
+            out.top_logprobs,
+        )
+
+    def forward(self, inputs: ForwardInputs) -> torch.Tensor:
+        """Logits [num_sampled, vocab] (fp32) of the rows that end a request's known tokens."""
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache)
+        return self.model.compute_logits(hidden[inputs.sample_rows])
+
+    def prepare(self, batch: ScheduledBatch) -> ForwardInputs:
+        bs = self.block_size
+        dev = self.device
+        decodes = [it for it in batch.items if it.num_new_tokens == 1]
+        prefills = [it for it in batch.items if it.num_new_tokens > 1]
+        ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []
+        sampled: list[ScheduledRequest] = []
+        # Decodes: one token each, attended in one batched pass.
+        dec_tables: list[list[int]] = []
+        dec_lens: list[int] = []
+        for it in decodes:
+            r = it.request
+            p = r.num_computed_tokens
+            ids.append(r.token_at(p))
+            positions.append(p)
+            dec_lens.append(p + 1)
+            dec_tables.append(it.block_ids[: p // bs + 1])
+            if it.samples:
+                sample_rows.append(len(ids) - 1)
+                sampled.append(it)
+        slot_blocks = [t[-1] for t in dec_tables]
+        slot_offsets = [p % bs for p in positions]
+        pref: list[PrefillSeq] = []
+        for it in prefills:
+            r = it.request
+            start, n = r.num_computed_tokens, it.num_new_tokens
+            end = start + n
+            if end <= r.num_prompt_tokens:
+                ids.extend(r.prompt_token_ids[start:end])
+            else:
+                ids.extend(r.all_token_ids[start:end])
+            row0 = len(positions)
+            positions.extend(range(start, end))
+            table = it.block_ids[: -(-end // bs)]
+            slot_blocks.extend(table[p // bs] for p in range(start, end))
+            slot_offsets.extend(p % bs for p in range(start, end))
+            pref.append(PrefillSeq(row0, n, start, torch.tensor(table, device=dev)))
+            if it.samples:
+                sample_rows.append(row0 + n - 1)
+                sampled.append(it)
+        dec_rows = dec_mask = dec_table_t = dec_lens_t = None
+        if decodes:
+            width = max(len(t) for t in dec_tables)
+            dec_table_t = torch.tensor(
+                [t + [0] * (width - len(t)) for t in dec_tables], dtype=torch.long, device=dev
+            )
+            dec_lens_t = torch.tensor(dec_lens, dtype=torch.long, device=dev)
+        if decodes and self.decode_kernel is None:
+            assert dec_table_t is not None and dec_lens_t is not None
+            layout = self.layout
+            dec_rows = decode_row_index(dec_table_t, bs, layout.num_layers, layout.num_kv_heads)
+            lens = dec_lens_t
+            cols = torch.arange(width * bs, device=dev)
+            dec_mask = torch.zeros(
+                (len(decodes), width * bs), dtype=self.kv_cache.dtype, device=dev
+            )
+            dec_mask.masked_fill_(cols[None, :] >= lens[:, None], float("-inf"))
+        meta = AttentionMetadata(
+            slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=dev),
+            slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=dev),
+            num_decodes=len(decodes),
+            decode_rows=dec_rows,
+            decode_mask=dec_mask,
+            prefills=pref,
+            decode_kernel=self.decode_kernel,
+            decode_block_tables=dec_table_t,
+            decode_ctx_lens=dec_lens_t,
+        )
+        return ForwardInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            meta=meta,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            sampled=sampled,
+        )
+
+
+@dataclass(slots=True)
+class ForwardInputs:
+    input_ids: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N]
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [S]: rows whose logits are sampled
+    sampled: list[ScheduledRequest]  # the requests of those rows, same order
+
+
+def _sample_request(it: ScheduledRequest) -> SampleRequest:
+    r = it.request
+    p = r.params
+    suppress: tuple[int, ...] = ()
+    if r.num_output_tokens < p.min_tokens:
+        suppress = tuple(set(r.eos_token_ids) | set(p.stop_token_ids))
+    return SampleRequest(
+        params=p,
+        seed=r.seed,
+        output_index=r.num_output_tokens,
+        prompt_token_ids=r.prompt_token_ids,
+        output_token_ids=r.output_token_ids,
+        suppress_token_ids=suppress,
+    )
