@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from cluster.common.serve_options import deployment_options
-from cluster.config import ClusterConfig, load_config, portable_dict
-from cluster.decode_worker.deployment import DecodeDeployment
+from cluster.config import ClusterConfig, load_config
+from cluster.decode_worker.deployment import DecodeServer
 from cluster.pb import GRPC_SERVICER_FUNCTIONS  # noqa: F401 (re-exported for callers)
-from cluster.prefill_worker.deployment import PrefillDeployment
+from cluster.prefill_worker.deployment import PrefillServer
 from cluster.router.ingress import Router
+from cluster.serving.options import deployment_options
 
 APP_NAME = "pdserve"
 
@@ -29,11 +29,11 @@ def _deployment(cls: Any) -> Any:
 
 def build_application(config: ClusterConfig) -> Any:
     opts = deployment_options(config)
-    plain = portable_dict(config)  # each replica adds its own environment (IP, secrets)
+    plain = config.to_dict()  # no secrets or pod IP: each replica reads its own environment
     prefill = None
     if config.prefill.num_replicas > 0:  # 0: a colocated cluster (every prefill is local)
-        prefill = _deployment(PrefillDeployment).options(**opts["PrefillServer"]).bind(plain)
-    decode = _deployment(DecodeDeployment).options(**opts["DecodeServer"]).bind(plain, prefill)
+        prefill = _deployment(PrefillServer).options(**opts["PrefillServer"]).bind(plain)
+    decode = _deployment(DecodeServer).options(**opts["DecodeServer"]).bind(plain, prefill)
     return _deployment(Router).options(**opts["Router"]).bind(plain, decode)
 
 

@@ -85,7 +85,7 @@ def serve_forever(
     import ray
     from ray import serve
 
-    from cluster.common.model_paths import model_name
+    from cluster.config.model_paths import model_name
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -85,10 +85,10 @@ def _router_overhead_ms(
 ) -> list[float]:
     """Tokenize + hash + score, in process, against an index holding half the groups each."""
     from cluster.common.hashing import hash_block_tokens
-    from cluster.common.model_paths import model_limits
-    from cluster.common.routing_policy import PrefixIndex, routing_snapshot
     from cluster.common.tokenizer import load_tokenizer
+    from cluster.config.model_paths import model_limits
     from cluster.router.requests import RequestParser
+    from cluster.serving.routing_policy import PrefixIndex, routing_snapshot
 
     tokenizer = load_tokenizer(cfg)
     block = cfg.cache.block_size
@@ -113,7 +113,7 @@ def _router_overhead_ms(
 
 
 def run(ctx: BenchContext) -> BenchReport:
-    from cluster.common.model_paths import model_limits
+    from cluster.config.model_paths import model_limits
 
     shape = _shape(ctx)
     first = _config(ctx, "prefix_aware", shape)

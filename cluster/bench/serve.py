@@ -71,7 +71,7 @@ def _unloaded(target: str, items: list[WorkItem]) -> list[RequestRecord]:
 
 
 def run(ctx: BenchContext) -> BenchReport:
-    from cluster.common.model_paths import model_limits
+    from cluster.config.model_paths import model_limits
 
     rates = ctx.pick([0.25, 0.5, 1.0, 1.5, 2.0], [0.25, 0.75], [2.0])
     per_rate = ctx.pick(200, 20, 6)

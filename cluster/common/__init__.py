@@ -1,1 +1,2 @@
-"""Torch-free types shared by every layer: block hashing, sampling params, tokenizer, wire types."""
+"""Torch-free types every layer shares: errors, fault points, block hashing, the KV layout, the
+messages between pools, sampling params, the tokenizer."""

@@ -7,11 +7,16 @@ build and read it without importing another role.
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+from cluster.common.errors import ErrorCode, PDServeError
 from cluster.common.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 PHASES = (
     "router_queue_ms",
@@ -96,3 +101,15 @@ class StreamChunk:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: str | None = None  # set on the last chunk
     usage: Usage | None = None  # set on the last chunk
+
+
+async def within_deadline(aw: Awaitable[T], deadline: float | None, request_id: str) -> T:
+    """Await ``aw`` until the wall-clock ``deadline`` (None: no bound), then DEADLINE_EXCEEDED."""
+    if deadline is None:
+        return await aw
+    try:
+        return await asyncio.wait_for(aw, max(0.0, deadline - time.time()))
+    except asyncio.TimeoutError:
+        raise PDServeError(
+            ErrorCode.DEADLINE_EXCEEDED, "the request's deadline passed", request_id
+        ) from None

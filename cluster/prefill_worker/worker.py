@@ -1,10 +1,11 @@
-"""Prefill server core (Ray-free): an engine in prefill role, a KV sender, and leases.
+"""The prefill pool's core (Ray-free): an engine in the prefill role, a KV sender, and leases.
 
 Lifecycle of one request (``prefill(call)`` is an async stream):
-  1. The request joins the engine as prefill-only, with the decode side's seed, so the first
-     token is the one a single-process run would draw.
-  2. When its prefill completes the engine samples the first token and keeps the prompt's blocks
-     held (not freed, not evictable).
+  1. The request joins the engine with the decode side's seed, so the first token is the one a
+     single-process run would draw.
+  2. When its prefill completes the engine samples the first token; the prefill hand-off ends
+     the request there and holds its blocks (not freed, not evictable). That output carries
+     the held block table.
   3. The blocks are leased to the KV sender, which returns the ``KVTransferParams`` handle.
   4. The stream yields ``PrefillReply(first token, handle)`` at once, then stays open: the
      caller (and Ray Serve) sees the leased work as ongoing.
@@ -12,9 +13,9 @@ Lifecycle of one request (``prefill(call)`` is an async stream):
      either side aborts; the sender's release callback frees the blocks in the engine and the
      stream ends. Cancelling the stream aborts the lease (or the prefill if still running).
 
-A request whose first token already finishes it (EOS, a stop token) frees its blocks and
-replies without a handle. Threads: the engine loop thread owns the engine, the ``kv-sender``
-thread serves pulls; asyncio callers only enqueue work for either.
+A request whose first token already finishes it (EOS, a stop token, ``max_tokens`` 1) frees its
+blocks and replies with its finish reason and no handle. Threads: the engine loop thread owns
+the engine, the ``kv-sender`` thread serves pulls; asyncio callers only enqueue work for either.
 """
 
 from __future__ import annotations
@@ -24,43 +25,38 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from cluster.common.autoscaling_stats import RecentWindow
 from cluster.common.errors import ErrorCode, PDServeError
 from cluster.common.faults import FaultPoints
 from cluster.common.kv_layout import KVLayout
 from cluster.common.protocol import PrefillCall, PrefillReply
 from cluster.config import ClusterConfig
+from cluster.engine.client import EngineClient
 from cluster.engine.engine import LLMEngine, RequestOutput
-from cluster.engine.model_runner import create_runner
-from cluster.engine.step_loop import EngineLoop
+from cluster.engine.runner_registry import create_runner
 from cluster.kv_transfer import KVPool, KVSender
+from cluster.serving.signals import RecentWindow
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _Lease:
-    loop: asyncio.AbstractEventLoop
-    ended: asyncio.Event = field(default_factory=asyncio.Event)
-    reason: str = ""
+class PrefillWorker:
+    role = "prefill"
 
-
-class PrefillServer:
     def __init__(
         self, config: ClusterConfig, *, instance_id: str | None = None, epoch: int | None = None
     ) -> None:
         self.config = config.for_pool("prefill")
-        self.faults = FaultPoints(self.config.testing.fault_points)
+        self.faults = FaultPoints.from_config(self.config.testing)
         self._pool: KVPool | None = None
         runner = create_runner(self.config, kv_allocator=self._allocate_pool)
-        self.engine = LLMEngine(self.config, runner=runner)
-        self.loop = EngineLoop(
-            self.engine, name="prefill-engine", before_step=lambda: self.faults.hit("engine.step")
+        self.engine = EngineClient(
+            LLMEngine(self.config, runner=runner, role="prefill"),
+            name="prefill-engine",
+            before_step=lambda: self.faults.hit("engine.step"),
         )
         assert self._pool is not None
         self.instance_id: str = instance_id or uuid.uuid4().hex
@@ -72,7 +68,8 @@ class PrefillServer:
             epoch=epoch if epoch is not None else time.time_ns(),
             fault_points=self.faults,
         )
-        self._leases: dict[str, _Lease] = {}
+        # Per call with a lease out: set when the lease ends (the call's stream then ends).
+        self._leases: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Event]] = {}
         self.num_prefills: int = 0
         # Recent TTFT on this replica (queue + prefill), one of the autoscaling signals.
         self.recent_ttft: RecentWindow = RecentWindow(
@@ -89,25 +86,21 @@ class PrefillServer:
 
     # -- lifecycle ----------------------------------------------------------------------------
 
-    def start(self) -> PrefillServer:
+    def start(self) -> PrefillWorker:
         self.sender.start()
-        self.loop.start()
+        self.engine.start()
         return self
 
     def close(self) -> None:
         self.sender.close()  # releases remaining leases (reason "closed")
-        self.loop.stop()
+        self.engine.stop()
 
     @property
     def endpoint(self) -> str:
         return self.sender.endpoint
 
     def is_alive(self) -> bool:
-        return self.loop.is_alive() and self.sender.is_alive()
-
-    @property
-    def num_active_leases(self) -> int:
-        return self.sender.num_active_leases
+        return self.engine.is_alive() and self.sender.is_alive()
 
     # -- the call -----------------------------------------------------------------------------
 
@@ -121,84 +114,78 @@ class PrefillServer:
         def sink(out: RequestOutput) -> None:
             aloop.call_soon_threadsafe(_resolve, first, out)
 
-        lease: _Lease | None = None
-        registered = False
+        ended = asyncio.Event()  # set by the sender thread when the lease ends
+        in_engine = True  # prefilling, or held but not leased yet: an abort frees it
+        leased = False
         try:
             try:
-                await asyncio.wrap_future(
-                    self.loop.add_request(
-                        rid,
-                        call.prompt_token_ids,
-                        call.params,
-                        sink,
-                        prefill_only=True,
-                        seed=call.seed,
-                    )
-                )
+                await self.engine.add(rid, call.prompt_token_ids, call.params, sink, seed=call.seed)
             except ValueError as e:
+                in_engine = False
                 raise PDServeError(ErrorCode.INVALID_ARGUMENT, str(e), call.request_id) from None
             out = await first
             if out.error is not None:
                 raise PDServeError(ErrorCode.UNAVAILABLE, out.error, call.request_id)
             self.num_prefills += 1
-            queue_ms, prefill_ms = _phase_ms(out, arrival)
-            self.recent_ttft.add(queue_ms + prefill_ms)
-            # Prefill-only requests end as "length" after their first token; a real finish is a
-            # stop (EOS, stop token) or a request that wanted a single token.
-            real_finish = out.finish_reason != "length" or call.params.max_tokens <= 1
-            reply = PrefillReply(
-                request_id=call.request_id,
-                first_token_id=out.new_token_ids[0],
-                first_logprob=out.new_logprobs[0] if out.new_logprobs else None,
-                first_top_logprobs=out.new_top_logprobs[0] if out.new_top_logprobs else None,
-                kv=None,
-                finish_reason=out.finish_reason if real_finish else None,
-                num_cached_tokens=out.num_cached_tokens,
-                prefill_queue_ms=queue_ms,
-                prefill_ms=prefill_ms,
-            )
-            if reply.finish_reason is not None:
-                self.loop.call(lambda eng: eng.release(rid))  # nothing to pull: free at once
+            reply = self._reply(call, out, arrival)
+            if out.held_block_ids is None:  # the first token finished it: nothing to pull
+                in_engine = False
                 yield reply
                 return
             await self.faults.hit_async("p.after_prefill_before_publish")
-            block_ids = await asyncio.wrap_future(
-                self.loop.call(lambda eng: list(eng.held_block_ids(rid)))
-            )
-            lease = self._leases[rid] = _Lease(aloop)
+            self._leases[rid] = (aloop, ended)
             params = self.sender.register(
                 rid,
-                block_ids,
+                out.held_block_ids,
                 num_tokens=len(call.prompt_token_ids),
-                block_hashes=call.block_hashes[: len(block_ids)],
+                block_hashes=call.block_hashes[: len(out.held_block_ids)],
             )
-            registered = True
+            in_engine, leased = False, True
             await self.faults.hit_async("p.after_publish_before_send")
             reply.kv = params.to_dict()
             yield reply
-            await lease.ended.wait()
-            logger.debug("request %s: lease ended (%s)", call.request_id, lease.reason)
+            await ended.wait()
         finally:
-            if registered and lease is not None and not lease.ended.is_set():
+            if in_engine:
+                self.engine.abort(rid)
+            elif leased and not ended.is_set():
                 self.sender.abort(rid)  # the release callback frees the blocks
-            elif not registered:
-                self._leases.pop(rid, None)
-                self.loop.abort(rid)  # still prefilling, or held but never published
+            self._leases.pop(rid, None)
+
+    def _reply(self, call: PrefillCall, out: RequestOutput, arrival: float) -> PrefillReply:
+        # (queue, compute) milliseconds: arrival -> scheduled -> first token.
+        scheduled = out.scheduled_time if out.scheduled_time is not None else arrival
+        first = out.first_token_time if out.first_token_time is not None else time.monotonic()
+        queue_ms = max(0.0, (scheduled - arrival) * 1000)
+        prefill_ms = max(0.0, (first - scheduled) * 1000)
+        self.recent_ttft.add(queue_ms + prefill_ms)
+        return PrefillReply(
+            request_id=call.request_id,
+            first_token_id=out.new_token_ids[0],
+            first_logprob=out.new_logprobs[0] if out.new_logprobs else None,
+            first_top_logprobs=out.new_top_logprobs[0] if out.new_top_logprobs else None,
+            kv=None,
+            finish_reason=out.finish_reason,
+            num_cached_tokens=out.num_cached_tokens,
+            prefill_queue_ms=queue_ms,
+            prefill_ms=prefill_ms,
+        )
 
     def _on_release(self, request_id: str, reason: str) -> None:
         """KV sender thread: a lease ended. Free the blocks on the engine thread, wake the call."""
-        self.loop.call(lambda eng: eng.release(request_id))
-        lease = self._leases.pop(request_id, None)
+        self.engine.release(request_id)
+        lease = self._leases.get(request_id)
         if lease is not None:
-            lease.reason = reason
-            lease.loop.call_soon_threadsafe(lease.ended.set)
+            logger.debug("request %s: lease ended (%s)", request_id, reason)
+            aloop, ended = lease
+            aloop.call_soon_threadsafe(ended.set)
 
     # -- introspection ------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
         return {
             "role": "prefill",
-            "engine": self.loop.stats(),
+            "engine": self.engine.stats(),
             "transfer": self.sender.stats(),
             "num_active_leases": self.sender.num_active_leases,
             "num_prefills": self.num_prefills,
@@ -207,17 +194,7 @@ class PrefillServer:
             "instance_id": self.instance_id,
         }
 
-    def check_integrity(self) -> None:
-        self.loop.call(lambda eng: eng.check_integrity()).result(timeout=30)
-
 
 def _resolve(fut: asyncio.Future[RequestOutput], out: RequestOutput) -> None:
     if not fut.done():
         fut.set_result(out)
-
-
-def _phase_ms(out: RequestOutput, arrival: float) -> tuple[float, float]:
-    """(queue, compute) milliseconds of a prefill: arrival -> scheduled -> first token."""
-    scheduled = out.scheduled_time if out.scheduled_time is not None else arrival
-    first = out.first_token_time if out.first_token_time is not None else time.monotonic()
-    return max(0.0, (scheduled - arrival) * 1000), max(0.0, (first - scheduled) * 1000)

@@ -27,11 +27,10 @@ from grpc_health.v1 import health_pb2
 from ray import serve
 
 from cluster.common.errors import ErrorCode, PDServeError
-from cluster.common.metrics import RouterMetrics
-from cluster.common.model_paths import model_limits, model_name
 from cluster.common.protocol import StreamChunk
 from cluster.common.tokenizer import load_tokenizer
 from cluster.config import config_from_dict
+from cluster.config.model_paths import model_limits, model_name
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.router.auth import ApiKeyAuth
 from cluster.router.relay import DecodeRelay
@@ -46,6 +45,7 @@ from cluster.router.responses import (
     grpc_status,
     openai_error,
 )
+from cluster.serving.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
 

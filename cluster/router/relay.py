@@ -1,21 +1,25 @@
 """Router -> decode pool: one request's stream, with retries only before the first token.
 
 A decode replica that fails (or cannot be reached within the assignment timeout) before anything
-reached the client is retried on another replica, the failed one excluded. Once a token has been
-streamed the request is never retried: the stream ends with ABORTED, never silently truncated.
+reached the client is retried on another replica, the failed one excluded
+(``serving.calls.retrying_stream``). Once a token has been streamed the request is never
+retried: the stream ends with ABORTED, never silently truncated.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
 from cluster.common.errors import ErrorCode, PDServeError
 from cluster.common.protocol import GenerateCall, StreamChunk
-from cluster.common.serve_calls import PoolStream, as_pdserve_error, is_retryable
 from cluster.config import RouterConfig
+from cluster.serving.calls import retrying_stream
+
+
+def _streams_output(chunk: StreamChunk) -> bool:
+    return bool(chunk.token_ids or chunk.text)
 
 
 class DecodeRelay:
@@ -24,56 +28,33 @@ class DecodeRelay:
         self.config = config
         self.num_retries = 0
 
-    async def stream(self, call: GenerateCall) -> AsyncIterator[StreamChunk]:
-        excluded: list[str] = []
-        streamed = False
-        for attempt in range(self.config.retries + 1):
-            pool = PoolStream(
-                self.handle.generate.remote(
-                    dataclasses.replace(call, exclude_replicas=tuple(excluded))
-                )
-            )
-            try:
-                await self._within_deadline(call, pool.accept(self.config.assignment_timeout_s))
-                it = pool.__aiter__()
-                while True:
-                    try:
-                        chunk = await self._within_deadline(call, it.__anext__())
-                    except StopAsyncIteration:
-                        return
-                    streamed = streamed or bool(chunk.token_ids or chunk.text)
-                    yield chunk
-            except GeneratorExit:
-                pool.cancel()  # the client went away: cancel in every pool
-                raise
-            except asyncio.CancelledError:
-                pool.cancel()
-                raise
-            except Exception as e:
-                pool.cancel()
-                err = as_pdserve_error(e, call.request_id)
-                if streamed:
-                    if err.code == ErrorCode.UNAVAILABLE:
-                        raise PDServeError(
-                            ErrorCode.ABORTED,
-                            "the decode replica failed after the first token; retry the request",
-                            call.request_id,
-                        ) from None
-                    raise err from None
-                if not is_retryable(err) or attempt == self.config.retries:
-                    raise err from None
-                if pool.replica_id:
-                    excluded.append(pool.replica_id)
-                self.num_retries += 1
+    def _count_retry(self) -> None:
+        self.num_retries += 1
 
-    @staticmethod
-    async def _within_deadline(call: GenerateCall, aw: Any) -> Any:
-        remaining = call.remaining_s()
-        if remaining is None:
-            return await aw
+    async def stream(self, call: GenerateCall) -> AsyncIterator[StreamChunk]:
+        streamed = False
+        chunks = retrying_stream(
+            lambda excluded: self.handle.generate.remote(
+                dataclasses.replace(call, exclude_replicas=excluded)
+            ),
+            request_id=call.request_id,
+            retries=self.config.retries,
+            assignment_timeout_s=self.config.assignment_timeout_s,
+            deadline=call.deadline,
+            is_progress=_streams_output,
+            on_retry=self._count_retry,
+        )
         try:
-            return await asyncio.wait_for(aw, max(0.0, remaining))
-        except asyncio.TimeoutError:
-            raise PDServeError(
-                ErrorCode.DEADLINE_EXCEEDED, "the request's deadline passed", call.request_id
-            ) from None
+            async for chunk in chunks:
+                streamed = streamed or _streams_output(chunk)
+                yield chunk
+        except PDServeError as e:
+            if streamed and e.code == ErrorCode.UNAVAILABLE:
+                raise PDServeError(
+                    ErrorCode.ABORTED,
+                    "the decode replica failed after the first token; retry the request",
+                    call.request_id,
+                ) from None
+            raise
+        finally:
+            await chunks.aclose()  # the client went away: cancel in every pool

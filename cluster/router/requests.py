@@ -16,10 +16,10 @@ from typing import Any
 
 from cluster.common.errors import ErrorCode, PDServeError, invalid
 from cluster.common.hashing import hash_block_tokens
-from cluster.common.model_paths import ModelLimits
 from cluster.common.protocol import GenerateCall
 from cluster.common.sampling_params import MAX_LOGPROBS, SamplingParams, validate_prompt
 from cluster.config import RouterConfig
+from cluster.config.model_paths import ModelLimits
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 MAX_PROMPT_CHARS = 4 << 20  # raw text, before tokenization (the body limit applies first)

@@ -3,7 +3,7 @@
 Two layers:
 
 * Pure decisions (``prefill_decision``, ``decode_decision``, ``decide``) over per-replica metric
-  snapshots (``cluster.common.autoscaling_stats`` keys): no Ray, no clock, unit-tested directly.
+  snapshots (``serving.signals`` keys): no Ray, no clock, unit-tested directly.
 * Ray adapters (``PrefillPolicy``, ``DecodePolicy``): callable classes that Ray Serve's
   controller instantiates once per deployment with ``policy_kwargs`` (the pool's
   ``autoscaling`` config section) and calls every control-loop tick with an
@@ -29,7 +29,7 @@ every custom policy with ``_apply_autoscaling_config``, which applies ``upscalin
 ``downscaling_factor``, the ``upscale_delay_s`` / ``downscale_delay_s`` timers (the recommendation
 must point the same way for the whole delay, wall-clock), and the min/max bounds. So the delays
 and smoothing of the pool's config are mapped onto those Ray fields
-(``cluster.common.serve_options``) rather than re-implemented here.
+(``serving.options``) rather than re-implemented here.
 
 Draining: Ray stops a replica gracefully (no new requests, open calls finish, up to
 ``graceful_shutdown_timeout_s``). A prefill replica's stream stays open while its KV is leased,
@@ -53,8 +53,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.common import autoscaling_stats as keys
 from cluster.config import AutoscalingConfig
+from cluster.serving import signals as keys
 
 logger = logging.getLogger("ray.serve")
 
@@ -305,12 +305,12 @@ class _PoolPolicy:
 
 
 class PrefillPolicy(_PoolPolicy):
-    """``cluster.autoscaling.policies:PrefillPolicy``: queued prefill tokens and TTFT."""
+    """``cluster.serving.autoscaling:PrefillPolicy``: queued prefill tokens and TTFT."""
 
     pool = "prefill"
 
 
 class DecodePolicy(_PoolPolicy):
-    """``cluster.autoscaling.policies:DecodePolicy``: KV use, sequences and TPOT."""
+    """``cluster.serving.autoscaling:DecodePolicy``: KV use, sequences and TPOT."""
 
     pool = "decode"

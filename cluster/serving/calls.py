@@ -1,20 +1,33 @@
-"""Calling a pool through a Ray Serve handle: streams, first-reply timeouts, error mapping.
+"""Calling a pool through a Ray Serve handle: one streaming call with retries, error mapping.
 
 Every pool stream starts with ``Accepted(replica_id)``, so a caller knows within
 ``assignment_timeout_s`` whether any replica took the call (an empty or saturated pool would
-otherwise wait forever), and which replica to exclude if it fails before the first token.
+otherwise wait forever), and which replica to exclude if it fails before making progress.
+``retrying_stream`` is the one implementation: the router's relay to the decode pool and a
+decode replica's call to the prefill pool both use it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import os
-from collections.abc import AsyncIterator
-from typing import Any
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 
 from cluster.common.errors import ErrorCode, PDServeError
-from cluster.common.protocol import Accepted
+from cluster.common.protocol import Accepted, within_deadline
+
+T = TypeVar("T")
+
+
+class PoolResponse(Protocol):
+    """What a streaming Serve handle call returns (``DeploymentResponseGenerator``)."""
+
+    def __aiter__(self) -> AsyncIterator[Any]: ...
+
+    def __anext__(self) -> Awaitable[Any]: ...
+
+    def cancel(self) -> None: ...
 
 
 def as_pdserve_error(e: BaseException, request_id: str = "") -> PDServeError:
@@ -52,38 +65,63 @@ def is_retryable(err: PDServeError) -> bool:
     return err.code == ErrorCode.UNAVAILABLE
 
 
-class PoolStream:
-    """One call's stream: ``accept()`` waits for ``Accepted``, then iterate the items."""
+async def retrying_stream(
+    call: Callable[[tuple[str, ...]], PoolResponse],
+    *,
+    request_id: str,
+    retries: int,
+    assignment_timeout_s: float,
+    deadline: float | None = None,
+    is_progress: Callable[[Any], bool] = lambda item: True,
+    on_retry: Callable[[], None] | None = None,
+) -> AsyncGenerator[Any, None]:
+    """The items of one pool call, retried on another replica until it makes progress.
 
-    def __init__(self, response: Any) -> None:
-        self.response = response  # a DeploymentResponseGenerator
-        self.replica_id = ""
+    ``call(excluded)`` starts the call on a replica not in ``excluded``. Each attempt must be
+    accepted within ``assignment_timeout_s``. A retryable failure (UNAVAILABLE: a dead,
+    unreachable or never-assigned replica) before any item ``is_progress`` accepts re-calls
+    with that replica excluded, at most ``retries`` times; any other failure, and any failure
+    after progress, is raised as a ``PDServeError`` (the caller decides what a failure after
+    progress means). Every await is bounded by ``deadline`` (wall clock): DEADLINE_EXCEEDED.
+    Closing the stream early, or cancelling it, cancels the call on its replica.
+    """
+    excluded: list[str] = []
+    progressed = False
+    for attempt in range(retries + 1):
+        response = call(tuple(excluded))
+        replica_id = ""
+        try:
+            accepted = await _accepted(response, assignment_timeout_s, deadline, request_id)
+            if not isinstance(accepted, Accepted):
+                raise PDServeError(ErrorCode.INTERNAL, "a pool stream did not start with Accepted")
+            replica_id = accepted.replica_id
+            while True:
+                try:
+                    item = await within_deadline(response.__anext__(), deadline, request_id)
+                except StopAsyncIteration:
+                    return
+                progressed = progressed or is_progress(item)
+                yield item
+        except (GeneratorExit, asyncio.CancelledError):
+            raise  # the finally cancels the call on the replica
+        except (Exception, StopAsyncIteration) as e:  # StopAsyncIteration: ended before Accepted
+            err = as_pdserve_error(e, request_id)
+            if progressed or not is_retryable(err) or attempt == retries:
+                raise err from None
+            if replica_id:
+                excluded.append(replica_id)
+            if on_retry is not None:
+                on_retry()
+        finally:
+            response.cancel()
+    raise PDServeError(ErrorCode.UNAVAILABLE, "no replica answered", request_id)
 
-    async def accept(self, timeout_s: float) -> str:
-        item = await asyncio.wait_for(self.response.__anext__(), timeout_s)
-        if not isinstance(item, Accepted):
-            raise PDServeError(ErrorCode.INTERNAL, "a pool stream did not start with Accepted")
-        self.replica_id = item.replica_id
-        return item.replica_id
 
-    def __aiter__(self) -> AsyncIterator[Any]:
-        return self.response.__aiter__()
-
-    def cancel(self) -> None:
-        self.response.cancel()
-
-
-def replica_stats(server: Any, replica_id: str) -> dict[str, Any]:
-    """A pool replica's ``stats()``: its server's engine stats plus what tests and operators ask
-    every replica (id, pid, paused fault points, KV blocks in use)."""
-    s: dict[str, Any] = server.stats()
-    s["replica_id"] = replica_id
-    s["paused_faults"] = server.faults.paused()
-    s["pid"] = os.getpid()
-    try:
-        s["kv_used_blocks"] = server.loop.call(lambda e: e.block_manager.num_used_blocks).result(
-            1.0
-        )
-    except concurrent.futures.TimeoutError:
-        s["kv_used_blocks"] = None  # the engine is busy or paused: unknown right now
-    return s
+async def _accepted(
+    response: PoolResponse, timeout_s: float, deadline: float | None, request_id: str
+) -> Any:
+    """The call's first item within the assignment timeout, or the deadline if that is sooner
+    (each with its own status: UNAVAILABLE is retried, DEADLINE_EXCEEDED is not)."""
+    if deadline is not None and deadline - time.time() <= timeout_s:
+        return await within_deadline(response.__anext__(), deadline, request_id)
+    return await asyncio.wait_for(response.__anext__(), timeout_s)

@@ -60,7 +60,7 @@ METRIC_NAMES = (
     "ray_pdserve_kv_transfer_failures_total",
     "ray_pdserve_kv_lease_expired_total",
     "ray_pdserve_kv_leases_active",
-    "ray_pdserve_autoscaling_decisions_total",  # recorded by cluster.autoscaling on the controller
+    "ray_pdserve_autoscaling_decisions_total",  # recorded by serving.autoscaling on the controller
 )
 
 

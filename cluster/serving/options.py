@@ -13,12 +13,12 @@ from typing import Any
 
 from ray.serve.config import RequestRouterConfig
 
-from cluster.common.serve_routing import (
+from cluster.config import ClusterConfig, PoolConfig, PrefillPoolConfig
+from cluster.serving.routers import (
     CACHE_AWARE_ROUTER,
     LEAST_LOADED_ROUTER,
     ROUND_ROBIN_ROUTER,
 )
-from cluster.config import ClusterConfig, PoolConfig, PrefillPoolConfig
 
 
 def _pool_options(pool: PoolConfig, max_ongoing: int, role: str, block_size: int) -> dict[str, Any]:
@@ -83,11 +83,11 @@ def _router_config(pool: PoolConfig, role: str, block_size: int) -> Any:
     return RequestRouterConfig(**fields)
 
 
-# Import paths, not imports: common sits below cluster.autoscaling. Ray imports the class once
-# (driver side, to pickle it) and instantiates it on the controller with policy_kwargs.
+# Import paths: Ray imports the class once (driver side, to pickle it) and instantiates it on the
+# controller with policy_kwargs.
 AUTOSCALING_POLICIES = {
-    "prefill": "cluster.autoscaling.policies:PrefillPolicy",
-    "decode": "cluster.autoscaling.policies:DecodePolicy",
+    "prefill": "cluster.serving.autoscaling:PrefillPolicy",
+    "decode": "cluster.serving.autoscaling:DecodePolicy",
 }
 
 

@@ -20,23 +20,29 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from cluster.common.routing_policy import PrefixIndex
+from cluster.common.protocol import GenerateCall, PrefillCall
 from cluster.config import RoutingConfig
+from cluster.serving.routing_policy import PrefixIndex
 
-LEAST_LOADED_ROUTER = "cluster.common.serve_routing.LeastLoadedRouter"
-CACHE_AWARE_ROUTER = "cluster.common.serve_routing.CacheAwareRouter"
-ROUND_ROBIN_ROUTER = "cluster.common.serve_routing.RoundRobinRouter"
+LEAST_LOADED_ROUTER = "cluster.serving.routers.LeastLoadedRouter"
+CACHE_AWARE_ROUTER = "cluster.serving.routers.CacheAwareRouter"
+ROUND_ROBIN_ROUTER = "cluster.serving.routers.RoundRobinRouter"
 
 
-def _call(pending: PendingRequest | None) -> Any:
+PoolCall = GenerateCall | PrefillCall
+
+
+def _call(pending: PendingRequest | None) -> PoolCall | None:
+    """The pool call a request carries (its first argument), or None for any other method."""
     if pending is None or not pending.args:
         return None
-    return pending.args[0]
+    call = pending.args[0]
+    return call if isinstance(call, GenerateCall | PrefillCall) else None
 
 
 def excluded_replicas(pending: PendingRequest | None) -> tuple[str, ...]:
-    excluded: Any = getattr(_call(pending), "exclude_replicas", ())
-    return tuple(excluded)
+    call = _call(pending)
+    return tuple(call.exclude_replicas) if call is not None else ()
 
 
 def _without_excluded(
@@ -94,21 +100,20 @@ class CacheAwareRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         candidates = _without_excluded(candidate_replicas, pending_request)
         call = _call(pending_request)
-        hashes = getattr(call, "block_hashes", None)
-        if not hashes or len(candidates) < 2:
+        if call is None or not call.block_hashes or len(candidates) < 2:
             return [candidates]
         by_id = {r.replica_id.unique_id: r for r in candidates}
         for rid, replica in by_id.items():
             self.index.update(rid, replica.routing_stats)
-        ranks = self.index.rank(list(by_id), hashes, len(call.prompt_token_ids))
+        ranks = self.index.rank(list(by_id), call.block_hashes, len(call.prompt_token_ids))
         return [[by_id[rid] for rid in rank] for rank in ranks]
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: Any, result: Any
     ) -> None:
-        hashes = getattr(_call(pending_request), "block_hashes", None)
-        if hashes:
-            self.index.dispatched(replica_id.unique_id, hashes)
+        call = _call(pending_request)
+        if call is not None and call.block_hashes:
+            self.index.dispatched(replica_id.unique_id, call.block_hashes)
             self.num_routed += 1
 
     def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:

@@ -49,25 +49,16 @@ def routing_snapshot(
     }
 
 
-async def replica_routing_stats(loop: Any, timeout_s: float) -> dict[str, Any]:
-    """A pool replica's ``record_routing_stats``: its engine's cached blocks and load.
-
-    ``loop`` is the replica's engine step loop (the block manager is read on its thread).
-    """
-    import asyncio
-
-    hashes = await asyncio.wait_for(
-        asyncio.wrap_future(loop.call(lambda engine: engine.block_manager.cached_hashes())),
-        timeout_s,
-    )
-    s = loop.stats()
-    kv = s.get("kv", {})
+def snapshot_from_stats(hashes: Iterable[int], engine_stats: dict[str, Any]) -> dict[str, Any]:
+    """A pool replica's snapshot from its engine's cached hashes and ``stats()``."""
+    kv = engine_stats.get("kv", {})
     return routing_snapshot(
         hashes,
         kv_free=1.0 - float(kv.get("usage", 0.0)),
-        num_running=int(s.get("num_running", 0)),
-        num_waiting=int(s.get("num_waiting", 0)) + int(s.get("num_waiting_for_kv", 0)),
-        queued_tokens=int(s.get("num_queued_prefill_tokens", 0)),
+        num_running=int(engine_stats.get("num_running", 0)),
+        num_waiting=int(engine_stats.get("num_waiting", 0))
+        + int(engine_stats.get("num_waiting_for_kv", 0)),
+        queued_tokens=int(engine_stats.get("num_queued_prefill_tokens", 0)),
     )
 
 

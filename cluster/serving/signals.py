@@ -2,10 +2,10 @@
 
 Ray Serve calls a replica's ``record_autoscaling_stats()`` periodically, keeps the values over
 ``look_back_period_s`` and hands their time-weighted mean per replica to the deployment's
-autoscaling policy (``AutoscalingContext.aggregated_metrics``). The key names live here because
-both sides use them: the replicas (``prefill_worker``, ``decode_worker``) and the policies
-(``cluster.autoscaling``), which must not import each other. Every key carries a ``pd_`` prefix so
-none collides with Ray's own ``running_requests`` series in the same report.
+autoscaling policy (``AutoscalingContext.aggregated_metrics``). The key names live here, beside
+both of their users: the replicas' reports (``serving.replica``, from each pool's stats) and the
+policies (``serving.autoscaling``). Every key carries a ``pd_`` prefix so none collides with
+Ray's own ``running_requests`` series in the same report.
 
 A latency key (TTFT, TPOT) is present only while its window holds samples: no recent requests
 means no latency signal, not a latency of zero.

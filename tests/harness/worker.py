@@ -1,4 +1,4 @@
-"""A pool worker process for tests: a PrefillServer or DecodeServer behind the test RPC.
+"""A pool worker process for tests: a PrefillWorker or DecodeWorker behind the test RPC.
 
     python -m tests.harness.worker prefill --config-json '{...}' --ready-file F
     python -m tests.harness.worker decode --config-json '{...}' --ready-file F --prefill EP [...]
@@ -75,15 +75,13 @@ class Target:
 
     def stats(self) -> dict[str, Any]:
         s = dict(self.server.stats())
-        s["kv_used_blocks"] = self.server.loop.call(
-            lambda e: e.block_manager.num_used_blocks
-        ).result(10)
+        s["kv_used_blocks"] = s["engine"]["kv"]["num_used_blocks"]  # as of the last step
         s["alive"] = self.server.is_alive()
         return s
 
     def integrity(self) -> str:
         try:
-            self.server.check_integrity()
+            self.server.engine.check_integrity()
         except AssertionError as e:
             return str(e)
         return "ok"
@@ -111,14 +109,14 @@ async def main(args: argparse.Namespace) -> None:
     config = config_from_dict(json.loads(args.config_json))
     server: Any
     if args.role == "prefill":
-        from cluster.prefill_worker.server import PrefillServer
+        from cluster.prefill_worker.worker import PrefillWorker
 
-        server = PrefillServer(config).start()
+        server = PrefillWorker(config).start()
     else:
-        from cluster.decode_worker.server import DecodeServer
+        from cluster.decode_worker.worker import DecodeWorker
 
         client = HarnessPrefillClient(args.prefill) if args.prefill else None
-        server = DecodeServer(config, client).start()
+        server = DecodeWorker(config, client).start()
     rpc = RpcServer(Target(server))
     ready = Path(args.ready_file)
     tmp = ready.with_suffix(".tmp")

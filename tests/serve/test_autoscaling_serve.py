@@ -18,11 +18,11 @@ import pytest
 import ray
 from ray import serve
 
-from cluster.autoscaling.policies import POLICY_STATE_KEY
 from cluster.common.hashing import hash_block_tokens
 from cluster.common.protocol import Accepted, GenerateCall
-from cluster.common.serve_options import deployment_options
-from cluster.decode_worker.deployment import DecodeDeployment
+from cluster.decode_worker.deployment import DecodeServer
+from cluster.serving.autoscaling import POLICY_STATE_KEY
+from cluster.serving.options import deployment_options
 from tests.helpers import fake_config, greedy
 from tests.serve_fixtures import ServeCluster
 
@@ -132,7 +132,7 @@ def test_decode_pool_scales_on_kv_use_and_drains_on_scale_down(
     assert "num_replicas" not in opts and opts["autoscaling_config"]["max_replicas"] == 2
     t0 = time.monotonic()
     handle = serve.run(
-        DecodeDeployment.options(**opts).bind(cfg.to_dict(), None), name=APP, route_prefix=None
+        DecodeServer.options(**opts).bind(cfg.to_dict(), None), name=APP, route_prefix=None
     )
     timeline: dict[str, float] = {"deployed": time.monotonic() - t0}
     try:

@@ -66,7 +66,7 @@ def prompt(i: int, n: int) -> list[int]:
 def reference(app: App, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
     engine = LLMEngine(app.config)
     for rid, p in prompts.items():
-        engine.add_request(rid, p, greedy(max_tokens))
+        engine.add(rid, p, greedy(max_tokens))
     return run_until_done(engine)
 
 

@@ -10,10 +10,10 @@ from ray import serve
 
 from cluster.common.hashing import hash_block_tokens
 from cluster.common.protocol import Accepted, GenerateCall
-from cluster.common.serve_options import deployment_options
-from cluster.decode_worker.deployment import DecodeDeployment
+from cluster.decode_worker.deployment import DecodeServer
 from cluster.engine.engine import LLMEngine
-from cluster.prefill_worker.deployment import PrefillDeployment
+from cluster.prefill_worker.deployment import PrefillServer
+from cluster.serving.options import deployment_options
 from tests.helpers import fake_config, greedy, run_until_done
 from tests.serve_fixtures import ServeCluster, wait_until
 
@@ -36,8 +36,8 @@ def deploy_pools(name: str, **overrides: Any) -> tuple[Any, Any]:
     cfg = fake_config(**{**CFG, **overrides})
     opts = deployment_options(cfg)
     plain = cfg.to_dict()
-    prefill = PrefillDeployment.options(**opts["PrefillServer"]).bind(plain)
-    decode = DecodeDeployment.options(**opts["DecodeServer"]).bind(plain, prefill)
+    prefill = PrefillServer.options(**opts["PrefillServer"]).bind(plain)
+    decode = DecodeServer.options(**opts["DecodeServer"]).bind(plain, prefill)
     handle = serve.run(decode, name=name, route_prefix=None)
     return cfg, handle
 
@@ -50,7 +50,7 @@ def test_decode_pool_hands_off_to_prefill_pool(serve_cluster: ServeCluster) -> N
         }
         ref = LLMEngine(cfg)
         for rid, p in prompts.items():
-            ref.add_request(rid, p, greedy(10))
+            ref.add(rid, p, greedy(10))
         expected = run_until_done(ref)
 
         async def one(rid: str, p: list[int]) -> list[Any]:

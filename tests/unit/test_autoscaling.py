@@ -12,7 +12,9 @@ import pytest
 from ray.serve.config import AutoscalingConfig as RayAutoscalingConfig
 from ray.serve.config import AutoscalingContext
 
-from cluster.autoscaling.policies import (
+from cluster.config import AutoscalingConfig
+from cluster.serving import signals as k
+from cluster.serving.autoscaling import (
     POLICY_STATE_KEY,
     DecodePolicy,
     PrefillPolicy,
@@ -21,9 +23,7 @@ from cluster.autoscaling.policies import (
     prefill_decision,
     replica_reports,
 )
-from cluster.common import autoscaling_stats as k
-from cluster.common.serve_options import AUTOSCALING_POLICIES, deployment_options
-from cluster.config import AutoscalingConfig
+from cluster.serving.options import AUTOSCALING_POLICIES, deployment_options
 from tests.helpers import make_config
 
 CFG = AutoscalingConfig(
@@ -411,8 +411,8 @@ def test_engine_reports_queued_prefill_tokens() -> None:
     from tests.helpers import fake_config, greedy
 
     engine = LLMEngine(fake_config(**{"scheduler.chunk_size": 16}))
-    engine.add_request("a", list(range(1, 41)), greedy(2))
-    engine.add_request("b", list(range(1, 25)), greedy(2))
+    engine.add("a", list(range(1, 41)), greedy(2))
+    engine.add("b", list(range(1, 25)), greedy(2))
     assert engine.stats()["num_queued_prefill_tokens"] == 64
     engine.step()  # 64-token budget: chunks of both prompts
     assert 0 <= engine.stats()["num_queued_prefill_tokens"] < 64

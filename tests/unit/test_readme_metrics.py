@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from cluster.common.metrics import METRIC_NAMES
+from cluster.serving.metrics import METRIC_NAMES
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

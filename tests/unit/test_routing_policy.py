@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from cluster.common.hashing import hash_block_tokens
-from cluster.common.routing_policy import PrefixIndex, routing_snapshot
 from cluster.config import RoutingConfig
+from cluster.serving.routing_policy import PrefixIndex, routing_snapshot
 
 BLOCK = 16
 
@@ -135,7 +135,7 @@ def test_round_robin_router_takes_turns() -> None:
     import asyncio
     from types import SimpleNamespace
 
-    from cluster.common.serve_routing import RoundRobinRouter
+    from cluster.serving.routers import RoundRobinRouter
 
     router = RoundRobinRouter.__new__(RoundRobinRouter)  # the policy only, no Serve plumbing
     router.initialize_state()

@@ -24,6 +24,16 @@ import pytest
         "cluster.router.responses",
         "cluster.router.auth",
         "cluster.router.relay",
+        # The Serve layer is torch-free too: the router and the Serve controller (autoscaling
+        # policies, request routers) import it.
+        "cluster.serving.calls",
+        "cluster.serving.options",
+        "cluster.serving.routers",
+        "cluster.serving.routing_policy",
+        "cluster.serving.metrics",
+        "cluster.serving.signals",
+        "cluster.serving.autoscaling",
+        "cluster.serving.replica",
     ],
 )
 def test_module_does_not_import_torch(module: str) -> None:

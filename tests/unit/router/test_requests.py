@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 
 from cluster.common.errors import ErrorCode, PDServeError
 from cluster.common.hashing import hash_block_tokens
-from cluster.common.model_paths import ModelLimits
 from cluster.common.sampling_params import SamplingParams
 from cluster.common.tokenizer import FakeTokenizer
 from cluster.config import RouterConfig
+from cluster.config.model_paths import ModelLimits
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.router.requests import RequestParser
 

@@ -10,10 +10,10 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from cluster.common.errors import ErrorCode, PDServeError
-from cluster.common.model_paths import ModelLimits
 from cluster.common.protocol import StreamChunk, Usage
 from cluster.common.tokenizer import FakeTokenizer
 from cluster.config import RouterConfig
+from cluster.config.model_paths import ModelLimits
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.router.auth import ApiKeyAuth
 from cluster.router.requests import RequestParser

@@ -14,16 +14,16 @@ import pytest
 
 from cluster.common.hashing import hash_block_tokens
 from cluster.common.protocol import GenerateCall, PrefillCall, PrefillReply, StreamChunk
-from cluster.decode_worker.server import DecodeServer
+from cluster.decode_worker.worker import DecodeWorker
 from cluster.engine.engine import LLMEngine
-from cluster.prefill_worker.server import PrefillServer
+from cluster.prefill_worker.worker import PrefillWorker
 from tests.helpers import fake_config, greedy, run_until_done
 
 pytestmark = pytest.mark.timeout(120)
 
 
 class InProcessPrefill:
-    def __init__(self, server: PrefillServer) -> None:
+    def __init__(self, server: PrefillWorker) -> None:
         self.server = server
         self.calls = 0
 
@@ -54,11 +54,11 @@ def _prompt(n: int, seed: int) -> list[int]:
 def _oracle(prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
     eng = LLMEngine(_cfg())
     for rid, p in prompts.items():
-        eng.add_request(rid, p, greedy(max_tokens))
+        eng.add(rid, p, greedy(max_tokens))
     return run_until_done(eng)
 
 
-async def _collect(decode: DecodeServer, call: GenerateCall) -> list[StreamChunk]:
+async def _collect(decode: DecodeWorker, call: GenerateCall) -> list[StreamChunk]:
     return [chunk async for chunk in decode.generate(call)]
 
 
@@ -69,25 +69,26 @@ def _call(rid: str, prompt: list[int], max_tokens: int, **kw: Any) -> GenerateCa
 class Pair:
     def __init__(self, **overrides: Any) -> None:
         cfg = _cfg(**overrides)
-        self.prefill = PrefillServer(cfg).start()
+        self.prefill = PrefillWorker(cfg).start()
         self.client = InProcessPrefill(self.prefill)
-        self.decode = DecodeServer(cfg, self.client).start()
+        self.decode = DecodeWorker(cfg, self.client).start()
 
     def wait_idle_clean(self, timeout: float = 5.0) -> None:
         import time
 
+        def used_blocks() -> tuple[int, int]:
+            p, d = self.prefill.engine.stats(), self.decode.engine.stats()
+            return p["kv"]["num_used_blocks"], d["kv"]["num_used_blocks"]
+
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            p = self.prefill.loop.call(lambda e: e.block_manager.num_used_blocks).result(5)
-            d = self.decode.loop.call(lambda e: e.block_manager.num_used_blocks).result(5)
-            if p == 0 and d == 0 and self.prefill.num_active_leases == 0:
+            if used_blocks() == (0, 0) and self.prefill.sender.num_active_leases == 0:
                 break
             time.sleep(0.05)
-        self.prefill.check_integrity()
-        self.decode.check_integrity()
-        assert self.prefill.loop.call(lambda e: e.block_manager.num_used_blocks).result(5) == 0
-        assert self.decode.loop.call(lambda e: e.block_manager.num_used_blocks).result(5) == 0
-        assert self.prefill.num_active_leases == 0
+        self.prefill.engine.check_integrity()
+        self.decode.engine.check_integrity()
+        assert used_blocks() == (0, 0)
+        assert self.prefill.sender.num_active_leases == 0
 
     def close(self) -> None:
         self.decode.close()
@@ -163,6 +164,29 @@ def test_cancelling_the_stream_frees_both_pools() -> None:
             await gen.aclose()
 
         asyncio.run(main())
+        pair.wait_idle_clean()
+    finally:
+        pair.close()
+
+
+def test_a_remote_request_enters_the_decode_engine_thread_three_times() -> None:
+    """add, accept_first_token, kv_arrived: the reservation and the outputs come by callback."""
+    pair = Pair()
+    entries: list[str] = []
+    loop = pair.decode.engine._loop
+    real_call = loop.call
+
+    def counting_call(fn: Any) -> Any:
+        entries.append(getattr(fn, "__qualname__", repr(fn)))
+        return real_call(fn)
+
+    loop.call = counting_call  # type: ignore[method-assign]
+    try:
+        prompt = _prompt(60, 4)
+        chunks = asyncio.run(_collect(pair.decode, _call("e", prompt, 6)))
+        assert chunks[-1].usage is not None and chunks[-1].usage.prefill_mode == "remote"
+        assert len(entries) == 3, entries
+        loop.call = real_call  # type: ignore[method-assign]
         pair.wait_idle_clean()
     finally:
         pair.close()

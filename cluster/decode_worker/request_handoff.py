@@ -1,0 +1,269 @@
+"""``RequestHandoff``: one request's prefill/decode hand-off and token stream on a decode replica.
+
+``stream()`` is the whole life of the request here (see ``worker`` for the numbered lifecycle):
+add it to the engine (which says local or remote), run the remote hand-off if needed (prefill
+call, first token, block reservation, pull, ``kv_arrived``), then relay the engine's outputs as
+``StreamChunk``s until it finishes. Whatever way the stream ends, ``finally`` leaves nothing
+behind: the reservation, the pull (and with it the prefill side's lease), the prefill call and
+the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from cluster.common.errors import ErrorCode, PDServeError
+from cluster.common.faults import FaultPoints
+from cluster.common.protocol import (
+    GenerateCall,
+    PrefillCall,
+    PrefillReply,
+    StreamChunk,
+    Usage,
+    within_deadline,
+)
+from cluster.config import ClusterConfig
+from cluster.engine.client import Added, EngineClient
+from cluster.engine.engine import RequestOutput
+from cluster.engine.handoff import KVReservation
+from cluster.kv_transfer import KVReceiver, KVTransferError, KVTransferParams
+from cluster.serving.signals import RecentWindow
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillClient(Protocol):
+    """How a decode replica reaches the prefill pool (Ray Serve handle, or a test harness)."""
+
+    def prefill(self, call: PrefillCall) -> AsyncIterator[PrefillReply]: ...
+
+
+@dataclass
+class DecodeContext:
+    """What every request's hand-off on one decode replica shares."""
+
+    config: ClusterConfig
+    engine: EngineClient
+    receiver: KVReceiver
+    prefill_client: PrefillClient | None
+    faults: FaultPoints
+    counters: dict[str, int]
+    recent_tpot: RecentWindow
+
+
+class RequestHandoff:
+    def __init__(self, ctx: DecodeContext, call: GenerateCall, seed: int) -> None:
+        self.ctx = ctx
+        self.call = call
+        self.seed = seed
+        self.rid = call.request_id
+        self.arrival = time.monotonic()
+        self.outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.usage = Usage(prefill_mode="local")
+        self.usage.phases["router_queue_ms"] = call.router_queue_ms
+        self.first_token_at: float | None = None
+        self.finished = False
+        self.in_engine = False
+        self.kv: KVTransferParams | None = None  # the lease to pull, once the reply named it
+        self.kv_done = False
+        self.remote_cached_tokens: int | None = None
+
+    async def stream(self) -> AsyncIterator[StreamChunk]:
+        ctx = self.ctx
+        aloop = asyncio.get_running_loop()
+        prefill_stream: AsyncIterator[PrefillReply] | None = None
+        added: Added | None = None
+        try:
+            added = await self._add(aloop)
+            if added.remote:
+                self.usage.prefill_mode = "remote"
+                ctx.counters["remote_prefills"] += 1
+                assert ctx.prefill_client is not None and added.reservation is not None
+                prefill_stream = ctx.prefill_client.prefill(self._prefill_call())
+                async for chunk in self._remote_handoff(prefill_stream, added.reservation):
+                    yield chunk
+            else:
+                ctx.counters["local_prefills"] += 1
+            async for chunk in self._decode():
+                yield chunk
+        finally:
+            if added is not None and added.reservation is not None:
+                added.reservation.cancel()
+            if self.kv is not None and not self.kv_done:
+                ctx.receiver.abort(self.kv)  # tells the prefill side to free its blocks
+            if prefill_stream is not None:
+                await _aclose(prefill_stream)
+            if self.in_engine and not self.finished:
+                ctx.engine.abort(self.rid)
+
+    async def _add(self, aloop: asyncio.AbstractEventLoop) -> Added:
+        ctx = self.ctx
+        try:
+            added = await ctx.engine.add(
+                self.rid,
+                self.call.prompt_token_ids,
+                self.call.params,
+                self._sink(aloop),
+                prefill="auto" if ctx.prefill_client is not None else "local",
+                seed=self.seed,
+                arrival_time=self.arrival,
+            )
+        except ValueError as e:
+            code = ErrorCode.ALREADY_EXISTS if "already exists" in str(e) else None
+            raise PDServeError(code or ErrorCode.INVALID_ARGUMENT, str(e), self.rid) from None
+        self.in_engine = True
+        return added
+
+    def _sink(self, aloop: asyncio.AbstractEventLoop) -> Callable[[RequestOutput], None]:
+        """Engine thread -> this request's queue on its event loop (never blocks)."""
+
+        def sink(out: RequestOutput) -> None:
+            aloop.call_soon_threadsafe(self.outputs.put_nowait, out)
+
+        return sink
+
+    def _prefill_call(self) -> PrefillCall:
+        return PrefillCall(
+            request_id=self.rid,
+            prompt_token_ids=self.call.prompt_token_ids,
+            block_hashes=self.call.block_hashes,
+            params=self.call.params,
+            seed=self.seed,
+            decode_endpoint=self.ctx.receiver.instance_id,
+            deadline=self.call.deadline,
+        )
+
+    async def _remote_handoff(
+        self,
+        prefill_stream: AsyncIterator[PrefillReply],
+        reservation: asyncio.Future[KVReservation],
+    ) -> AsyncIterator[StreamChunk]:
+        ctx = self.ctx
+        try:
+            reply = await self._before_deadline(prefill_stream.__anext__())
+        except PDServeError as e:
+            if e.code in (ErrorCode.INVALID_ARGUMENT, ErrorCode.DEADLINE_EXCEEDED):
+                raise
+            await self._fail_or_recompute(f"prefill call failed: {e.message}")
+            return
+        except (StopAsyncIteration, Exception) as e:  # a dead or unreachable prefill replica
+            ctx.counters["prefill_call_failures"] += 1
+            await self._fail_or_recompute(f"prefill call failed: {type(e).__name__}: {e}")
+            return
+        self.usage.phases["prefill_queue_ms"] = reply.prefill_queue_ms
+        self.usage.phases["prefill_ms"] = reply.prefill_ms
+        self.remote_cached_tokens = reply.num_cached_tokens
+        if reply.kv is not None:
+            self.kv = KVTransferParams.from_dict(reply.kv)
+        first = await ctx.engine.accept_first_token(
+            self.rid, reply.first_token_id, reply.first_logprob, reply.first_top_logprobs
+        )
+        yield self._chunk(first)  # the first token, before any KV moves
+        if first.finished or self.kv is None:
+            return
+        await self._pull(self.kv, reservation)
+
+    async def _pull(self, kv: KVTransferParams, reservation: asyncio.Future[KVReservation]) -> None:
+        ctx = self.ctx
+        ctx.receiver.hold(kv)  # heartbeat the lease while the request waits for blocks
+        res = await self._before_deadline(reservation)
+        self.usage.phases["decode_queue_ms"] = (time.monotonic() - self.arrival) * 1000
+        await ctx.faults.hit_async("d.after_alloc_before_pull")
+        k = min(res.num_hit_blocks, len(kv.block_ids))
+        t0 = time.monotonic()
+        try:
+            if k < len(kv.block_ids):
+                pull = ctx.receiver.pull_async(kv, res.block_ids[k:], first_block=k)
+                result = await self._before_deadline(asyncio.wrap_future(pull))
+                ctx.counters["pulled_blocks"] += result.num_blocks
+            else:
+                ctx.receiver.abort(kv, reason="not_needed")  # all cached here: release it
+            ctx.counters["reused_blocks"] += k
+            self.kv_done = True
+        except KVTransferError as e:
+            self.kv_done = True  # the receiver already told the sender (or the sender is gone)
+            ctx.counters["transfer_failures"] += 1
+            await self._fail_or_recompute(f"KV transfer failed: {e.reason}: {e}")
+            return
+        self.usage.phases["transfer_ms"] = (time.monotonic() - t0) * 1000
+        await ctx.engine.kv_arrived(self.rid)
+
+    async def _fail_or_recompute(self, why: str) -> None:
+        ctx = self.ctx
+        recompute = ctx.config.transfer.on_failure == "recompute"
+        logger.warning(
+            "request %s: %s; %s", self.rid, why, "prefilling locally" if recompute else "failing it"
+        )
+        if recompute:
+            ctx.counters["recomputed_after_failure"] += 1
+            self.usage.prefill_mode = "local"
+        await ctx.engine.kv_failed(self.rid, recompute=recompute, error=why)
+
+    async def _decode(self) -> AsyncIterator[StreamChunk]:
+        while True:
+            out = await self._before_deadline(self.outputs.get())
+            if out.error is not None:
+                self.finished = True
+                code = ErrorCode.ABORTED if self.first_token_at else ErrorCode.UNAVAILABLE
+                raise PDServeError(code, out.error, self.rid)
+            for _ in out.new_token_ids:
+                await self.ctx.faults.hit_async("d.mid_decode_token_k")
+            chunk = self._chunk(out)
+            if out.finished:
+                self._record_tpot(out)
+            yield chunk
+            if out.finished:
+                return
+
+    def _record_tpot(self, out: RequestOutput) -> None:
+        if self.first_token_at is not None and out.num_output_tokens > 1:
+            decode_s = time.monotonic() - self.first_token_at
+            self.ctx.recent_tpot.add(decode_s * 1000 / (out.num_output_tokens - 1))
+
+    def _chunk(self, out: RequestOutput) -> StreamChunk:
+        if self.first_token_at is None and out.new_token_ids:
+            self.first_token_at = time.monotonic()
+            if self.usage.prefill_mode == "local":
+                sched = out.scheduled_time or self.arrival
+                self.usage.phases["decode_queue_ms"] = (sched - self.arrival) * 1000
+                self.usage.phases["prefill_ms"] = (self.first_token_at - sched) * 1000
+        if out.finished:
+            self.finished = True
+        return StreamChunk(
+            request_id=self.rid,
+            token_ids=list(out.new_token_ids),
+            text=out.new_text,
+            logprobs=out.new_logprobs,
+            top_logprobs=out.new_top_logprobs,
+            finish_reason=out.finish_reason if out.finished else None,
+            usage=self._final_usage(out) if out.finished else None,
+        )
+
+    def _final_usage(self, out: RequestOutput) -> Usage:
+        u = self.usage
+        u.prompt_tokens = out.num_prompt_tokens
+        u.completion_tokens = out.num_output_tokens
+        # A remote prefill's compute was saved by the prefill replica's cache; a local one's (or
+        # a recompute's) by this replica's.
+        remote = self.remote_cached_tokens if u.prefill_mode == "remote" else None
+        u.cached_tokens = out.num_cached_tokens if remote is None else remote
+        if self.first_token_at is not None:
+            u.phases["decode_ms"] = (time.monotonic() - self.first_token_at) * 1000
+        return u
+
+    async def _before_deadline(self, aw: Any) -> Any:
+        return await within_deadline(aw, self.call.deadline, self.rid)
+
+
+async def _aclose(stream: AsyncIterator[Any]) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        try:
+            await aclose()
+        except Exception:  # a dead prefill replica's stream may fail to close: it is gone anyway
+            logger.debug("closing a prefill stream failed", exc_info=True)

@@ -1,0 +1,147 @@
+"""``PoolReplica``: what every pool replica (prefill or decode) is to Ray Serve, written once.
+
+A pool deployment subclasses it, builds its role's Ray-free worker (``PrefillWorker``,
+``DecodeWorker``) and adds its one streaming call. The base gives it:
+
+  * health (``check_health``: the engine thread and the KV side are alive);
+  * introspection for operators and tests (``stats``, ``check_integrity``, ``pid``);
+  * the metrics loop (``PoolMetrics`` fed from ``stats()`` every second, started with the first
+    call so it runs on the replica's event loop);
+  * the reports Ray Serve pulls: ``record_routing_stats`` (cached blocks and load, for the
+    cache-aware request router) and ``record_autoscaling_stats`` (the pool policy's signals);
+  * fault hooks (``arm_fault``, ``release_fault``, ``wait_paused``), refused unless the config
+    is in test mode (``testing.enabled``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any, ClassVar, Protocol
+
+from cluster.common.faults import FaultPoints
+from cluster.config import ClusterConfig, PoolConfig
+from cluster.serving.metrics import PoolMetrics
+from cluster.serving.routing_policy import snapshot_from_stats
+
+logger = logging.getLogger(__name__)
+METRICS_PERIOD_S = 1.0
+
+
+class EngineHandle(Protocol):
+    """What a replica needs of its engine (``cluster.engine.client.EngineClient``)."""
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def check_integrity(self, timeout_s: float = ...) -> None: ...
+
+    async def cached_block_hashes(self) -> list[int]: ...
+
+
+class PoolWorker(Protocol):
+    """A role's Ray-free core: its engine, its KV side, its fault points."""
+
+    @property
+    def engine(self) -> EngineHandle: ...
+
+    @property
+    def faults(self) -> FaultPoints: ...
+
+    def is_alive(self) -> bool: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+def current_replica_id() -> str:
+    from ray import serve
+
+    return serve.get_replica_context().replica_id.unique_id
+
+
+class PoolReplica:
+    role: ClassVar[str]  # "prefill" | "decode": the pool's config section and metrics label
+
+    def __init__(self, config: ClusterConfig, replica_id: str, worker: PoolWorker) -> None:
+        self.config = config
+        self.replica_id = replica_id
+        self.worker = worker
+        self.pool: PoolConfig = config.prefill if self.role == "prefill" else config.decode
+        self.metrics = PoolMetrics(self.role)
+        self._metrics_task: asyncio.Task[None] | None = None
+
+    def autoscaling_signals(self, stats: dict[str, Any]) -> dict[str, float]:
+        raise NotImplementedError
+
+    def _started(self) -> None:
+        """Call at the start of each request: the metrics loop needs the replica's event loop."""
+        if self._metrics_task is None:
+            self._metrics_task = asyncio.get_running_loop().create_task(self._publish_metrics())
+
+    async def _publish_metrics(self) -> None:
+        while True:
+            try:
+                self.metrics.update(self.worker.stats())
+            except Exception:  # metrics must never take the replica down
+                logger.exception("publishing %s metrics failed", self.role)
+            await asyncio.sleep(METRICS_PERIOD_S)
+
+    # -- what Ray Serve calls ------------------------------------------------------------------
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Cache-aware routing: this replica's cached blocks and load (``routing_policy``)."""
+        timeout_s = max(1.0, 2 * self.pool.routing.stats_period_s)
+        engine = self.worker.engine
+        hashes = await asyncio.wait_for(engine.cached_block_hashes(), timeout_s)
+        return snapshot_from_stats(hashes, engine.stats())
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray Serve's autoscaler reads this (the signals of the pool's policy)."""
+        return self.autoscaling_signals(self.worker.stats())
+
+    def check_health(self) -> None:
+        if not self.worker.is_alive():
+            raise RuntimeError(f"{self.role} replica {self.replica_id}: engine or KV side is dead")
+
+    # -- introspection -------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """The worker's stats plus what tests and operators ask every replica."""
+        s = self.worker.stats()
+        s["replica_id"] = self.replica_id
+        s["paused_faults"] = self.worker.faults.paused()
+        s["pid"] = os.getpid()
+        s["kv_used_blocks"] = s["engine"]["kv"]["num_used_blocks"]  # as of the last step
+        return s
+
+    def check_integrity(self) -> str:
+        try:
+            self.worker.engine.check_integrity()
+        except AssertionError as e:
+            return str(e)
+        return "ok"
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    # -- fault hooks (test mode only) ----------------------------------------------------------
+
+    def arm_fault(self, spec: str) -> str:
+        """Arm a fault point for its next hit on this replica (see ``common.faults``)."""
+        self.worker.faults.arm(spec)
+        return self.replica_id
+
+    def release_fault(self, name: str) -> str:
+        self.worker.faults.release(name)
+        return self.replica_id
+
+    async def wait_paused(self, name: str, timeout: float) -> bool:
+        return await asyncio.to_thread(self.worker.faults.wait_paused, name, timeout)
+
+    def __del__(self) -> None:
+        # Graceful shutdown: Serve has already waited for open streams (leases) to end.
+        worker = getattr(self, "worker", None)
+        if worker is not None:
+            worker.close()
