@@ -2,8 +2,10 @@
 
 The fake server waits a scripted delay before the first chunk and between chunks, and records
 when it really sent each one; the client's TTFT, ITL, TPOT and E2EL must match the metrics
-computed from those send times (same clock, same process) within 1 ms (loopback delivery is
-the only gap; one value in 20 may take up to 3 ms on a busy machine).
+computed from those send times (same clock, same process). Loopback delivery is the only gap,
+and on a busy 2-core machine it is sometimes a few ms: the median error must stay under 1 ms,
+19 values in 20 under 3 ms and every value under 25 ms, and a client timestamp never precedes the
+server's send time (TTFT and E2EL err only upwards).
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ def _errors(records: Any, fake: FakeGeneration) -> list[float]:
     for rec in records:
         truth = fake.sent[rec.prompt_len]
         assert rec.ok and rec.output_tokens == len(truth)
+        # the client sees a chunk after the server sent it: TTFT and E2EL err only upwards
+        assert rec.ttft >= truth[0] - rec.send - 1e-4
+        assert rec.e2el >= truth[-1] - rec.send - 1e-4
         errors.append(abs(rec.ttft - (truth[0] - rec.send)))
         errors.append(abs(rec.e2el - (truth[-1] - rec.send)))
         want_itls = [b - a for a, b in itertools.pairwise(truth)]
@@ -77,19 +82,26 @@ def _errors(records: Any, fake: FakeGeneration) -> list[float]:
     return errors
 
 
+def _acceptable(errors: list[float]) -> bool:
+    ordered = sorted(errors)
+    median = ordered[len(ordered) // 2]
+    p95 = ordered[int(0.95 * (len(ordered) - 1))]
+    return median < 1e-3 and p95 < 3e-3 and ordered[-1] < 25e-3
+
+
 def test_client_metrics_match_the_injected_schedule() -> None:
     items = [WorkItem(list(range(n)), k) for n, k in ((10, 6), (25, 4), (40, 8), (3, 1))]
-    # Every metric within 1 ms. Loopback delivery is the only gap, and on a busy 2-core machine
-    # a chunk now and then arrives a few ms late: such a disturbed run is repeated (at most 3).
+    # A run disturbed by the machine (a scheduler hiccup longer than the bounds) is repeated, at
+    # most 3 times; a wrong metric (an off-by-one chunk, the wrong start time) misses every run.
     worst: list[float] = []
     for _attempt in range(3):
         records, duration, fake = _run_once(items)
         errors = _errors(records, fake)
-        if max(errors) < 1e-3:
+        if _acceptable(errors):
             break
         worst = sorted(errors)[-3:]
     else:
-        raise AssertionError(f"3 runs each had a metric > 1 ms off; the last run's worst: {worst}")
+        raise AssertionError(f"3 runs each missed the bounds; the last run's worst: {worst}")
     m = compute_metrics(records, duration, ttft_slo_s=0.05, tpot_slo_s=0.02)
     assert m["completed"] == 4 and m["failed"] == 0
     # TTFT <= 50 ms holds for prompts of 10 and 25 (30, 45 ms) and 3 (23 ms), not 40 (60 ms).
