@@ -16,7 +16,14 @@ from typing import Any
 
 from ray import serve
 
-from cluster.common.protocol import Accepted, GenerateCall, PrefillCall, PrefillReply, StreamChunk
+from cluster.common.protocol import (
+    Accepted,
+    GenerateCall,
+    PrefillCall,
+    PrefillProgress,
+    PrefillReply,
+    StreamChunk,
+)
 from cluster.config import ClusterConfig, config_from_dict
 from cluster.decode_worker.worker import DecodeWorker
 from cluster.serving.calls import retrying_stream
@@ -36,7 +43,7 @@ class ServePrefillClient:
     def _count_retry(self) -> None:
         self.num_retries += 1
 
-    def prefill(self, call: PrefillCall) -> AsyncIterator[PrefillReply]:
+    def prefill(self, call: PrefillCall) -> AsyncIterator[PrefillProgress | PrefillReply]:
         return retrying_stream(
             lambda excluded: self.handle.prefill.remote(
                 dataclasses.replace(call, exclude_replicas=excluded)

@@ -136,6 +136,7 @@ class RecvPull:
     state: TransferState = TransferState.PENDING
     next_frame: int = 0  # frames landed so far, in plan order
     confirming: bool = False  # data landed, waiting for the sender's AckReply
+    final: bool = True  # False: one part of a streamed lease, which stays held after it
     extra: dict[str, Any] = field(default_factory=dict)
 
 
