@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from cluster.config.validation import check, check_choice
 
-_TRANSPORTS = ("loopback", "shm", "zmq", "torch_dist")
+_TRANSPORTS = ("loopback", "shm", "zmq", "torch_dist", "cuda_ipc")
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ import msgpack
 from cluster.common.kv_layout import KVLayout
 
 # Bump on any change to a message's fields or meaning (or to the block-hash chain).
-# 2: PullRequest.final (streamed leases are pulled in parts).
+# 2: PullRequest.final (streamed leases are pulled in parts), HelloReply.cuda_ipc.
 PROTOCOL_VERSION = 2
 
 # Bounds every decoded value must respect: no allocation proportional to a declared size.
@@ -209,6 +209,7 @@ class HelloReply:
     shm_name: str  # the sender pool's shared segment ("" when not shared)
     dist_store: str  # host:port of the torch_dist rendezvous store ("" when not offered)
     max_frame_bytes: int
+    cuda_ipc: str = ""  # the sender's device pool as a CUDA IPC handle ("" when not offered)
 
 
 @dataclass(frozen=True, slots=True)

@@ -141,6 +141,10 @@ class KVSender:
             self._ctx.dist_store = start_store(cfg)
         if "loopback" in cfg.transports:
             LOCAL_POOLS[self.instance_id] = self.pool
+        if "cuda_ipc" in cfg.transports and self.pool.tensor.is_cuda:
+            from cluster.kv_transfer.transports.cuda_ipc import export_pool
+
+            self._ctx.cuda_ipc = export_pool(self.pool)
         self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
         self._thread.start()
         return self.endpoint

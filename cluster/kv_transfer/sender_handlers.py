@@ -145,6 +145,7 @@ class SenderHandlers:
             shm_name=ctx.pool.shm_path,
             dist_store=store.address if store is not None else "",
             max_frame_bytes=min(ctx.config.frame_bytes, ctx.config.max_message_bytes),
+            cuda_ipc=ctx.cuda_ipc,
         )
 
     # -- pulls --------------------------------------------------------------------------------

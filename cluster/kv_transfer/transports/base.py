@@ -84,6 +84,7 @@ class SenderContext:
     fault_points: FaultPoints
     stats: TransferStats
     dist_store: Any = None  # torch TCPStore (torch_dist), owned by the sender
+    cuda_ipc: str = ""  # the device pool's exported CUDA IPC handle (cuda_ipc), or ""
 
 
 @dataclass(slots=True)
