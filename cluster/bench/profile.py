@@ -23,6 +23,7 @@ What it measures (the file format is ``cluster.planner.profile``):
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import random
 import statistics
@@ -266,7 +267,12 @@ def measure_transfer(
 
 
 def measure_serving(
-    config: ClusterConfig, mode: str, steps: dict[str, StepCosts], progress: Progress
+    config: ClusterConfig,
+    mode: str,
+    steps: dict[str, StepCosts],
+    transfer: dict[str, TransferCost],
+    bytes_per_block: int,
+    progress: Progress,
 ) -> tuple[dict[str, ServingCost], dict[str, Any]]:
     """Unloaded requests on a local Ray Serve cluster, a colocated and a 1P1D arm."""
     from cluster.bench.serve import arm_config, measure
@@ -297,35 +303,86 @@ def measure_serving(
     serving: dict[str, ServingCost] = {}
     raw: dict[str, Any] = {}
     for kind, cfg in configs.items():
-        prefill_threads = cfg.decode.num_threads if kind == "local" else cfg.prefill.num_threads
-        decode_threads = cfg.decode.num_threads
-        pc, dc = steps[str(prefill_threads)], steps[str(decode_threads)]
-        chunk = cfg.for_pool("decode" if kind == "local" else "prefill").scheduler.chunk_size
-        prefill_scale, decode_scale, ttft_over = [], [], []
-        for r in runs.unloaded[kind]:
-            if not r.ok or not r.phases:
-                continue
-            pred = predicted_prefill(pc, r.prompt_len, chunk)
-            prefill_s = r.phases["prefill_ms"] / 1000
-            prefill_scale.append(prefill_s / pred)
-            ttft_over.append(max(0.0, r.ttft - prefill_s))
-            if r.tpot is not None:
-                mean_ctx = r.prompt_len + r.max_tokens / 2
-                decode_scale.append(r.tpot / dc.decode(1, mean_ctx))
-        if not prefill_scale:
-            raise RuntimeError(f"profile: no unloaded {kind} request completed")
-        serving[kind] = ServingCost(
-            ttft_overhead_s=statistics.median(ttft_over),
-            prefill_scale=statistics.median(prefill_scale),
-            decode_scale=statistics.median(decode_scale) if decode_scale else 1.0,
+        samples = [
+            ServingSample(
+                r.prompt_len,
+                r.max_tokens,
+                [t - r.send for t in r.chunk_times],
+                r.phases["prefill_ms"] / 1000,
+            )
+            for r in runs.unloaded[kind]
+            if r.ok and r.phases
+        ]
+        serving[kind], raw[kind] = calibrate(
+            kind, samples, steps, cfg, transfer.get(cfg.transfer.transports[0]), bytes_per_block
         )
-        raw[kind] = {
-            "prefill_scale": prefill_scale,
-            "decode_scale": decode_scale,
-            "ttft_overhead_s": ttft_over,
-        }
         progress(f"serving {kind}: {serving[kind]}")
     return serving, raw
+
+
+@dataclasses.dataclass
+class ServingSample:
+    """One unloaded request as the client saw it: token times from its send, and the prefill
+    compute the engine that ran it reported."""
+
+    prompt_len: int
+    max_tokens: int
+    token_times: list[float]
+    prefill_s: float
+
+
+def calibrate(
+    kind: str,
+    samples: Sequence[ServingSample],
+    steps: dict[str, StepCosts],
+    cfg: ClusterConfig,
+    transfer: TransferCost | None,
+    bytes_per_block: int,
+) -> tuple[ServingCost, dict[str, Any]]:
+    """What the serving stack adds around the engine, from unloaded requests (``kind`` local:
+    a colocated replica; remote: prefill and decode apart): the hops before the first token,
+    the engine's prefill and decode steps inside a replica over the bare engine's, and (remote)
+    the hand-off between the KV landing and the decode batch's first step."""
+    local = kind == "local"
+    prefill_threads = cfg.decode.num_threads if local else cfg.prefill.num_threads
+    first = next(iter(steps.values()))  # a GPU profile has one table
+    pc = steps.get(str(prefill_threads or 1), first)
+    dc = steps.get(str(cfg.decode.num_threads or 1), first)
+    chunk = cfg.for_pool("decode" if local else "prefill").scheduler.chunk_size
+    prefill_scale, decode_scale, ttft_over, handoff = [], [], [], []
+    for s in samples:
+        ttft = s.token_times[0]
+        prefill_scale.append(s.prefill_s / predicted_prefill(pc, s.prompt_len, chunk))
+        ttft_over.append(max(0.0, ttft - s.prefill_s))
+        # Steady decode: from the second token on (the first gap holds the remote hand-off).
+        rest = s.token_times[1:]
+        if len(rest) >= 2:
+            per_token = (rest[-1] - rest[0]) / (len(rest) - 1)
+            decode_scale.append(per_token / dc.decode(1, s.prompt_len + s.max_tokens / 2))
+    d_scale = statistics.median(decode_scale) if decode_scale else 1.0
+    if not local:
+        for s in samples:
+            if len(s.token_times) < 2:
+                continue
+            blocks = -(-s.prompt_len // cfg.cache.block_size)
+            pull = transfer.seconds(blocks * bytes_per_block) if transfer is not None else 0.0
+            step = dc.decode(1, s.prompt_len + 1) * d_scale
+            handoff.append(max(0.0, s.token_times[1] - s.token_times[0] - pull - step))
+    if not prefill_scale:
+        raise RuntimeError(f"profile: no unloaded {kind} request completed")
+    cost = ServingCost(
+        ttft_overhead_s=statistics.median(ttft_over),
+        prefill_scale=statistics.median(prefill_scale),
+        decode_scale=d_scale,
+        handoff_s=statistics.median(handoff) if handoff else 0.0,
+    )
+    raw = {
+        "prefill_scale": prefill_scale,
+        "decode_scale": decode_scale,
+        "ttft_overhead_s": ttft_over,
+        "handoff_s": handoff,
+    }
+    return cost, raw
 
 
 def predicted_prefill(costs: StepCosts, tokens: int, chunk: int | None) -> float:
@@ -381,7 +438,9 @@ def run_profile(
     transfer = measure_transfer(config, layout, progress, reps=grid["reps"] + 1)
     serving_costs: dict[str, ServingCost] = {}
     if serving and mode != "smoke" and not cuda:
-        serving_costs, measured["serving"] = measure_serving(config, mode, steps, progress)
+        serving_costs, measured["serving"] = measure_serving(
+            config, mode, steps, transfer, layout.bytes_per_block, progress
+        )
     device = {
         "kind": "cuda" if cuda else "cpu",
         "name": torch.cuda.get_device_name(0)

@@ -9,14 +9,17 @@ JSON file of this shape (``format: pdserve-profile/1``); the simulator reads it:
       - ``decode``: a decode step of B sequences at mean context C: a ``batch`` x ``context``
         grid of ``seconds``.
     A step of mixed work costs the decode grid's figure for its decodes, plus the prefill
-    table's figure for its prefill tokens above a one-token step, plus the context term: one
-    batched forward whose matrix work grows with the tokens it carries.
+    table's figure for its prefill tokens above the step's floor (the prefill line at 0
+    tokens), plus the context term: one batched forward whose matrix work grows with the tokens
+    it carries.
   * ``transfer[transport]``: one pull costs ``fixed_s + bytes / bytes_per_s``.
   * ``serving[arm kind]`` (``local``: a colocated replica; ``remote``: prefill and decode apart):
     what the serving stack adds around the engine, from unloaded requests on a local cluster:
     ``ttft_overhead_s`` (client TTFT minus the engine's queue and prefill), ``token_overhead_s``
-    (client TPOT minus the engine's decode step), and ``prefill_scale`` / ``decode_scale``
-    (engine step time inside a replica over the bare engine's: CPU the stack takes).
+    (client TPOT minus the engine's decode step), ``prefill_scale`` / ``decode_scale``
+    (engine step time inside a replica over the bare engine's: CPU the stack takes) and, for
+    remote, ``handoff_s`` (the first gap's excess over the pull and a decode step: the hops
+    from the first token to the request's first decode step).
   * ``model``: block size and KV bytes per block (what a transfer moves).
 
 Interpolation is piecewise linear (bilinear on the decode grid) and linear past the last point.
@@ -78,6 +81,18 @@ class StepCosts:
     def prefill(self, tokens: float) -> float:
         return max(1e-6, _interp(self.prefill_tokens, self.prefill_seconds, tokens))
 
+    @property
+    def step_floor(self) -> float:
+        """What a step costs before its tokens (weights read, launch, bookkeeping): the prefill
+        line through its two smallest multi-token points, at 0 tokens (at most a 1-token
+        step). Beside decodes, a prefill chunk adds its cost above this."""
+        pts = [(x, y) for x, y in zip(self.prefill_tokens, self.prefill_seconds) if x > 1][:2]
+        first = self.prefill_seconds[0]
+        if len(pts) < 2:
+            return first
+        (x0, y0), (x1, y1) = pts
+        return min(first, max(0.0, y0 - x0 * (y1 - y0) / (x1 - x0)))
+
     def decode(self, batch: float, context: float) -> float:
         by_batch = [_interp(self.decode_context, row, context) for row in self.decode_seconds]
         return max(1e-6, _interp(self.decode_batch, by_batch, batch))
@@ -90,7 +105,7 @@ class StepCosts:
             t = self.decode(len(decode), sum(decode) / len(decode))
         n = sum(tokens for tokens, _ in prefill)
         if n:
-            t += self.prefill(n) - (self.prefill(1) if decode else 0.0)
+            t += self.prefill(n) - (self.step_floor if decode else 0.0)
             t += self.prefill_context_s * sum(tokens * ctx for tokens, ctx in prefill)
         return t
 
@@ -137,6 +152,7 @@ class ServingCost:
     token_overhead_s: float = 0.0
     prefill_scale: float = 1.0
     decode_scale: float = 1.0
+    handoff_s: float = 0.0  # remote: the KV landed -> the request in the decode batch
 
 
 @dataclass(frozen=True)

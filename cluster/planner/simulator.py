@@ -395,7 +395,10 @@ class SimCluster:
             if st.reply_at is not None and st.pulled >= st.num_blocks:
                 st.done = True
                 st.prefill.release(st.req.request_id)
-                st.decode.kv_arrived(st.req.request_id)
+                rid = st.req.request_id
+                self.clock.at(
+                    self.clock.now + self.serving.handoff_s, lambda: st.decode.kv_arrived(rid)
+                )
             else:
                 self._pull(st)  # the next part, if more was announced meanwhile
 
