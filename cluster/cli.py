@@ -130,6 +130,52 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_benchmark(args.name, mode, _config(args))
 
 
+def _mode(args: argparse.Namespace) -> str:
+    return "smoke" if args.smoke else "quick" if args.quick else "full"
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from cluster.bench.profile import run_profile
+
+    threads = None
+    if args.threads:
+        try:
+            threads = [int(t) for t in args.threads.split(",")]
+        except ValueError:
+            raise ValueError(f"--threads: expected a list like 1,2, got {args.threads!r}") from None
+        if any(t < 1 for t in threads):
+            raise ValueError("--threads: every count must be >= 1")
+    run_profile(_config(args), _mode(args), Path(args.out), threads, serving=not args.no_serving)
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    if args.validate:
+        from cluster.bench.plan_check import run_check
+
+        return run_check(
+            _config(args),
+            _mode(args),
+            Path(args.profile) if args.profile else None,
+            Path(args.out),
+        )
+    from cluster.planner.cli import run_plan
+
+    return run_plan(
+        profile=Path(args.profile) if args.profile else None,
+        workload=args.workload,
+        rate=args.rate,
+        devices=args.devices,
+        quick=args.quick or args.smoke,
+        out=Path(args.out),
+        kv_blocks_per_device=args.kv_blocks_per_device,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve", description="Disaggregated prefill/decode LLM serving on Ray Serve."
@@ -183,6 +229,34 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--smoke", action="store_true", help="tiny random model: harness check")
     _add_config_args(bench)
     bench.set_defaults(func=cmd_bench)
+
+    prof = sub.add_parser("profile", help="measure this machine's step costs for pdserve plan")
+    prof.add_argument("--out", default="bench/results/profile.json", help="the profile file")
+    prof.add_argument("--threads", help="torch thread counts to profile, e.g. 1,2 (CPU)")
+    prof.add_argument("--no-serving", action="store_true", help="skip the local-cluster part")
+    pmode = prof.add_mutually_exclusive_group()
+    pmode.add_argument("--quick", action="store_true", help="a coarser grid")
+    pmode.add_argument("--smoke", action="store_true", help="tiny random model: harness check")
+    _add_config_args(prof)
+    prof.set_defaults(func=cmd_profile)
+
+    plan = sub.add_parser("plan", help="the best prefill/decode split by simulation")
+    plan.add_argument("--profile", help="a profile file (default: the shipped example)")
+    plan.add_argument("--workload", default="mixed-long", help="a workload name or JSON file")
+    plan.add_argument("--rate", type=float, default=0.5, help="requests/s to evaluate at")
+    plan.add_argument("--devices", type=int, default=2, help="devices (CPU: cores) to split")
+    plan.add_argument("--kv-blocks-per-device", type=int, default=700)
+    plan.add_argument("--out", default="bench/results", help="where the JSON and PNG go")
+    plan.add_argument(
+        "--validate",
+        action="store_true",
+        help="predict, then measure bench serve's arms on a local cluster, and compare",
+    )
+    lmode = plan.add_mutually_exclusive_group()
+    lmode.add_argument("--quick", action="store_true", help="fewer simulated requests")
+    lmode.add_argument("--smoke", action="store_true", help="the smallest run (tests)")
+    _add_config_args(plan)
+    plan.set_defaults(func=cmd_plan)
     return parser
 
 

@@ -42,8 +42,10 @@ def start(
     address: str | None = None,
     metrics_port: int | None = None,
     dashboard: bool = False,
+    deploy_app: bool = True,
 ) -> Any:
-    """Start Ray (or join ``address``) and Serve, deploy; returns the app handle."""
+    """Start Ray (or join ``address``) and Serve, deploy (unless ``deploy_app`` is False: the
+    caller deploys applications of its own); returns the app handle."""
     import ray
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
@@ -67,7 +69,7 @@ def start(
         http_options=HTTPOptions(host=r.host, port=r.http_port),
         grpc_options=gRPCOptions(port=r.grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS),
     )
-    return deploy(config)
+    return deploy(config) if deploy_app else None
 
 
 def deploy(config: ClusterConfig) -> Any:

@@ -36,12 +36,13 @@ def load_hf(model_dir: Path) -> Any:
 def hf_greedy(
     model: Any, prompt: list[int], max_new_tokens: int, suppress: tuple[int, ...]
 ) -> Reference:
-    ids = torch.tensor([prompt])
+    device = getattr(model, "device", torch.device("cpu"))  # the GPU tests run it on CUDA
+    ids = torch.tensor([prompt], device=device)
     out = model(ids, use_cache=True)
     past = out.past_key_values
     tokens: list[int] = []
     logits_list: list[torch.Tensor] = []
-    logits = out.logits[0, -1].float()
+    logits = out.logits[0, -1].float().cpu()
     for _ in range(max_new_tokens):
         logits = logits.clone()
         logits_list.append(logits.clone())
@@ -49,9 +50,9 @@ def hf_greedy(
             logits[list(suppress)] = float("-inf")
         tok = int(logits.argmax())
         tokens.append(tok)
-        out = model(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+        out = model(torch.tensor([[tok]], device=device), past_key_values=past, use_cache=True)
         past = out.past_key_values
-        logits = out.logits[0, -1].float()
+        logits = out.logits[0, -1].float().cpu()
     return Reference(tokens, logits_list)
 
 
@@ -81,7 +82,7 @@ def capture_logits(engine: Any) -> dict[tuple[str, int], torch.Tensor]:
         logits = forward(inputs)
         for row, item in enumerate(inputs.sampled):
             r = item.request
-            captured[(r.request_id, r.num_output_tokens)] = logits[row].clone()
+            captured[(r.request_id, r.num_output_tokens)] = logits[row].float().cpu()
         return logits
 
     engine.runner.forward = recording_forward

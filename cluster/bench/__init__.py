@@ -18,9 +18,19 @@ BENCHMARKS: dict[str, str] = {
     "prefix": "cluster.bench.prefix_cache",
     "chunked-prefill": "cluster.bench.chunked_prefill",
     "kv-transfer": "cluster.bench.kv_transfer",
+    "kv-stream": "cluster.bench.kv_stream",
     "serve": "cluster.bench.serve",
     "routing": "cluster.bench.routing",
+    "gpu": "cluster.bench.gpu",
 }
+# Only where a device is lent: left out of ``all`` on a machine without CUDA.
+DEVICE_ONLY = frozenset({"gpu"})
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def run_benchmark(
@@ -29,7 +39,9 @@ def run_benchmark(
     """Run one benchmark (or ``all``); JSON goes to ``results_dir`` (default bench/results)."""
     if mode not in MODES:
         raise ValueError(f"mode: unknown {mode!r}; valid: {', '.join(MODES)}")
-    names = list(BENCHMARKS) if name == "all" else [name]
+    names = (
+        [n for n in BENCHMARKS if n not in DEVICE_ONLY or _has_cuda()] if name == "all" else [name]
+    )
     for n in names:
         if n not in BENCHMARKS:
             raise ValueError(

@@ -75,9 +75,10 @@ def _start_batch(
     reservations = engine.take_reservations()
     assert len(reservations) == batch, "pool too small for the batch"
     kv = engine.runner.kv_cache  # [num_blocks, L, 2, block_size, Hkv, D]
-    template = torch.randn(kv.shape[1:], generator=torch.Generator().manual_seed(0)).to(kv.dtype)
+    template = torch.randn(kv.shape[1:], generator=torch.Generator().manual_seed(0))
+    template = template.to(device=kv.device, dtype=kv.dtype)
     for res in reservations:
-        kv[torch.tensor(res.block_ids, dtype=torch.long)] = template
+        kv[torch.tensor(res.block_ids, dtype=torch.long, device=kv.device)] = template
     for rid in rids:
         engine.accept_first_token(rid, rng.randrange(17, engine.vocab_size))
         engine.kv_arrived(rid)
@@ -131,7 +132,7 @@ def run(ctx: BenchContext) -> BenchReport:
     ctx.progress(f"loading engine ({num_blocks} KV blocks) and HF reference")
     threads = pin_threads(ctx)
     engine = make_engine(ctx, {"cache.num_blocks": num_blocks}, role="decode")
-    hf = load_hf_model(bench_model_dir(ctx))
+    hf = load_hf_model(bench_model_dir(ctx), device=engine.runner.kv_cache.device)
     pin_threads(ctx)
     warm_up(engine, rng, 64, 4)
     decode_step_times(hf, random_prompt(rng, 64, engine.vocab_size), 4)

@@ -7,18 +7,19 @@ benchmark module exposes ``run(ctx: BenchContext) -> BenchReport``; this module 
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
-import statistics
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from cluster.config import ClusterConfig
+from cluster.planner.metrics import summary
+from cluster.planner.workload import percentile
+
+__all__ = ["MODES", "BenchContext", "BenchReport", "emit", "percentile", "summary"]
 
 RESULTS_DIR = Path("bench/results")
 MODES = ("full", "quick", "smoke")
@@ -56,27 +57,6 @@ class BenchReport:
     details: dict[str, Any] = field(default_factory=dict)  # everything else, into the JSON
     targets: dict[str, str] = field(default_factory=dict)  # key -> ">= 2.5" (shown, not enforced)
     files: list[str] = field(default_factory=list)  # extra artefacts written (PNG...)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (q in [0, 100]) as numpy's default; NaN when empty."""
-    if not values:
-        return math.nan
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def summary(values: Sequence[float]) -> dict[str, float]:
-    return {
-        "mean": statistics.fmean(values) if values else math.nan,
-        "p50": percentile(values, 50),
-        "p90": percentile(values, 90),
-        "p99": percentile(values, 99),
-        "n": float(len(values)),
-    }
 
 
 def _fmt(v: Any) -> str:

@@ -14,14 +14,15 @@ from typing import Any
 import torch
 
 
-def load_hf_model(model_dir: Path) -> Any:
+def load_hf_model(model_dir: Path, device: torch.device | str = "cpu") -> Any:
+    """fp32 on ``device`` (the engine's, so a GPU run compares like with like)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="sdpa"
     )
     model.eval()
-    return model
+    return model.to(torch.device(device))  # type: ignore[arg-type]
 
 
 def pad_token_id(model: Any) -> int:
@@ -48,6 +49,7 @@ def generate_exact(
     """Static batch: greedy, KV cache on, every row runs exactly ``num_new_tokens`` steps."""
     pad = pad_token_id(model)
     ids, mask = left_pad(prompts, pad)
+    ids, mask = ids.to(model.device), mask.to(model.device)
     out: torch.Tensor = model.generate(
         input_ids=ids,
         attention_mask=mask,
@@ -68,9 +70,11 @@ def forward_time(model: Any, prompt: list[int]) -> float:
     ``logits_to_keep=1`` as ``generate`` does for its prefill: only the last row's logits, as
     our engine computes them.
     """
-    ids = torch.tensor([prompt], dtype=torch.long)
+    ids = torch.tensor([prompt], dtype=torch.long, device=model.device)
     t0 = time.perf_counter()
     model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    if ids.is_cuda:
+        torch.cuda.synchronize(ids.device)
     return time.perf_counter() - t0
 
 

@@ -3,7 +3,7 @@
 The parent sends length-prefixed msgpack messages (never pickle): first the spec, then commands,
 each answered by one reply:
 
-    spec {layout, num_blocks, shared?, seed?, transfer?, instance_id?, epoch?, quiet?}
+    spec {layout, num_blocks, shared?, seed?, transfer?, instance_id?, epoch?, quiet?, device?}
                                                    -> {endpoint, ipc, pid}
     register {request_id, block_ids, num_tokens}   -> {params}
     abort {request_id}                             -> {ok}
@@ -87,7 +87,12 @@ def serve(
     torch.set_num_threads(1)
     cfg = config_from_dict({"transfer": spec.get("transfer", {})})
     layout = KVLayout(**spec["layout"])
-    pool = KVPool.allocate(layout, spec["num_blocks"], shared=spec.get("shared", False))
+    pool = KVPool.allocate(
+        layout,
+        spec["num_blocks"],
+        shared=spec.get("shared", False),
+        device=spec.get("device", "cpu"),  # "cuda": a device pool (the cuda_ipc transport)
+    )
     fill_pattern(pool, spec.get("seed", 0))
     released: list[list[str]] = []
     lock = threading.Lock()
@@ -153,7 +158,17 @@ class SenderProcess:
     module = "cluster.bench.kv_sender_peer"  # what the child runs (``python -m``)
     cwd: Path | None = None  # where it runs (None: here)
     spec_keys = frozenset(
-        {"layout", "num_blocks", "shared", "seed", "transfer", "instance_id", "epoch", "quiet"}
+        {
+            "layout",
+            "num_blocks",
+            "shared",
+            "seed",
+            "transfer",
+            "instance_id",
+            "epoch",
+            "quiet",
+            "device",
+        }
     )
 
     def __init__(self, spec: dict[str, Any], *, start_timeout: float = 60.0) -> None:

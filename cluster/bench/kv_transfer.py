@@ -8,7 +8,11 @@ process into a decode pool here. Arms, interleaved (rotated each repetition):
   * ``raw_zmq_ipc`` / ``raw_zmq_tcp``: one contiguous buffer requested from a child and received
     zero-copy, no pool (the transport's own limit);
   * ``shm``, ``zmq_ipc``, ``zmq_tcp``: ``KVReceiver.pull`` of the blocks from a ``KVSender``
-    child into this pool's blocks, control round trips included.
+    child into this pool's blocks, control round trips included; source and destination are
+    the first blocks of each pool (contiguous: consecutive runs coalesce into few frames);
+  * ``shm_frag``, ``zmq_ipc_frag``, ``zmq_tcp_frag``: the same pulls on fragmented block tables,
+    as after churn and prefix hits: source and destination ids drawn at random (shuffled, fresh
+    each repetition) from pools twice the largest transfer, so almost no two blocks adjoin.
 
 Times are medians; a key is a ratio of two arms measured side by side (reference / ours as a
 throughput ratio). ``transfer_share_of_prefill_*`` divides the zmq ipc transfer time by the
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -37,7 +42,18 @@ from cluster.common.kv_layout import KVLayout
 from cluster.kv_transfer import KVPool, KVReceiver
 
 SIZES = (32, 512, 1024)
-ARMS = ("memcpy", "raw_zmq_ipc", "raw_zmq_tcp", "shm", "zmq_ipc", "zmq_tcp")
+ARMS = (
+    "memcpy",
+    "raw_zmq_ipc",
+    "raw_zmq_tcp",
+    "shm",
+    "zmq_ipc",
+    "zmq_tcp",
+    "shm_frag",
+    "zmq_ipc_frag",
+    "zmq_tcp_frag",
+)
+POOL_FACTOR = 2  # pool blocks per block of the largest transfer (room to fragment)
 DEFAULT_LAYOUT = KVLayout("SmolLM2-135M-Instruct", "float32", 16, 30, 3, 64)
 SMOKE_LAYOUT = KVLayout("pdserve-smoke", "float32", 16, 2, 2, 16)
 TARGETS = {
@@ -45,6 +61,8 @@ TARGETS = {
     "zmq_ipc_vs_raw_512": ">= 0.8",
     "zmq_tcp_vs_raw_512": ">= 0.8",
     "zmq_ipc_vs_raw_32": ">= 0.6",
+    "zmq_ipc_vs_raw_512_frag": ">= 0.8 (as contiguous)",
+    "shm_vs_memcpy_512_frag": ">= 0.4 (as contiguous)",
     "transfer_share_of_prefill_512": "<= 0.05",
     "transfer_share_of_prefill_1024": "<= 0.05",
 }
@@ -73,6 +91,8 @@ def run(ctx: BenchContext) -> BenchReport:
     reps, warmup = ctx.pick(60, 20, 2), ctx.pick(5, 3, 1)
     bpb = layout.bytes_per_block
     max_blocks = -(-max(SIZES) // layout.block_size)
+    pool_blocks = POOL_FACTOR * max_blocks
+    frag_rng = random.Random(4)
     cfg = ctx.config.transfer
     # A lease long enough for any pull here, under the drain timeout the config requires.
     cfg = dataclasses.replace(cfg, lease_s=50.0, heartbeat_s=5.0, transfer_timeout_s=60.0)
@@ -80,7 +100,7 @@ def run(ctx: BenchContext) -> BenchReport:
     sender = SenderProcess(
         {
             "layout": layout.to_dict(),
-            "num_blocks": max_blocks,
+            "num_blocks": pool_blocks,
             "shared": True,
             "transfer": {
                 "transports": ["shm", "zmq"],
@@ -101,7 +121,7 @@ def run(ctx: BenchContext) -> BenchReport:
     raw_endpoints = json.loads(raw.stdout.readline())
     zctx: zmq.Context[Any] = zmq.Context(io_threads=1)
     zctx.linger = 0
-    pool = KVPool.allocate(layout, max_blocks)
+    pool = KVPool.allocate(layout, pool_blocks)
     assert pool.bytes is not None
     src_buf = np.full(max_blocks * bpb, 3, dtype=np.uint8)
     receivers = {
@@ -125,9 +145,13 @@ def run(ctx: BenchContext) -> BenchReport:
             flat = pool.bytes.reshape(-1)
 
             def pull(arm: str, n: int = n, ids: list[int] = ids) -> float:
-                params = sender.register(f"{arm}-{next(counter)}", ids, num_tokens=n)
+                src = dst = ids
+                if arm.endswith("_frag"):
+                    src = frag_rng.sample(range(pool_blocks), len(ids))
+                    dst = frag_rng.sample(range(pool_blocks), len(ids))
+                params = sender.register(f"{arm}-{next(counter)}", src, num_tokens=n)
                 t0 = time.perf_counter()
-                result = receivers[arm].pull(params, ids)
+                result = receivers[arm.removesuffix("_frag")].pull(params, dst)
                 elapsed = time.perf_counter() - t0
                 assert result.transport == arm.split("_")[0]
                 return elapsed
@@ -144,6 +168,9 @@ def run(ctx: BenchContext) -> BenchReport:
                 "shm": partial(pull, "shm"),
                 "zmq_ipc": partial(pull, "zmq_ipc"),
                 "zmq_tcp": partial(pull, "zmq_tcp"),
+                "shm_frag": partial(pull, "shm_frag"),
+                "zmq_ipc_frag": partial(pull, "zmq_ipc_frag"),
+                "zmq_tcp_frag": partial(pull, "zmq_tcp_frag"),
             }
             for rep in range(warmup + reps):
                 order = ARMS[rep % len(ARMS) :] + ARMS[: rep % len(ARMS)]
@@ -173,8 +200,17 @@ def run(ctx: BenchContext) -> BenchReport:
         "zmq_ipc_vs_raw_512": med[("raw_zmq_ipc", 512)] / med[("zmq_ipc", 512)],
         "zmq_tcp_vs_raw_512": med[("raw_zmq_tcp", 512)] / med[("zmq_tcp", 512)],
         "zmq_ipc_vs_raw_32": med[("raw_zmq_ipc", 32)] / med[("zmq_ipc", 32)],
+        # Fragmented tables against the same references: what scattering costs.
+        "zmq_ipc_vs_raw_512_frag": med[("raw_zmq_ipc", 512)] / med[("zmq_ipc_frag", 512)],
+        "shm_vs_memcpy_512_frag": med[("memcpy", 512)] / med[("shm_frag", 512)],
     }
-    details: dict[str, Any] = {"layout": layout.to_dict(), "reps": reps, "sender": sender_stats}
+    details: dict[str, Any] = {
+        "layout": layout.to_dict(),
+        "reps": reps,
+        "pool_blocks": pool_blocks,
+        "zmq_tcp_vs_raw_512_frag": med[("raw_zmq_tcp", 512)] / med[("zmq_tcp_frag", 512)],
+        "sender": sender_stats,
+    }
     if not ctx.smoke:
         prefill = _prefill_times(ctx, (512, 1024), ctx.pick(3, 2, 1))
         details["prefill_s"] = prefill

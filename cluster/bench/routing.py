@@ -1,16 +1,25 @@
 """P8 ``routing``: prefix-aware routing of the prefill pool vs round-robin.
 
-2 prefill replicas and 1 decode replica on one local Ray/Serve instance, remote prefill forced
-(``decode.local_prefill_threshold: 0``, so the decode side's cache cannot absorb the workload).
-Workload ``shared-prefix``: G groups x P prompts, each a group's S-token system prompt plus a
-Q-token question, output 8 tokens, Poisson arrivals at a low rate, groups interleaved. The KV
-pools hold about G/2 prefixes per replica, so round-robin (every replica sees every group)
-evicts what prefix-aware routing (each group sticks to one replica) keeps.
+How (BENCHMARKS.md, P8; the README's benchmarks section has the notes):
+  * 2 prefill replicas and 1 decode replica on one local Ray/Serve instance, remote prefill
+    forced (``decode.local_prefill_threshold: 0``: the decode side's cache cannot absorb the
+    workload). Workload ``shared-prefix``: G groups x P prompts, each a group's S-token system
+    prompt plus a Q-token question, output 8 tokens, groups interleaved (shuffled).
+  * Sized as specified: every pool holds about G/2 prefixes (G/2 x S/16 blocks) plus room for
+    the requests in flight (``IN_FLIGHT`` whole prompts), so round-robin (every replica sees
+    every group) evicts what prefix-aware routing (each group sticks to one replica) keeps.
+  * The rate: Poisson at ``UTILIZATION`` (0.5) of what round-robin's misses can take: 2 replicas
+    / the unloaded TTFT of a miss, measured in the same run on the round-robin arm before its
+    run. Round-robin is then not saturated, so ``ttft_ratio`` is mostly the cache, not queueing.
+  * Router overhead through the deployed ingress: after the prefix-aware run, HTTP completions of
+    the same prompts one at a time; the Router replica times each from receipt to the parsed,
+    tokenized, hashed request, and the decode replica times each prefill-pool routing decision
+    (the cache-aware index's update and scoring) in its own process.
 
 Keys: ``hit_rate`` (prefix-aware: share of requests, each group's first excluded, whose whole
 prefix came from the prefill replica's cache), ``hit_rate_rr`` (the same under round-robin),
-``ttft_ratio`` (mean TTFT round-robin / prefix-aware), ``router_overhead_ms`` (p50 in-process
-time from a parsed-to-be request to a routing decision: tokenize + hash + score).
+``ttft_ratio`` (mean TTFT round-robin / prefix-aware), ``router_overhead_ms`` (p50 parse through
+the deployed Router + p50 routing decision in the deployed decode replica).
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-import time
+import statistics
 from typing import Any
 
 from cluster.bench.harness import BenchContext, BenchReport, percentile, summary
@@ -33,6 +42,9 @@ from cluster.bench.workloads import bench_model_dir
 
 ARMS = {"prefix_aware": "cache_aware", "round_robin": "round_robin"}
 OUTPUT_TOKENS = 8
+IN_FLIGHT = 2  # whole prompts of room per pool beside the G/2 cached prefixes
+UTILIZATION = 0.5  # of round-robin's capacity (its requests all miss)
+NUM_PREFILL = 2
 
 
 def _shape(ctx: BenchContext) -> dict[str, Any]:
@@ -41,12 +53,12 @@ def _shape(ctx: BenchContext) -> dict[str, Any]:
         "per_group": ctx.pick(8, 4, 3),
         "prefix": ctx.pick(512, 512, 64),
         "question": ctx.pick(32, 32, 16),
-        "rate": ctx.pick(1.0, 1.0, 4.0),
+        "http_requests": ctx.pick(64, 24, 4),
     }
 
 
-def _workload(shape: dict[str, Any], vocab: int) -> list[tuple[int, list[int]]]:
-    rng = random.Random(8)
+def _workload(shape: dict[str, Any], vocab: int, seed: int = 8) -> list[tuple[int, list[int]]]:
+    rng = random.Random(seed)
     prefixes = [
         [rng.randrange(1, vocab) for _ in range(shape["prefix"])] for _ in range(shape["groups"])
     ]
@@ -59,15 +71,19 @@ def _workload(shape: dict[str, Any], vocab: int) -> list[tuple[int, list[int]]]:
     return items
 
 
+def pool_blocks(shape: dict[str, Any], block: int) -> int:
+    """About G/2 prefixes per pool, plus ``IN_FLIGHT`` whole prompts being served."""
+    prefix_blocks = shape["prefix"] // block
+    prompt_blocks = math.ceil((shape["prefix"] + shape["question"] + OUTPUT_TOKENS) / block)
+    return (shape["groups"] // 2) * prefix_blocks + IN_FLIGHT * prompt_blocks
+
+
 def _config(ctx: BenchContext, arm: str, shape: dict[str, Any]) -> Any:
-    block = ctx.config.cache.block_size
-    blocks_per_prompt = math.ceil((shape["prefix"] + shape["question"] + OUTPUT_TOKENS) / block)
     return ctx.config.replace(
         {
             "model.path": str(bench_model_dir(ctx)),
-            # Room for about G/2 prompts' prefixes per replica (plus a few in flight).
-            "cache.num_blocks": (shape["groups"] // 2) * blocks_per_prompt + 4 * blocks_per_prompt,
-            "prefill.num_replicas": 2,
+            "cache.num_blocks": pool_blocks(shape, ctx.config.cache.block_size),
+            "prefill.num_replicas": NUM_PREFILL,
             "decode.num_replicas": 1,
             "prefill.num_threads": 1,
             "decode.num_threads": 1,
@@ -80,59 +96,74 @@ def _config(ctx: BenchContext, arm: str, shape: dict[str, Any]) -> Any:
     )
 
 
-def _router_overhead_ms(
-    ctx: BenchContext, cfg: Any, items: list[tuple[int, list[int]]], groups: int
-) -> list[float]:
-    """Tokenize + hash + score, in process, against an index holding half the groups each."""
-    from cluster.common.hashing import hash_block_tokens
+def _miss_ttft(target: str, shape: dict[str, Any], vocab: int) -> float:
+    """Median unloaded TTFT of requests whose prefix no pool holds (prompts used nowhere else)."""
+    probes = _workload({**shape, "groups": 3, "per_group": 1}, vocab, seed=99)
+    ttfts = []
+    for _, ids in probes:
+        (rec,), _ = asyncio.run(run_load(target, [WorkItem(ids, OUTPUT_TOKENS)], [0.0]))
+        if rec.ok:
+            ttfts.append(rec.ttft)
+    if not ttfts:
+        raise RuntimeError("bench routing: no probe request completed")
+    return statistics.median(ttfts)
+
+
+def _http_overhead(cfg: Any, items: list[tuple[int, list[int]]], n: int) -> dict[str, list[float]]:
+    """Completions over HTTP through the deployed Router, one at a time; then what the Router
+    (receipt -> parsed, tokenized, hashed) and the decode replica (prefill-pool routing
+    decisions) timed."""
+    import json
+    import urllib.request
+
+    from ray import serve
+
+    from cluster.app import APP_NAME
     from cluster.common.tokenizer import load_tokenizer
-    from cluster.config.model_paths import model_limits
-    from cluster.router.requests import RequestParser
-    from cluster.serving.routing_policy import PrefixIndex, routing_snapshot
 
     tokenizer = load_tokenizer(cfg)
-    block = cfg.cache.block_size
-    parser = RequestParser(tokenizer, model_limits(cfg), "bench", block, cfg.router)
-    index = PrefixIndex(cfg.prefill.routing, block, "prefill")
-    held: dict[str, list[int]] = {"a": [], "b": []}
-    for g, ids in items:
-        held["a" if g < groups // 2 else "b"].extend(hash_block_tokens(ids, block))
-    for rid, hashes in held.items():
-        stats = routing_snapshot(hashes, kv_free=0.5, num_running=1, num_waiting=0, queued_tokens=0)
-        index.update(rid, stats)
-    texts = [tokenizer.decode(ids) for _, ids in items]
-    for text in texts[:8]:  # warm-up
-        parser.from_completion({"prompt": text, "max_tokens": OUTPUT_TOKENS})
-    times = []
-    for text in texts:
-        t0 = time.perf_counter()
-        parsed = parser.from_completion({"prompt": text, "max_tokens": OUTPUT_TOKENS})
-        index.rank(["a", "b"], parsed.block_hashes, len(parsed.prompt_token_ids))
-        times.append((time.perf_counter() - t0) * 1000)
-    return times
+    url = f"http://127.0.0.1:{cfg.router.http_port}/v1/completions"
+    for _, ids in items[:n]:
+        body = json.dumps({"prompt": tokenizer.decode(ids), "max_tokens": OUTPUT_TOKENS}).encode()
+        req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as resp:
+            resp.read()
+    router = serve.get_deployment_handle("Router", app_name=APP_NAME).stats.remote().result()
+    decode = serve.get_deployment_handle("DecodeServer", app_name=APP_NAME)
+    ranking = decode.stats.remote().result()["ranking_ms"]
+    return {"parse_ms": router["parse_ms"].get("completion", [])[-n:], "ranking_ms": ranking}
 
 
 def run(ctx: BenchContext) -> BenchReport:
     from cluster.config.model_paths import model_limits
 
     shape = _shape(ctx)
-    first = _config(ctx, "prefix_aware", shape)
+    first = _config(ctx, "round_robin", shape)
     vocab = model_limits(first).vocab_size
     items = _workload(shape, vocab)
     target = f"127.0.0.1:{first.router.grpc_port}"
-    offsets = poisson_offsets(len(items), shape["rate"], seed=9)
     work = [WorkItem(ids, OUTPUT_TOKENS) for _, ids in items]
     warm = [WorkItem([1 + (i * 7) % (vocab - 1) for i in range(24)], 2)]
-    # In-process and measured on a quiet machine, before any replica starts.
-    overhead = _router_overhead_ms(ctx, first, items, shape["groups"])
     records: dict[str, list[RequestRecord]] = {}
     with local_cluster() as put:
-        for arm in ARMS:
-            ctx.progress(f"deploying arm {arm}")
-            put(_config(ctx, arm, shape))
-            asyncio.run(run_load(target, warm, [0.0]))
-            ctx.progress(f"{arm}: {len(work)} requests at {shape['rate']} req/s")
+        ctx.progress("deploying arm round_robin")
+        put(first)
+        asyncio.run(run_load(target, warm, [0.0]))
+        miss = _miss_ttft(target, shape, vocab)
+        rate = UTILIZATION * NUM_PREFILL / miss
+        shape["rate"] = rate
+        shape["miss_ttft_s"] = miss
+        offsets = poisson_offsets(len(work), rate, seed=9)
+        ctx.progress(f"a miss takes {miss:.2f} s unloaded: {rate:.3f} req/s (rr at {UTILIZATION})")
+        for arm in ("round_robin", "prefix_aware"):
+            if arm != "round_robin":
+                ctx.progress(f"deploying arm {arm}")
+                put(_config(ctx, arm, shape))
+                asyncio.run(run_load(target, warm, [0.0]))
+            ctx.progress(f"{arm}: {len(work)} requests at {rate:.3f} req/s")
             records[arm], _ = asyncio.run(run_load(target, work, offsets))
+        ctx.progress(f"router overhead: {shape['http_requests']} HTTP completions")
+        overhead = _http_overhead(first, items, shape["http_requests"])
     return _report(ctx, shape, items, records, overhead)
 
 
@@ -141,7 +172,7 @@ def _report(
     shape: dict[str, Any],
     items: list[tuple[int, list[int]]],
     records: dict[str, list[RequestRecord]],
-    overhead: list[float],
+    overhead: dict[str, list[float]],
 ) -> BenchReport:
     block = ctx.config.cache.block_size
     whole_prefix = shape["prefix"] - shape["prefix"] % block
@@ -178,7 +209,8 @@ def _report(
         "hit_rate": hit_rates["prefix_aware"],
         "hit_rate_rr": hit_rates["round_robin"],
         "ttft_ratio": mean_ttft["round_robin"] / mean_ttft["prefix_aware"],
-        "router_overhead_ms": percentile(overhead, 50),
+        "router_overhead_ms": percentile(overhead["parse_ms"], 50)
+        + percentile(overhead["ranking_ms"], 50),
     }
     targets = {
         "hit_rate": ">= 0.9",
@@ -190,7 +222,13 @@ def _report(
         keys=keys,
         table=table,
         targets=targets,
-        details={"shape": shape, "router_overhead_ms": summary(overhead), "misses": misses},
+        details={
+            "shape": shape,
+            "pool_blocks": pool_blocks(shape, block),
+            "router_parse_ms": summary(overhead["parse_ms"]),
+            "decode_ranking_ms": summary(overhead["ranking_ms"]),
+            "misses": misses,
+        },
     )
 
 

@@ -1,31 +1,47 @@
 """P1 ``serve``: disaggregation under load, against the running cluster over gRPC.
 
-Arms, one after the other on the same local Ray/Serve instance: ``disagg`` (1 prefill + 1
-decode replica, 1 torch thread each), ``colocated`` (one replica doing both, 2 threads, no
-chunking) and ``colocated_chunked`` (the same with 128-token chunks). Workload ``mixed-long``,
-Poisson arrivals at a fixed list of rates. SLOs are multiples of the unloaded TTFT and TPOT
-measured in the same run (TTFT <= 3x, TPOT <= 2x, the slowest arm's unloaded figure); the knee
-is the highest rate at which the disaggregated arm keeps >= 90% SLO attainment, and the keys
-compare the arms there. On 2 shared cores this is a harness and a trend, not a verdict.
+How (BENCHMARKS.md, P1; the README's benchmarks section has the notes):
+  * Arms, deployed side by side as applications of one local Ray/Serve instance (reached by
+    the gRPC ``application`` metadata; an idle arm's replicas only poll): ``disagg`` (1 prefill
+    + 1 decode replica, 1 torch thread each, every prefill remote), ``colocated`` (one replica
+    doing both, 2 threads, no chunking) and ``colocated_chunked`` (the same with 128-token
+    chunks). Equal total KV bytes per arm: ``disagg``'s two replicas get half the blocks each.
+  * Workload ``mixed-long``; warm-up (one request of each class per arm, prompts used nowhere
+    else) is not measured. Unloaded: a few requests of each class, one at a time, arms
+    interleaved per request. Then Poisson arrivals at a fixed list of rates, the arms
+    interleaved per rate (the order rotated at each rate), the same requests for every arm.
+  * SLOs per prompt-length class (chat, long): TTFT <= 3x and TPOT <= 2x the class's unloaded
+    p50 on the slowest arm, so every arm can meet them unloaded and long prompts are held to a
+    long prompt's figure.
+  * Each arm's knee: the highest rate up to which every rate kept >= 90% attainment.
+    ``knee_found`` is 1 when every arm has one; when one has none (not even the lowest rate met
+    the attainment) its goodput at the lowest rate stands in, and the report names it.
+
+Keys: ``goodput_ratio_vs_colocated`` and ``goodput_ratio_vs_chunked`` (goodput at each arm's own
+knee), ``p99_tpot_ratio_vs_colocated`` (colocated / disagg p99 TPOT at the lower of the two
+knees, a rate both sustain), ``knee_found``. On 2 shared cores a harness and a trend.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from cluster.bench.harness import BenchContext, BenchReport
 from cluster.bench.serve_load import (
     RequestRecord,
-    WorkItem,
     compute_metrics,
-    local_cluster,
-    mixed_long,
+    local_apps,
     poisson_offsets,
     run_load,
 )
 from cluster.bench.workloads import bench_model_dir
+from cluster.config import ClusterConfig
+from cluster.planner.metrics import knee, unloaded_baseline
+from cluster.planner.workload import MIXED_LONG, SLOs, WorkItem, Workload
 
 ARMS: dict[str, dict[str, Any]] = {
     "disagg": {
@@ -55,67 +71,163 @@ ARMS: dict[str, dict[str, Any]] = {
 TTFT_SLO_X, TPOT_SLO_X, ATTAINMENT = 3.0, 2.0, 0.9
 
 
-def _arm_config(ctx: BenchContext, arm: str) -> Any:
-    base = {"model.path": str(bench_model_dir(ctx)), "cache.num_blocks": ctx.pick(1400, 1400, 256)}
+def arm_config(config: ClusterConfig, arm: str, total_blocks: int, model_path: str) -> Any:
+    """One arm's config: equal total KV blocks over its replicas, CPUs for all arms at once."""
+    spec = ARMS[arm]
+    replicas = spec["prefill.num_replicas"] + spec["decode.num_replicas"]
+    base: dict[str, Any] = {
+        "model.path": model_path,
+        "cache.num_blocks": total_blocks // replicas,
+        # Every arm is deployed at once: logical CPUs that fit them all on 2 cores.
+        "prefill.num_cpus": 0.25,
+        "decode.num_cpus": 0.25,
+        "router.num_cpus": 0.1,
+    }
     if arm == "colocated":  # no chunking: one step must hold a whole prompt
-        base["model.max_model_len"] = ctx.pick(4096, 4096, 1024)
-    return ctx.config.replace({**base, **ARMS[arm]})
+        base["model.max_model_len"] = 4096
+    return config.replace({**base, **spec})
 
 
-def _unloaded(target: str, items: list[WorkItem]) -> list[RequestRecord]:
-    recs: list[RequestRecord] = []
-    for item in items:  # one at a time: no queueing, no batching
-        got, _ = asyncio.run(run_load(target, [item], [0.0]))
-        recs.extend(got)
-    return recs
+@dataclass
+class ArmRuns:
+    """What ``measure`` recorded: unloaded requests and one run per rate, for every arm."""
+
+    rates: list[float]
+    unloaded: dict[str, list[RequestRecord]] = field(default_factory=dict)
+    loaded: dict[str, dict[float, tuple[list[RequestRecord], float]]] = field(default_factory=dict)
+
+
+def unloaded_items(
+    workload: Workload, per_class: int, vocab: int, scale: float, seed: int = 1
+) -> list[WorkItem]:
+    """``per_class`` requests of every class, for the unloaded baseline (or a warm-up)."""
+    out: list[WorkItem] = []
+    while any(sum(1 for i in out if i.cls == c.name) < per_class for c in workload.classes):
+        for item in workload.items(16, vocab, seed=seed, scale=scale):
+            if sum(1 for i in out if i.cls == item.cls) < per_class:
+                out.append(item)
+        seed += 1000
+    return out
+
+
+def measure(
+    put: Callable[[str, Any], None],
+    configs: dict[str, Any],
+    target: str,
+    workload: Workload,
+    rates: Sequence[float],
+    per_rate: int,
+    per_class: int,
+    vocab: int,
+    scale: float,
+    progress: Callable[[str], None],
+    deploy: bool = True,
+) -> ArmRuns:
+    """Deploy the arms side by side, warm each up, then unloaded and loaded runs, interleaved."""
+    arms = list(configs)
+    if deploy:
+        for arm, cfg in configs.items():
+            progress(f"deploying arm {arm}")
+            put(arm, cfg)
+    warm = unloaded_items(workload, 1, vocab, scale, seed=7)
+    for arm in arms:  # first calls, lazy inits: not measured (prompts used nowhere else)
+        for item in warm:
+            asyncio.run(run_load(target, [item], [0.0], app=arm))
+    runs = ArmRuns(list(rates))
+    items = unloaded_items(workload, per_class, vocab, scale)
+    for arm in arms:
+        runs.unloaded[arm] = []
+    for item in items:  # one at a time: no queueing, no batching; arms interleaved
+        for arm in arms:
+            recs, _ = asyncio.run(run_load(target, [item], [0.0], app=arm))
+            runs.unloaded[arm].extend(recs)
+    progress("unloaded baseline done")
+    for i, rate in enumerate(rates):
+        load = workload.items(per_rate, vocab, seed=100 + i, scale=scale)
+        offsets = poisson_offsets(per_rate, rate, seed=200 + i)
+        for arm in arms[i % len(arms) :] + arms[: i % len(arms)]:
+            progress(f"{arm}: {per_rate} requests at {rate} req/s")
+            runs.loaded.setdefault(arm, {})[rate] = asyncio.run(
+                run_load(target, load, offsets, app=arm)
+            )
+    return runs
+
+
+def class_slos(unloaded: dict[str, list[RequestRecord]]) -> SLOs:
+    """Per class: TTFT_SLO_X / TPOT_SLO_X x the class's unloaded p50 on the slowest arm."""
+    base = {arm: unloaded_baseline(recs) for arm, recs in unloaded.items()}
+    classes = sorted({c for b in base.values() for c in b})
+    return SLOs.from_unloaded(
+        {
+            c: (max(b[c][0] for b in base.values()), max(b[c][1] for b in base.values()))
+            for c in classes
+        },
+        TTFT_SLO_X,
+        TPOT_SLO_X,
+    )
 
 
 def run(ctx: BenchContext) -> BenchReport:
     from cluster.config.model_paths import model_limits
 
     rates = ctx.pick([0.25, 0.5, 1.0, 1.5, 2.0], [0.25, 0.75], [2.0])
-    per_rate = ctx.pick(200, 20, 6)
-    scale = ctx.pick(1.0, 1.0, 0.05)
-    first = _arm_config(ctx, "disagg")
+    total_blocks = ctx.pick(1400, 1400, 256)
+    model = str(bench_model_dir(ctx))
+    configs = {arm: arm_config(ctx.config, arm, total_blocks, model) for arm in ARMS}
+    first = configs["disagg"]
     vocab = model_limits(first).vocab_size
     target = f"127.0.0.1:{first.router.grpc_port}"
-    unloaded_items = mixed_long(ctx.pick(6, 3, 2), vocab, seed=1, scale=scale)
-    records: dict[str, dict[float, tuple[list[RequestRecord], float]]] = {}
-    unloaded: dict[str, list[RequestRecord]] = {}
-    with local_cluster() as put:
-        for arm in ARMS:
-            ctx.progress(f"deploying arm {arm}")
-            put(_arm_config(ctx, arm))
-            asyncio.run(run_load(target, unloaded_items[:1], [0.0]))  # warm-up
-            unloaded[arm] = _unloaded(target, unloaded_items)
-            records[arm] = {}
-            for i, rate in enumerate(rates):
-                items = mixed_long(per_rate, vocab, seed=100 + i, scale=scale)
-                ctx.progress(f"{arm}: {per_rate} requests at {rate} req/s")
-                records[arm][rate] = asyncio.run(
-                    run_load(target, items, poisson_offsets(per_rate, rate, seed=200 + i))
-                )
-    return _report(ctx, rates, records, unloaded)
+    with local_apps() as put:
+        runs = measure(
+            put,
+            configs,
+            target,
+            MIXED_LONG,
+            rates,
+            per_rate=ctx.pick(200, 20, 6),
+            per_class=ctx.pick(4, 2, 1),
+            vocab=vocab,
+            scale=ctx.pick(1.0, 1.0, 0.05),
+            progress=ctx.progress,
+        )
+    return _report(ctx, runs)
 
 
-def _report(
-    ctx: BenchContext,
-    rates: list[float],
-    records: dict[str, dict[float, tuple[list[RequestRecord], float]]],
-    unloaded: dict[str, list[RequestRecord]],
-) -> BenchReport:
-    base = {arm: compute_metrics(recs, 1.0) for arm, recs in unloaded.items()}
-    ttft_slo = TTFT_SLO_X * max(m["ttft_s"]["p50"] for m in base.values())
-    tpot_slo = TPOT_SLO_X * max(m["tpot_s"]["p50"] for m in base.values())
+def _report(ctx: BenchContext, runs: ArmRuns) -> BenchReport:
+    slos = class_slos(runs.unloaded)
     metrics = {
-        arm: {
-            rate: compute_metrics(recs, dur, ttft_slo, tpot_slo)
-            for rate, (recs, dur) in by_rate.items()
-        }
-        for arm, by_rate in records.items()
+        arm: {rate: compute_metrics(recs, dur, slos=slos) for rate, (recs, dur) in by_rate.items()}
+        for arm, by_rate in runs.loaded.items()
     }
-    ok_rates = [r for r in rates if metrics["disagg"][r]["slo_attainment"] >= ATTAINMENT]
-    knee = max(ok_rates) if ok_rates else min(rates)
+    rates = runs.rates
+    knees = {
+        arm: knee(rates, [m[r]["slo_attainment"] for r in rates], ATTAINMENT)
+        for arm, m in metrics.items()
+    }
+    missing = [arm for arm, k in knees.items() if k is None]
+    for arm in missing:
+        att = metrics[arm][rates[0]]["slo_attainment"]
+        ctx.progress(
+            f"no knee for {arm}: {100 * att:.0f}% SLO attainment at the lowest rate "
+            f"({rates[0]} req/s), under {100 * ATTAINMENT:.0f}%; its goodput there stands in"
+        )
+    at = {arm: metrics[arm][k if k is not None else rates[0]] for arm, k in knees.items()}
+    common = min((knees[a] or rates[0]) for a in ("disagg", "colocated"))
+
+    def ratio(a: float, b: float) -> float:
+        return a / b if b > 0 else float("inf") if a > 0 else 1.0
+
+    keys = {
+        "goodput_ratio_vs_colocated": ratio(at["disagg"]["goodput"], at["colocated"]["goodput"]),
+        "p99_tpot_ratio_vs_colocated": ratio(
+            metrics["colocated"][common]["tpot_s"]["p99"],
+            metrics["disagg"][common]["tpot_s"]["p99"],
+        ),
+        "goodput_ratio_vs_chunked": ratio(
+            at["disagg"]["goodput"], at["colocated_chunked"]["goodput"]
+        ),
+        "knee_found": 0.0 if missing else 1.0,
+    }
     table = []
     for arm, by_rate in metrics.items():
         for rate, m in by_rate.items():
@@ -123,6 +235,7 @@ def _report(
                 {
                     "arm": arm,
                     "rate": rate,
+                    "knee": "*" if rate == knees[arm] else "",
                     "done": m["completed"],
                     "failed": m["failed"],
                     "goodput": m["goodput"],
@@ -134,41 +247,29 @@ def _report(
                     "itl_p99": m["itl_s"]["p99"],
                 }
             )
-
-    def ratio(a: float, b: float) -> float:
-        return a / b if b > 0 else float("inf") if a > 0 else 1.0
-
-    at = {arm: metrics[arm][knee] for arm in metrics}
-    keys = {
-        "goodput_ratio_vs_colocated": ratio(at["disagg"]["goodput"], at["colocated"]["goodput"]),
-        "p99_tpot_ratio_vs_colocated": ratio(
-            at["colocated"]["tpot_s"]["p99"], at["disagg"]["tpot_s"]["p99"]
-        ),
-        "goodput_ratio_vs_chunked": ratio(
-            at["disagg"]["goodput"], at["colocated_chunked"]["goodput"]
-        ),
-    }
-    files = _plot(ctx, records, knee)
+    files = _plot(ctx, runs, common)
     return BenchReport(
         keys=keys,
         table=table,
         details={
-            "knee_rate": knee,
-            "ttft_slo_s": ttft_slo,
-            "tpot_slo_s": tpot_slo,
-            "unloaded": base,
+            "knee_rate": knees,
+            "no_knee": missing,
+            "p99_tpot_rate": common,
+            "slos": slos.to_dict(),
+            "unloaded": {a: compute_metrics(r, 1.0) for a, r in runs.unloaded.items()},
             "metrics": {a: {str(r): m for r, m in bm.items()} for a, bm in metrics.items()},
         },
         targets={
             "goodput_ratio_vs_colocated": ">= 2 (real hardware)",
             "p99_tpot_ratio_vs_colocated": "> 1 (trend)",
             "goodput_ratio_vs_chunked": ">= 1.0 (real hardware)",
+            "knee_found": "1 (every arm had a knee)",
         },
         files=files,
     )
 
 
-def _plot(ctx: BenchContext, records: dict[str, Any], knee: float) -> list[str]:
+def _plot(ctx: BenchContext, runs: ArmRuns, rate: float) -> list[str]:
     try:
         import matplotlib
 
@@ -177,8 +278,8 @@ def _plot(ctx: BenchContext, records: dict[str, Any], knee: float) -> list[str]:
     except ImportError:
         return []
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    for arm, by_rate in records.items():
-        recs = [r for r in by_rate[knee][0] if r.ok]
+    for arm, by_rate in runs.loaded.items():
+        recs = [r for r in by_rate[rate][0] if r.ok]
         for ax, values, label in (
             (axes[0], [r.ttft for r in recs], "TTFT (s)"),
             (axes[1], [t for r in recs if (t := r.tpot) is not None], "TPOT (s)"),
@@ -189,7 +290,7 @@ def _plot(ctx: BenchContext, records: dict[str, Any], knee: float) -> list[str]:
             ax.set_xlabel(label)
             ax.set_ylabel("CDF")
     axes[0].legend()
-    fig.suptitle(f"P1 serve: latency CDFs at {knee} req/s")
+    fig.suptitle(f"P1 serve: latency CDFs at {rate} req/s")
     ctx.results_dir.mkdir(parents=True, exist_ok=True)
     path = Path(ctx.results_dir) / "serve_latency_cdf.png"
     fig.savefig(path, dpi=100, bbox_inches="tight")

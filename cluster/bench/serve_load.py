@@ -3,7 +3,10 @@
 Measured at the client over gRPC streaming:
   TTFT  send -> first non-empty chunk;  ITL  gaps between consecutive chunks, pooled;
   TPOT  per request (E2EL - TTFT) / (output tokens - 1);  E2EL  send -> last byte.
-Goodput counts requests that meet every SLO (TTFT and TPOT) per second of the run.
+Goodput counts requests that meet every SLO of their prompt-length class (TTFT and TPOT) per
+second of the run. Workloads, arrivals, SLOs and the metric code are the planner's
+(``cluster.planner.workload``, ``cluster.planner.metrics``): the simulator's predictions and
+these measurements are read the same way.
 """
 
 from __future__ import annotations
@@ -11,23 +14,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.bench.harness import summary
+from cluster.common.protocol import PHASES
+from cluster.planner.metrics import slo_metrics, summary
+from cluster.planner.workload import MIXED_LONG, SLOs, WorkItem, poisson_offsets
+
+__all__ = ["RequestRecord", "WorkItem", "compute_metrics", "local_apps", "poisson_offsets"]
 
 
 @dataclass
 class RequestRecord:
     prompt_len: int
     max_tokens: int
+    cls: str = ""  # the workload's prompt-length class
     send: float = 0.0
     chunk_times: list[float] = field(default_factory=list)
     output_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from a prefix cache (the final usage)
+    phases: dict[str, float] = field(default_factory=dict)  # the final usage's, milliseconds
     error: str | None = None
 
     @property
@@ -54,42 +62,22 @@ class RequestRecord:
         return [b - a for a, b in itertools.pairwise(t)]
 
 
-@dataclass(frozen=True)
-class WorkItem:
-    token_ids: list[int]
-    max_tokens: int
-
-
 def mixed_long(num: int, vocab_size: int, seed: int, scale: float = 1.0) -> list[WorkItem]:
     """BENCHMARKS.md ``mixed-long``: 80% chat (64-128 in / 64 out), 20% long (768-1024 / 32).
 
     ``scale`` shrinks every length (smoke runs on tiny models)."""
-    rng = random.Random(seed)
-    items = []
-    for _ in range(num):
-        if rng.random() < 0.8:
-            n_in, n_out = rng.randint(64, 128), 64
-        else:
-            n_in, n_out = rng.randint(768, 1024), 32
-        n_in, n_out = max(2, int(n_in * scale)), max(2, int(n_out * scale))
-        items.append(WorkItem([rng.randrange(17, vocab_size) for _ in range(n_in)], n_out))
-    return items
-
-
-def poisson_offsets(num: int, rate: float, seed: int) -> list[float]:
-    """Send times (s from start) for a Poisson process (gamma, burstiness 1)."""
-    rng = random.Random(seed)
-    t, out = 0.0, []
-    for _ in range(num):
-        out.append(t)
-        t += rng.expovariate(rate) if rate > 0 else 0.0
-    return out
+    return MIXED_LONG.items(num, vocab_size, seed, scale)
 
 
 async def run_load(
-    target: str, items: Sequence[WorkItem], offsets: Sequence[float], timeout_s: float = 600.0
+    target: str,
+    items: Sequence[WorkItem],
+    offsets: Sequence[float],
+    timeout_s: float = 600.0,
+    app: str | None = None,
 ) -> tuple[list[RequestRecord], float]:
-    """Send each item at its offset over gRPC; returns the records and the run's duration."""
+    """Send each item at its offset over gRPC (to Serve application ``app``, when several are
+    deployed); returns the records and the run's duration."""
     import grpc
 
     from cluster.pb.pdserve.v1 import generation_pb2 as pb
@@ -97,10 +85,11 @@ async def run_load(
 
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.GenerationStub(channel)
+        metadata = (("application", app),) if app else None
         start = time.perf_counter()
 
         async def one(item: WorkItem, offset: float) -> RequestRecord:
-            rec = RequestRecord(len(item.token_ids), item.max_tokens)
+            rec = RequestRecord(len(item.token_ids), item.max_tokens, item.cls)
             await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
             req = pb.GenerateRequest(
                 token_ids=pb.TokenIds(ids=item.token_ids),
@@ -113,12 +102,14 @@ async def run_load(
             )
             rec.send = time.perf_counter()
             try:
-                async for msg in stub.Generate(req, timeout=timeout_s):
+                async for msg in stub.Generate(req, timeout=timeout_s, metadata=metadata):
                     if msg.token_ids or msg.text:
                         rec.chunk_times.append(time.perf_counter())
                         rec.output_tokens += len(msg.token_ids)
                     if msg.HasField("usage"):
                         rec.cached_tokens = msg.usage.cached_tokens
+                        ph = msg.usage.phases
+                        rec.phases = {name: getattr(ph, name) for name in PHASES}
             except grpc.aio.AioRpcError as e:
                 rec.error = f"{e.code().name}: {e.details()}"
             return rec
@@ -132,33 +123,47 @@ def compute_metrics(
     duration_s: float,
     ttft_slo_s: float | None = None,
     tpot_slo_s: float | None = None,
+    slos: SLOs | None = None,
 ) -> dict[str, Any]:
+    """The run's metrics; goodput against ``slos`` (per class) or one (TTFT, TPOT) bound."""
+    if slos is None and ttft_slo_s is not None and tpot_slo_s is not None:
+        slos = SLOs({c: (ttft_slo_s, tpot_slo_s) for c in {r.cls for r in records}})
+    out = slo_metrics(records, duration_s, slos)
     ok = [r for r in records if r.ok]
-    ttfts = [r.ttft for r in ok]
-    tpots = [t for r in ok if (t := r.tpot) is not None]
-    e2els = [r.e2el for r in ok]
-    itls = [g for r in ok for g in r.itls]
-    good = 0
-    if ttft_slo_s is not None and tpot_slo_s is not None:
-        for r in ok:
-            tpot = r.tpot
-            if r.ttft <= ttft_slo_s and (tpot is None or tpot <= tpot_slo_s):
-                good += 1
-    return {
-        "completed": len(ok),
-        "failed": len(records) - len(ok),
-        "duration_s": duration_s,
-        "request_throughput": len(ok) / duration_s if duration_s > 0 else 0.0,
-        "output_throughput": sum(min(r.output_tokens, r.max_tokens) for r in ok) / duration_s
-        if duration_s > 0
-        else 0.0,
-        "goodput": good / duration_s if duration_s > 0 else 0.0,
-        "slo_attainment": good / len(records) if records else 0.0,
-        "ttft_s": summary(ttfts),
-        "tpot_s": summary(tpots),
-        "itl_s": summary(itls),
-        "e2el_s": summary(e2els),
-    }
+    out["output_throughput"] = (
+        sum(min(r.output_tokens, r.max_tokens) for r in ok) / duration_s if duration_s > 0 else 0.0
+    )
+    out["itl_s"] = summary([g for r in ok for g in r.itls])
+    return out
+
+
+@contextlib.contextmanager
+def local_apps() -> Iterator[Callable[[str, Any], None]]:
+    """Benchmark arms as Serve applications of one local Ray/Serve instance: ``put(name, cfg)``
+    deploys (or redeploys) arm ``name`` beside the others (reach it with ``run_load(...,
+    app=name)``); the first call starts Ray and Serve (the router ports of its config), leaving
+    the block shuts everything down."""
+    import ray
+    from ray import serve
+
+    from cluster.app import build_application
+    from cluster.serve_main import local_threads, start
+
+    started = False
+
+    def put(name: str, cfg: Any) -> None:
+        nonlocal started
+        if not started:
+            start(cfg, metrics_port=None, deploy_app=False)
+            started = True
+        serve.run(build_application(local_threads(cfg)), name=name, route_prefix=f"/{name}")
+
+    try:
+        yield put
+    finally:
+        if started:
+            serve.shutdown()
+            ray.shutdown()
 
 
 @contextlib.contextmanager

@@ -26,10 +26,7 @@ from cluster.config.model_paths import require_model_dir
 from cluster.engine.engine import LLMEngine, RequestOutput
 from cluster.engine.runner import ModelRunner
 from cluster.engine.runner_registry import create_runner
-
-# Token ids below this are left out of random prompts (special tokens sit at the start of the
-# vocabularies we use: SmolLM2's 0-16, the tiny model's 0-2).
-FIRST_PLAIN_TOKEN = 17
+from cluster.planner.workload import FIRST_PLAIN_TOKEN  # special tokens sit below it
 
 _tiny_model_dir: Path | None = None
 

@@ -67,6 +67,14 @@ class Accepted:
 
 
 @dataclass(slots=True)
+class PrefillProgress:
+    """Prefill replica -> decode replica, while a streamed prompt prefills: its lease so far."""
+
+    request_id: str
+    kv: dict[str, Any]  # KVTransferParams.to_dict(): every full block computed to date
+
+
+@dataclass(slots=True)
 class PrefillReply:
     """Prefill replica -> decode replica, as soon as prefill is done."""
 

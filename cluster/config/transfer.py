@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from cluster.config.validation import check, check_choice
 
-_TRANSPORTS = ("loopback", "shm", "zmq", "torch_dist")
+_TRANSPORTS = ("loopback", "shm", "zmq", "torch_dist", "cuda_ipc")
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,11 @@ class TransferConfig:
     ipc: bool = True  # zmq over ipc:// (not tcp) when both ends share a host
     checksum: bool = False  # per-frame checksums (debugging; costs a pass over the data)
     on_failure: str = "recompute"  # recompute: prefill locally; fail: end the request
+    # Prompts of at least this many tokens stream their KV: the prefill replica leases each
+    # finished chunk's full blocks as it goes and the decode replica pulls them while later
+    # chunks compute, so only the last chunk's blocks move after the first token. 0: never
+    # (one bulk pull after the last chunk). Needs chunked prefill on the prefill pool.
+    stream_min_tokens: int = 1024
     auth: str = "none"  # none | hmac | curve (required when bind_host is not loopback)
     hmac_secret: str = ""  # "": $PDSERVE_TRANSFER_SECRET
     curve_secret_key: str = ""  # z85; "": $PDSERVE_CURVE_SECRET_KEY
@@ -51,6 +56,7 @@ class TransferConfig:
         )
         check(self.max_message_bytes >= 1 << 16, "transfer.max_message_bytes", "must be >= 64 KiB")
         check(self.frame_bytes >= 1 << 16, "transfer.frame_bytes", "must be >= 64 KiB")
+        check(self.stream_min_tokens >= 0, "transfer.stream_min_tokens", "must be >= 0 (0: off)")
         check_choice(self.on_failure, "transfer.on_failure", ("recompute", "fail"))
         check_choice(self.auth, "transfer.auth", ("none", "hmac", "curve"))
         check(

@@ -16,11 +16,19 @@ from typing import Any
 
 from ray import serve
 
-from cluster.common.protocol import Accepted, GenerateCall, PrefillCall, PrefillReply, StreamChunk
+from cluster.common.protocol import (
+    Accepted,
+    GenerateCall,
+    PrefillCall,
+    PrefillProgress,
+    PrefillReply,
+    StreamChunk,
+)
 from cluster.config import ClusterConfig, config_from_dict
 from cluster.decode_worker.worker import DecodeWorker
 from cluster.serving.calls import retrying_stream
 from cluster.serving.replica import PoolReplica, current_replica_id
+from cluster.serving.routers import recent_ranking_ms
 from cluster.serving.signals import decode_autoscaling_stats
 
 
@@ -36,7 +44,7 @@ class ServePrefillClient:
     def _count_retry(self) -> None:
         self.num_retries += 1
 
-    def prefill(self, call: PrefillCall) -> AsyncIterator[PrefillReply]:
+    def prefill(self, call: PrefillCall) -> AsyncIterator[PrefillProgress | PrefillReply]:
         return retrying_stream(
             lambda excluded: self.handle.prefill.remote(
                 dataclasses.replace(call, exclude_replicas=excluded)
@@ -74,4 +82,5 @@ class DecodeServer(PoolReplica):
     def stats(self) -> dict[str, Any]:
         s = super().stats()
         s["prefill_retries"] = self.prefill_client.num_retries if self.prefill_client else 0
+        s["ranking_ms"] = recent_ranking_ms()  # the prefill pool's routing, in this replica
         return s

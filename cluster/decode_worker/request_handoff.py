@@ -22,12 +22,14 @@ from cluster.common.faults import FaultPoints
 from cluster.common.protocol import (
     GenerateCall,
     PrefillCall,
+    PrefillProgress,
     PrefillReply,
     StreamChunk,
     Usage,
     within_deadline,
 )
 from cluster.config import ClusterConfig
+from cluster.decode_worker.kv_pull import KVPull
 from cluster.engine.client import Added, EngineClient
 from cluster.engine.engine import RequestOutput
 from cluster.engine.handoff import KVReservation
@@ -40,7 +42,7 @@ logger = logging.getLogger(__name__)
 class PrefillClient(Protocol):
     """How a decode replica reaches the prefill pool (Ray Serve handle, or a test harness)."""
 
-    def prefill(self, call: PrefillCall) -> AsyncIterator[PrefillReply]: ...
+    def prefill(self, call: PrefillCall) -> AsyncIterator[PrefillProgress | PrefillReply]: ...
 
 
 @dataclass
@@ -69,14 +71,13 @@ class RequestHandoff:
         self.first_token_at: float | None = None
         self.finished = False
         self.in_engine = False
-        self.kv: KVTransferParams | None = None  # the lease to pull, once the reply named it
-        self.kv_done = False
+        self.pull: KVPull | None = None  # the prompt's KV, pulled into its reservation
         self.remote_cached_tokens: int | None = None
 
     async def stream(self) -> AsyncIterator[StreamChunk]:
         ctx = self.ctx
         aloop = asyncio.get_running_loop()
-        prefill_stream: AsyncIterator[PrefillReply] | None = None
+        prefill_stream: AsyncIterator[PrefillProgress | PrefillReply] | None = None
         added: Added | None = None
         try:
             added = await self._add(aloop)
@@ -84,18 +85,20 @@ class RequestHandoff:
                 self.usage.prefill_mode = "remote"
                 ctx.counters["remote_prefills"] += 1
                 assert ctx.prefill_client is not None and added.reservation is not None
+                self.pull = KVPull(ctx.receiver, added.reservation)
                 prefill_stream = ctx.prefill_client.prefill(self._prefill_call())
                 async for chunk in self._remote_handoff(prefill_stream, added.reservation):
                     yield chunk
             else:
                 ctx.counters["local_prefills"] += 1
-            async for chunk in self._decode():
-                yield chunk
+            if not self.finished:  # a remote first token may already have ended it
+                async for chunk in self._decode():
+                    yield chunk
         finally:
             if added is not None and added.reservation is not None:
                 added.reservation.cancel()
-            if self.kv is not None and not self.kv_done:
-                ctx.receiver.abort(self.kv)  # tells the prefill side to free its blocks
+            if self.pull is not None:  # tells the prefill side to free its blocks, and waits
+                await self.pull.cancel()  # until no pull writes the reserved ones any more
             if prefill_stream is not None:
                 await _aclose(prefill_stream)
             if self.in_engine and not self.finished:
@@ -140,56 +143,67 @@ class RequestHandoff:
 
     async def _remote_handoff(
         self,
-        prefill_stream: AsyncIterator[PrefillReply],
+        prefill_stream: AsyncIterator[PrefillProgress | PrefillReply],
         reservation: asyncio.Future[KVReservation],
     ) -> AsyncIterator[StreamChunk]:
         ctx = self.ctx
+        pull = self.pull
+        assert pull is not None
         try:
-            reply = await self._before_deadline(prefill_stream.__anext__())
+            reply = await self._prefill_reply(prefill_stream, pull)
         except PDServeError as e:
+            await pull.cancel()  # a streamed part may be landing in the reserved blocks
             if e.code in (ErrorCode.INVALID_ARGUMENT, ErrorCode.DEADLINE_EXCEEDED):
                 raise
             await self._fail_or_recompute(f"prefill call failed: {e.message}")
             return
         except (StopAsyncIteration, Exception) as e:  # a dead or unreachable prefill replica
+            await pull.cancel()
             ctx.counters["prefill_call_failures"] += 1
             await self._fail_or_recompute(f"prefill call failed: {type(e).__name__}: {e}")
             return
         self.usage.phases["prefill_queue_ms"] = reply.prefill_queue_ms
         self.usage.phases["prefill_ms"] = reply.prefill_ms
         self.remote_cached_tokens = reply.num_cached_tokens
-        if reply.kv is not None:
-            self.kv = KVTransferParams.from_dict(reply.kv)
+        if reply.kv is None:
+            await pull.cancel()  # nothing (more) to pull: stop streamed parts before any free
         first = await ctx.engine.accept_first_token(
             self.rid, reply.first_token_id, reply.first_logprob, reply.first_top_logprobs
         )
-        yield self._chunk(first)  # the first token, before any KV moves
-        if first.finished or self.kv is None:
+        yield self._chunk(first)  # the first token, before any (more) KV moves
+        if first.finished or reply.kv is None:
             return
-        await self._pull(self.kv, reservation)
+        await self._pull(KVTransferParams.from_dict(reply.kv), reservation, pull)
 
-    async def _pull(self, kv: KVTransferParams, reservation: asyncio.Future[KVReservation]) -> None:
+    async def _prefill_reply(
+        self, prefill_stream: AsyncIterator[PrefillProgress | PrefillReply], pull: KVPull
+    ) -> PrefillReply:
+        """The prefill call's reply; a streamed prompt's announced blocks start moving first."""
+        while True:
+            item = await self._before_deadline(prefill_stream.__anext__())
+            if not isinstance(item, PrefillProgress):
+                return item
+            pull.offer(KVTransferParams.from_dict(item.kv))
+
+    async def _pull(
+        self, kv: KVTransferParams, reservation: asyncio.Future[KVReservation], pull: KVPull
+    ) -> None:
         ctx = self.ctx
-        ctx.receiver.hold(kv)  # heartbeat the lease while the request waits for blocks
-        res = await self._before_deadline(reservation)
+        pull.hold(kv)  # heartbeat the lease while the request waits for blocks
+        await self._before_deadline(asyncio.shield(reservation))
         self.usage.phases["decode_queue_ms"] = (time.monotonic() - self.arrival) * 1000
         await ctx.faults.hit_async("d.after_alloc_before_pull")
-        k = min(res.num_hit_blocks, len(kv.block_ids))
         t0 = time.monotonic()
         try:
-            if k < len(kv.block_ids):
-                pull = ctx.receiver.pull_async(kv, res.block_ids[k:], first_block=k)
-                result = await self._before_deadline(asyncio.wrap_future(pull))
-                ctx.counters["pulled_blocks"] += result.num_blocks
-            else:
-                ctx.receiver.abort(kv, reason="not_needed")  # all cached here: release it
-            ctx.counters["reused_blocks"] += k
-            self.kv_done = True
+            reused = await self._before_deadline(pull.finish(kv))
         except KVTransferError as e:
-            self.kv_done = True  # the receiver already told the sender (or the sender is gone)
+            await pull.cancel()
             ctx.counters["transfer_failures"] += 1
             await self._fail_or_recompute(f"KV transfer failed: {e.reason}: {e}")
             return
+        ctx.counters["pulled_blocks"] += pull.num_pulled
+        ctx.counters["streamed_parts"] += pull.num_parts
+        ctx.counters["reused_blocks"] += reused
         self.usage.phases["transfer_ms"] = (time.monotonic() - t0) * 1000
         await ctx.engine.kv_arrived(self.rid)
 

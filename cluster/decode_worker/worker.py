@@ -64,6 +64,7 @@ class DecodeWorker:
             "transfer_failures": 0,
             "prefill_call_failures": 0,
             "pulled_blocks": 0,
+            "streamed_parts": 0,
             "reused_blocks": 0,
         }
         self._ctx = DecodeContext(

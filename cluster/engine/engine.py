@@ -120,12 +120,11 @@ class LLMEngine:
         return admission
 
     def abort_request(self, request_id: str, error: str | None = None) -> bool:
-        """End a request wherever it is (queued, running, awaiting KV, held); frees its blocks."""
-        if self.handoff.release(request_id):
-            return True
+        """End a request wherever it is (queued, running, awaiting KV, held); frees its blocks
+        (not the pins of a streamed prompt: a lease may be reading them, ``release`` frees)."""
         req = self.requests.get(request_id)
         if req is None:
-            return False
+            return self.handoff.release(request_id)  # held for a pull, or unknown
         req.error = error
         self._finish(req, RequestStatus.FINISHED_ERROR if error else RequestStatus.FINISHED_ABORTED)
         self.counters.num_aborted += 1
@@ -180,7 +179,10 @@ class LLMEngine:
     # -- prefill role -------------------------------------------------------------------------
 
     def release(self, request_id: str) -> bool:
-        """Free a prefilled request's held blocks (pulled, expired or cancelled)."""
+        """Free a prefilled request's held blocks (pulled, expired or cancelled); a streamed
+        prompt still prefilling when its lease ended is aborted too."""
+        if request_id in self.requests:
+            self.abort_request(request_id)
         return self.handoff.release(request_id)
 
     # -- the step -----------------------------------------------------------------------------
@@ -213,6 +215,7 @@ class LLMEngine:
             return outputs
         for item in batch.items:
             self.scheduler.commit(item)
+        outputs.extend(self.handoff.take_outputs())  # streamed blocks (prefill role)
         for i, rid in enumerate(result.request_ids):
             lp = result.logprobs[i] if result.logprobs is not None else None
             top = result.top_logprobs[i] if result.top_logprobs is not None else None

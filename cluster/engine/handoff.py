@@ -11,6 +11,8 @@ chosen by role from ``HANDOFFS``, which the engine calls at three points:
   * finish (``ends_here`` / ``hold``, after each token): ``prefill`` ends a request's part with
     its first token and holds its blocks (not freed, not evictable) until ``release`` (the
     decode side pulled them, or the lease ended).
+  * progress (``computed`` after each step's commit, ``take_outputs``): ``prefill`` streams a
+    long prompt's finished blocks while later chunks compute (``block_stream``).
 
 ``colocated`` (the offline engine, a colocated pool) does none of it. No role flags live on the
 request or in the scheduler.
@@ -25,6 +27,8 @@ from typing import Literal
 
 from cluster.config import ClusterConfig
 from cluster.engine.block_manager import BlockManager
+from cluster.engine.block_stream import BlockStream
+from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import Request, RequestStatus
 
 # How a request's prompt gets its KV: computed here, pulled from a prefill replica, or (decode
@@ -68,6 +72,13 @@ class Handoff:
     def reserve(self, num_running: int, max_num_seqs: int) -> list[KVReservation]:
         return []
 
+    def computed(self, req: Request) -> None:
+        """After a step computed more of ``req`` (its full blocks are published)."""
+
+    def take_outputs(self) -> list[RequestOutput]:
+        """Outputs the hand-off made since the last call (streamed blocks, prefill role)."""
+        return []
+
     def ends_here(self, req: Request) -> bool:
         """After a token that did not finish ``req``: is this engine's part of it over?"""
         return False
@@ -108,26 +119,38 @@ class PrefillHandoff(Handoff):
     def __init__(self, config: ClusterConfig, block_manager: BlockManager) -> None:
         super().__init__(config, block_manager)
         self.held: set[str] = set()
+        self.stream = BlockStream(block_manager, config.transfer.stream_min_tokens)
+
+    def computed(self, req: Request) -> None:
+        self.stream.computed(req)
+
+    def take_outputs(self) -> list[RequestOutput]:
+        return self.stream.take_outputs()
 
     def ends_here(self, req: Request) -> bool:
         return req.num_output_tokens >= 1
 
     def hold(self, req: Request) -> list[int]:
         self.held.add(req.request_id)
-        return list(self.block_manager.block_table(req.request_id))
+        return self.stream.table(req)  # a streamed prompt: the announced blocks first
 
     def release(self, request_id: str) -> bool:
+        pinned = self.stream.release(request_id)
         if request_id not in self.held:
-            return False
+            return pinned
         self.held.remove(request_id)
         self.block_manager.free(request_id)
         return True
 
     def is_holding(self, request_id: str) -> bool:
-        return request_id in self.held
+        return request_id in self.held or self.stream.is_pinned(request_id)
 
     def stats(self) -> dict[str, int]:
-        return {"num_waiting_for_kv": 0, "num_held": len(self.held)}
+        return {
+            "num_waiting_for_kv": 0,
+            "num_held": len(self.held),
+            "num_streaming": self.stream.num_streaming,
+        }
 
 
 class DecodeHandoff(Handoff):

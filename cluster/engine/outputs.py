@@ -34,6 +34,9 @@ class RequestOutput:
     # Prefill role: the request's part here ended with this output and these blocks (its whole
     # table, prompt order) are held for a decode replica's pull; finish_reason is then None.
     held_block_ids: list[int] | None = None
+    # Prefill role, a streamed prompt: no token yet, but these blocks (prompt order, full and
+    # computed) are held so far: the whole list published to date, a prefix of the final table.
+    streamed_block_ids: list[int] | None = None
     # Monotonic timestamps (this process's clock): arrival, first scheduled, first token.
     arrival_time: float = 0.0
     scheduled_time: float | None = None

@@ -227,6 +227,7 @@ class Scheduler:
             self.block_manager.cache_blocks(
                 req.request_id, hashes, req.all_token_ids, req.num_computed_tokens
             )
+            self.handoff.computed(req)  # the role may stream them (prefill, long prompts)
 
     def remove(self, req: Request) -> bool:
         """Take ``req`` out of the queues (it finished or left); False if it is not in them."""

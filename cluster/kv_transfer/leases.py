@@ -11,6 +11,10 @@ thousand leases instantly. Lifecycle of one lease:
 
 Invariant: a lease is released exactly once, and never while a transport may still read its
 blocks (so the caller can hand them back to its engine the moment it is told).
+
+A streamed lease (``open``) grows while its prefill runs (``extend``); it is pulled in parts,
+each ``SENDING -> LEASED`` again at its ack, every block at most once (``sent``), and only
+once sealed (``open`` False) may the final pull end it.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class LeaseState(enum.Enum):
@@ -38,6 +42,9 @@ class Lease:
     pull_id: int = 0
     peer: bytes = b""  # routing id of the receiver pulling it
     end_reason: str = ""  # set when ended while DRAINING
+    open: bool = False  # streamed and still growing: a final pull is refused until sealed
+    final_pull: bool = True  # whether the pull being served ends the lease at its ack
+    sent: set[int] = field(default_factory=set)  # blocks served by earlier parts
 
 
 class LeaseTable:
@@ -56,12 +63,19 @@ class LeaseTable:
     def __iter__(self) -> Iterator[Lease]:
         return iter(list(self._leases.values()))
 
-    def add(self, request_id: str, transfer_id: str, block_ids: tuple[int, ...]) -> Lease:
+    def add(
+        self,
+        request_id: str,
+        transfer_id: str,
+        block_ids: tuple[int, ...],
+        *,
+        open: bool = False,
+    ) -> Lease:
         if request_id in self._by_request:
             raise ValueError(f"request_id: {request_id!r} already has an active lease")
         if transfer_id in self._leases or transfer_id in self._finished:
             raise ValueError(f"transfer_id: {transfer_id!r} was already used")
-        lease = Lease(request_id, transfer_id, block_ids, self.clock() + self.lease_s)
+        lease = Lease(request_id, transfer_id, block_ids, self.clock() + self.lease_s, open=open)
         self._leases[transfer_id] = lease
         self._by_request[request_id] = transfer_id
         return lease

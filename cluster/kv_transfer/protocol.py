@@ -12,6 +12,9 @@ Conversation (decode side D = DEALER, prefill side P = ROUTER; D always speaks f
     D: DistSetup        (torch_dist only: both build a fresh pair group of this generation)
     D: PullRequest      P: Chunk* (zmq) | Ready (shm, loopback, torch_dist) | PullError
     D: Ack              P: AckReply             (only transports where D reads P's memory)
+                        a streamed lease (its block list grows while the prefill runs) is
+                        pulled in parts: PullRequest(final=False) ... Ack, the lease stays;
+                        the last PullRequest(final=True) ... Ack ends it as a bulk pull does
     D: Heartbeat        P: HeartbeatReply       renews the leases D is still waiting on
     D: Abort                                    D gave up: P frees the lease now
 
@@ -46,7 +49,8 @@ import msgpack
 from cluster.common.kv_layout import KVLayout
 
 # Bump on any change to a message's fields or meaning (or to the block-hash chain).
-PROTOCOL_VERSION = 1
+# 2: PullRequest.final (streamed leases are pulled in parts), HelloReply.cuda_ipc.
+PROTOCOL_VERSION = 2
 
 # Bounds every decoded value must respect: no allocation proportional to a declared size.
 MAX_STR_LEN = 1024
@@ -87,7 +91,8 @@ class Reason:
     STALE_EPOCH = "stale_epoch"  # the peer restarted (other instance id or epoch)
     UNKNOWN_TRANSFER = "unknown_transfer"
     STALE_TRANSFER = "stale_transfer"  # a transfer that already finished (replay)
-    DUPLICATE = "duplicate"  # a second pull of one lease, or a repeated frame
+    DUPLICATE = "duplicate"  # a second pull of one lease or block, or a repeated frame
+    STREAM_OPEN = "stream_open"  # a final pull of a streamed lease whose prefill still runs
     BAD_BLOCKS = "bad_blocks"  # source ids outside the pool or not in the lease
     BAD_DESTINATION = "bad_destination"  # destination ids outside the pool or owned elsewhere
     UNEXPECTED = "unexpected"  # a message with no matching pull, or out of order
@@ -204,6 +209,7 @@ class HelloReply:
     shm_name: str  # the sender pool's shared segment ("" when not shared)
     dist_store: str  # host:port of the torch_dist rendezvous store ("" when not offered)
     max_frame_bytes: int
+    cuda_ipc: str = ""  # the sender's device pool as a CUDA IPC handle ("" when not offered)
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +229,9 @@ class PullRequest:
     frames: tuple[tuple[Segment, ...], ...]
     checksum: bool
     dist_generation: int  # 0 unless transport is torch_dist
+    # False: one part of a streamed lease (its blocks so far); the ack keeps the lease for the
+    # rest. True: the last (or only) pull; its ack ends the lease.
+    final: bool = True
 
 
 @dataclass(frozen=True, slots=True)

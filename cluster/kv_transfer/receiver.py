@@ -14,6 +14,10 @@ Lifecycle (one ``KVReceiver`` per decode replica):
      recomputes into) its reservation. A partial transfer is never reported DONE.
   4. ``abort(params)`` (any thread) cancels a pull or hold and tells the sender to free.
 
+A streamed lease (its prefill still runs) is pulled in parts: ``pull_async(params, ...,
+final=False)`` fetches the blocks its handle names so far and leaves the lease held (and
+heartbeated) for the rest; the last pull (``final=True``, the default) ends it.
+
 Futures complete on the ``kv-receiver`` thread; callbacks added to them run there: keep them
 short (enqueue work for the engine thread).
 """
@@ -114,6 +118,7 @@ class KVReceiver:
         *,
         first_block: int = 0,
         timeout_s: float | None = None,
+        final: bool = True,
     ) -> Future[PullResult]:
         future: Future[PullResult] = Future()
         try:
@@ -123,7 +128,7 @@ class KVReceiver:
             future.set_exception(e)
             return future
         timeout = timeout_s if timeout_s is not None else self.config.transfer_timeout_s
-        self._commands.call_soon(lambda: self._admit(params, src, dst, timeout, future))
+        self._commands.call_soon(lambda: self._admit(params, src, dst, timeout, future, final))
         return future
 
     def pull(
@@ -133,9 +138,10 @@ class KVReceiver:
         *,
         first_block: int = 0,
         timeout_s: float | None = None,
+        final: bool = True,
     ) -> PullResult:
         future = self.pull_async(
-            params, dst_block_ids, first_block=first_block, timeout_s=timeout_s
+            params, dst_block_ids, first_block=first_block, timeout_s=timeout_s, final=final
         )
         timeout = timeout_s if timeout_s is not None else self.config.transfer_timeout_s
         try:
@@ -178,6 +184,7 @@ class KVReceiver:
         dst: tuple[int, ...],
         timeout: float,
         future: Future[PullResult],
+        final: bool = True,
     ) -> None:
         if not future.set_running_or_notify_cancel():
             return  # cancelled before it started; once started, cancel with abort(params)
@@ -209,6 +216,7 @@ class KVReceiver:
             started=time.perf_counter(),
             deadline=now + timeout,
             future=future,
+            final=final,
         )
         self._dst_in_use.update(dst)
         self._active.add(tid)
@@ -246,10 +254,12 @@ class KVReceiver:
                 self._poller.unregister(sock)
 
     def finish_ok(self, pull: RecvPull) -> None:
-        self._release(pull, TransferState.DONE)
+        # A part of a streamed lease: the transfer goes on (the connection holds it again).
+        state = TransferState.DONE if pull.final else TransferState.TRANSFERRING
+        self._release(pull, state)
         elapsed = time.perf_counter() - pull.started
         plan = pull.plan
-        self.stats_obj.inc("transfers_ok")
+        self.stats_obj.inc("transfers_ok" if pull.final else "parts_ok")
         self.stats_obj.inc("blocks_received", plan.num_blocks)
         self.stats_obj.inc("bytes_received", plan.num_bytes)
         self.stats_obj.observe("transfer_time_s", elapsed)
@@ -260,6 +270,7 @@ class KVReceiver:
             plan.num_blocks,
             plan.num_bytes,
             elapsed,
+            state,
         )
         if not pull.future.done():
             pull.future.set_result(result)

@@ -253,6 +253,7 @@ class PeerConnection:
             transport=self.transport,
             frames=pull.plan.wire_frames(),
             checksum=pull.checksum,
+            final=pull.final,
             **fields,
         )
         pull.transport = self.transport
@@ -287,6 +288,8 @@ class PeerConnection:
     def _complete(self, pull: RecvPull) -> None:
         del self.pulls[pull.pull_id]
         pull.state = State.DONE
+        if not pull.final:  # a part of a streamed lease: heartbeat it until the next part
+            self.holds[pull.params.transfer_id] = pull.params
         self.owner.finish_ok(pull)
 
     def fail_pull(self, pull: RecvPull, reason: str, message: str, notify: bool = True) -> None:

@@ -14,6 +14,10 @@ Lifecycle (one ``KVSender`` per prefill replica):
      ``engine.release(request_id)`` for its engine thread there (the callback must not block).
   5. ``abort(request_id)`` (any thread) ends a lease early; ``close()`` releases what is left.
 
+A streamed prompt (``register(..., streamed=True)``) is leased before its prefill ends: each
+``extend`` grows the lease to the blocks computed so far (the last one, ``last=True``, seals it),
+and the receiver pulls it in parts while the prefill runs; the final part's ack ends it.
+
 The serving thread reads ``kv_cache[b]`` of leased blocks while the engine thread writes other
 blocks: leased blocks are never written, so no lock is shared with the engine.
 """
@@ -93,7 +97,7 @@ class KVSender:
         self._stats = TransferStats()
         self._leases = LeaseTable(config.lease_s, clock)
         self._lock = threading.Lock()  # guards the lease table (register runs on callers)
-        self._pending: dict[str, Completion] = {}  # transfer_id -> reads still in flight
+        self._pending: dict[str, list[Completion]] = {}  # transfer_id -> reads in flight
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._commands = CommandQueue()
@@ -137,6 +141,10 @@ class KVSender:
             self._ctx.dist_store = start_store(cfg)
         if "loopback" in cfg.transports:
             LOCAL_POOLS[self.instance_id] = self.pool
+        if "cuda_ipc" in cfg.transports and self.pool.tensor.is_cuda:
+            from cluster.kv_transfer.transports.cuda_ipc import export_pool
+
+            self._ctx.cuda_ipc = export_pool(self.pool)
         self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
         self._thread.start()
         return self.endpoint
@@ -148,8 +156,46 @@ class KVSender:
         *,
         num_tokens: int,
         block_hashes: Sequence[int] = (),
+        streamed: bool = False,
     ) -> KVTransferParams:
-        """Lease ``block_ids`` (source pool ids, prompt order) for ``request_id``'s pull."""
+        """Lease ``block_ids`` (source pool ids, prompt order) for ``request_id``'s pull;
+        ``streamed``: the prefill still runs, ``extend`` grows the lease until ``last``."""
+        ids = self._check_blocks(block_ids, num_tokens)
+        transfer_id = uuid.uuid4().hex
+        params = self._params(request_id, transfer_id, ids, num_tokens, block_hashes)
+        with self._lock:
+            self._leases.add(request_id, transfer_id, ids, open=streamed)
+            self._stats.set_gauge("leases_active", len(self._leases))
+        self._stats.inc("leases_registered")
+        return params
+
+    def extend(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        *,
+        num_tokens: int,
+        block_hashes: Sequence[int] = (),
+        last: bool = False,
+    ) -> KVTransferParams | None:
+        """Grow ``request_id``'s streamed lease to ``block_ids`` (all its blocks so far: the
+        leased ones first); ``last``: the prefill is done and the final pull may end the lease.
+        None when the lease already ended (its release callback has fired or will)."""
+        ids = self._check_blocks(block_ids, num_tokens)
+        with self._lock:
+            lease = self._leases.by_request(request_id)
+            if lease is None:
+                return None
+            if not lease.open:
+                raise ValueError(f"request_id: {request_id!r}: its lease is not a growing one")
+            if ids[: len(lease.block_ids)] != lease.block_ids:
+                raise ValueError("block_ids: must start with the blocks already leased")
+            lease.block_ids, lease.open = ids, not last
+            transfer_id = lease.transfer_id
+        self._stats.inc("leases_extended")
+        return self._params(request_id, transfer_id, ids, num_tokens, block_hashes)
+
+    def _check_blocks(self, block_ids: Sequence[int], num_tokens: int) -> tuple[int, ...]:
         ids = tuple(int(b) for b in block_ids)
         if not ids or len(set(ids)) != len(ids):
             raise ValueError("block_ids: must be non-empty and unique")
@@ -157,8 +203,17 @@ class KVSender:
             raise ValueError(f"block_ids: outside the pool of {self.pool.num_blocks} blocks")
         if -(-num_tokens // self.pool.layout.block_size) > len(ids):
             raise ValueError(f"num_tokens: {num_tokens} tokens need more than {len(ids)} blocks")
-        transfer_id = uuid.uuid4().hex
-        params = KVTransferParams(
+        return ids
+
+    def _params(
+        self,
+        request_id: str,
+        transfer_id: str,
+        ids: tuple[int, ...],
+        num_tokens: int,
+        block_hashes: Sequence[int],
+    ) -> KVTransferParams:
+        return KVTransferParams(
             request_id=request_id,
             transfer_id=transfer_id,
             endpoint=self.endpoint,
@@ -171,11 +226,6 @@ class KVSender:
             num_tokens=num_tokens,
             layout=self.pool.layout.to_dict(),  # type: ignore[arg-type]
         )
-        with self._lock:
-            self._leases.add(request_id, transfer_id, ids)
-            self._stats.set_gauge("leases_active", len(self._leases))
-        self._stats.inc("leases_registered")
-        return params
 
     def abort(self, request_id: str, reason: str = ReleaseReason.ABORTED) -> bool:
         """End ``request_id``'s lease; True if it had one. The release callback follows."""
@@ -248,12 +298,17 @@ class KVSender:
             return self._leases.expired()
 
     def _poll_pending(self) -> None:
-        for transfer_id, done in list(self._pending.items()):
-            if not done.done():
+        for transfer_id, reads in list(self._pending.items()):
+            still = []
+            for done in reads:
+                if not done.done():
+                    still.append(done)
+                elif not done.ok:
+                    self._stats.failed(done.reason or "transport_error")
+            if still:
+                self._pending[transfer_id] = still
                 continue
             del self._pending[transfer_id]
-            if not done.ok:
-                self._stats.failed(done.reason or "transport_error")
             with self._lock:
                 lease = self._leases.get(transfer_id)
             if lease is None:
@@ -314,7 +369,7 @@ class KVSender:
         self._release(lease, reason)
 
     def track(self, transfer_id: str, done: Completion) -> None:
-        self._pending[transfer_id] = done
+        self._pending.setdefault(transfer_id, []).append(done)
 
     def is_serving(self, transfer_id: str) -> bool:
         return transfer_id in self._pending

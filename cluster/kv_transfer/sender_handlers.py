@@ -145,6 +145,7 @@ class SenderHandlers:
             shm_name=ctx.pool.shm_path,
             dist_store=store.address if store is not None else "",
             max_frame_bytes=min(ctx.config.frame_bytes, ctx.config.max_message_bytes),
+            cuda_ipc=ctx.cuda_ipc,
         )
 
     # -- pulls --------------------------------------------------------------------------------
@@ -165,6 +166,7 @@ class SenderHandlers:
             self._refuse(identity, msg, e.reason, e.detail)
             return
         lease.state, lease.pull_id, lease.peer = LeaseState.SENDING, msg.pull_id, identity
+        lease.final_pull = msg.final
         self.leases.renew(lease.transfer_id)
         peer.transports[lease.transfer_id] = msg.transport
         job = ServeJob(identity, msg, msg.frames)
@@ -179,6 +181,7 @@ class SenderHandlers:
         self.leases.track(lease.transfer_id, done)
         self.stats.observe("serve_time_s", time.perf_counter() - t0)  # to queue every frame
         num_blocks = sum(n for frame in msg.frames for _, n in frame)
+        lease.sent.update(b for frame in msg.frames for s, n in frame for b in range(s, s + n))
         self.stats.inc("pulls_served")
         self.stats.inc("blocks_sent", num_blocks)
         self.stats.inc("bytes_sent", num_blocks * self.ctx.pool.bytes_per_block)
@@ -195,6 +198,10 @@ class SenderHandlers:
             raise KVTransferError(Reason.UNKNOWN_TRANSFER, "no such lease (expired or never)")
         if lease.state is not LeaseState.LEASED:
             raise KVTransferError(Reason.DUPLICATE, f"lease is {lease.state.value}")
+        if msg.final and lease.open:
+            raise KVTransferError(
+                Reason.STREAM_OPEN, "the lease still grows (its prefill runs): pull a part"
+            )
         pool = self.ctx.pool
         check_source_frames(
             msg.frames,
@@ -203,6 +210,11 @@ class SenderHandlers:
             pool.bytes_per_block,
             self.ctx.config.max_message_bytes,
         )
+        again = sorted(
+            b for frame in msg.frames for s, n in frame for b in range(s, s + n) if b in lease.sent
+        )
+        if again:
+            raise KVTransferError(Reason.DUPLICATE, f"blocks {again[:8]} were pulled already")
         return lease
 
     def _refuse(self, identity: bytes, msg: PullRequest, reason: str, message: str) -> None:
@@ -231,6 +243,11 @@ class SenderHandlers:
         assert lease is not None
         if transport and TRANSPORTS[transport].needs_confirm:  # the receiver waits for this
             self._send(identity, AckReply(msg.pull_id, True, ""))
+        if not lease.final_pull:  # one part of a streamed lease: it stays for the rest
+            lease.state = LeaseState.LEASED
+            self.leases.renew(lease.transfer_id)
+            self.stats.inc("parts_acked")
+            return
         self.leases.end_lease(lease, "acked")
 
     def _abort(self, identity: bytes, peer: _Peer, msg: Abort) -> None:

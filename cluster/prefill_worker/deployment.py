@@ -1,11 +1,12 @@
 """The prefill pool as a Ray Serve deployment: ``PrefillServer``, one ``PrefillWorker`` a replica.
 
-Its ``prefill`` call is a stream (``Accepted``, then ``PrefillReply``) that stays open until the
-decode side has pulled the KV, the lease expired, or the call was cancelled: Ray Serve counts
-leased work as ongoing, so scale-down drains it (``graceful_shutdown_timeout_s`` exceeds the
-lease) and cancellation reaches the lease. Health, stats, metrics, the routing and autoscaling
-reports and the test-mode fault hooks come from ``serving.replica.PoolReplica``; options
-(replicas, CPUs, queue limits) are set by ``cluster.app`` from the config.
+Its ``prefill`` call is a stream (``Accepted``, ``PrefillProgress`` while a streamed prompt
+prefills, then ``PrefillReply``) that stays open until the decode side has pulled the KV, the
+lease expired, or the call was cancelled: Ray Serve counts leased work as ongoing, so scale-down
+drains it (``graceful_shutdown_timeout_s`` exceeds the lease) and cancellation reaches the
+lease. Health, stats, metrics, the routing and autoscaling reports and the test-mode fault hooks
+come from ``serving.replica.PoolReplica``; options (replicas, CPUs, queue limits) are set by
+``cluster.app`` from the config.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 from ray import serve
 
-from cluster.common.protocol import Accepted, PrefillCall, PrefillReply
+from cluster.common.protocol import Accepted, PrefillCall, PrefillProgress, PrefillReply
 from cluster.config import config_from_dict
 from cluster.prefill_worker.worker import PrefillWorker
 from cluster.serving.replica import PoolReplica, current_replica_id
@@ -38,7 +39,9 @@ class PrefillServer(PoolReplica):
         self.recent_requests: collections.deque[str] = collections.deque(maxlen=1024)
         logger.info("prefill replica %s: KV endpoint %s", replica_id, self.worker.endpoint)
 
-    async def prefill(self, call: PrefillCall) -> AsyncIterator[Accepted | PrefillReply]:
+    async def prefill(
+        self, call: PrefillCall
+    ) -> AsyncIterator[Accepted | PrefillProgress | PrefillReply]:
         self._started()
         self.recent_requests.append(call.request_id)  # where requests went (routing tests)
         yield Accepted(self.replica_id)

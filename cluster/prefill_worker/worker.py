@@ -13,9 +13,15 @@ Lifecycle of one request (``prefill(call)`` is an async stream):
      either side aborts; the sender's release callback frees the blocks in the engine and the
      stream ends. Cancelling the stream aborts the lease (or the prefill if still running).
 
+A streamed prompt (``transfer.stream_min_tokens``; chunked prefill) is leased before step 2: after
+each chunk the engine announces the full blocks computed so far; the lease grows to them and the
+stream yields ``PrefillProgress(handle so far)``, so the decode side pulls them while the next
+chunks compute. Step 3 then only seals the lease with the tail (the last chunk's blocks).
+
 A request whose first token already finishes it (EOS, a stop token, ``max_tokens`` 1) frees its
-blocks and replies with its finish reason and no handle. Threads: the engine loop thread owns
-the engine, the ``kv-sender`` thread serves pulls; asyncio callers only enqueue work for either.
+blocks and replies with its finish reason and no handle (a streamed prompt's lease is aborted).
+Threads: the engine loop thread owns the engine, the ``kv-sender`` thread serves pulls; asyncio
+callers only enqueue work for either.
 """
 
 from __future__ import annotations
@@ -32,15 +38,18 @@ import torch
 from cluster.common.errors import ErrorCode, PDServeError
 from cluster.common.faults import FaultPoints
 from cluster.common.kv_layout import KVLayout
-from cluster.common.protocol import PrefillCall, PrefillReply
+from cluster.common.protocol import PrefillCall, PrefillProgress, PrefillReply
 from cluster.config import ClusterConfig
 from cluster.engine.client import EngineClient
 from cluster.engine.engine import LLMEngine, RequestOutput
 from cluster.engine.runner_registry import create_runner
-from cluster.kv_transfer import KVPool, KVSender
+from cluster.kv_transfer import KVPool, KVSender, KVTransferParams
 from cluster.serving.signals import RecentWindow
 
 logger = logging.getLogger(__name__)
+
+# Per call with a lease out (or about to): its loop, the event the lease's end sets, its outputs.
+_CallState = tuple[asyncio.AbstractEventLoop, asyncio.Event, "asyncio.Queue[RequestOutput | None]"]
 
 
 class PrefillWorker:
@@ -68,8 +77,9 @@ class PrefillWorker:
             epoch=epoch if epoch is not None else time.time_ns(),
             fault_points=self.faults,
         )
-        # Per call with a lease out: set when the lease ends (the call's stream then ends).
-        self._leases: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Event]] = {}
+        # Per call: the event set when its lease ends (the call's stream then ends) and its
+        # output queue (told None then, in case the prompt was still prefilling).
+        self._leases: dict[str, _CallState] = {}
         self.num_prefills: int = 0
         # Recent TTFT on this replica (queue + prefill), one of the autoscaling signals.
         self.recent_ttft: RecentWindow = RecentWindow(
@@ -104,42 +114,52 @@ class PrefillWorker:
 
     # -- the call -----------------------------------------------------------------------------
 
-    async def prefill(self, call: PrefillCall) -> AsyncIterator[PrefillReply]:
+    async def prefill(self, call: PrefillCall) -> AsyncIterator[PrefillProgress | PrefillReply]:
         aloop = asyncio.get_running_loop()
         arrival = time.monotonic()
         # An internal id per call: a retried request never collides with a lease still held.
         rid = f"{call.request_id}#{uuid.uuid4().hex[:8]}"
-        first: asyncio.Future[RequestOutput] = aloop.create_future()
+        outputs: asyncio.Queue[RequestOutput | None] = asyncio.Queue()  # None: the lease ended
 
         def sink(out: RequestOutput) -> None:
-            aloop.call_soon_threadsafe(_resolve, first, out)
+            aloop.call_soon_threadsafe(outputs.put_nowait, out)
 
         ended = asyncio.Event()  # set by the sender thread when the lease ends
-        in_engine = True  # prefilling, or held but not leased yet: an abort frees it
+        # No lease out yet: an abort frees the request wherever it is. Once leased, the lease's
+        # release frees its blocks (and ends the request if it still prefills).
+        in_engine = True
         leased = False
+        self._leases[rid] = (aloop, ended, outputs)
         try:
             try:
                 await self.engine.add(rid, call.prompt_token_ids, call.params, sink, seed=call.seed)
             except ValueError as e:
                 in_engine = False
                 raise PDServeError(ErrorCode.INVALID_ARGUMENT, str(e), call.request_id) from None
-            out = await first
+            while True:
+                out = await outputs.get()
+                if out is None or out.streamed_block_ids is None:
+                    break
+                progress = self._stream(rid, call, out.streamed_block_ids, leased)
+                in_engine, leased = False, True
+                yield progress
+            if out is None or (out.finished and not out.new_token_ids):
+                error = out.error if out is not None else None
+                raise PDServeError(
+                    ErrorCode.UNAVAILABLE,
+                    error or "the KV lease ended while the prompt was prefilling",
+                    call.request_id,
+                )
             if out.error is not None:
                 raise PDServeError(ErrorCode.UNAVAILABLE, out.error, call.request_id)
             self.num_prefills += 1
             reply = self._reply(call, out, arrival)
             if out.held_block_ids is None:  # the first token finished it: nothing to pull
-                in_engine = False
+                in_engine = False  # a streamed prompt's pins go with its lease, aborted below
                 yield reply
                 return
             await self.faults.hit_async("p.after_prefill_before_publish")
-            self._leases[rid] = (aloop, ended)
-            params = self.sender.register(
-                rid,
-                out.held_block_ids,
-                num_tokens=len(call.prompt_token_ids),
-                block_hashes=call.block_hashes[: len(out.held_block_ids)],
-            )
+            params = self._publish(rid, call, out.held_block_ids, leased)
             in_engine, leased = False, True
             await self.faults.hit_async("p.after_publish_before_send")
             reply.kv = params.to_dict()
@@ -151,6 +171,48 @@ class PrefillWorker:
             elif leased and not ended.is_set():
                 self.sender.abort(rid)  # the release callback frees the blocks
             self._leases.pop(rid, None)
+
+    def _stream(
+        self, rid: str, call: PrefillCall, block_ids: list[int], leased: bool
+    ) -> PrefillProgress:
+        """A streamed prompt's blocks so far: lease them (or grow the lease) and announce."""
+        num_tokens = len(block_ids) * self.engine.block_size
+        hashes = call.block_hashes[: len(block_ids)]
+        if not leased:
+            params = self.sender.register(
+                rid, block_ids, num_tokens=num_tokens, block_hashes=hashes, streamed=True
+            )
+        else:
+            extended = self.sender.extend(
+                rid, block_ids, num_tokens=num_tokens, block_hashes=hashes
+            )
+            if extended is None:
+                raise self._lease_gone(call)
+            params = extended
+        return PrefillProgress(call.request_id, params.to_dict())
+
+    def _publish(
+        self, rid: str, call: PrefillCall, held: list[int], leased: bool
+    ) -> KVTransferParams:
+        """The first token's held table: lease it, or seal a streamed prompt's lease with it."""
+        hashes = call.block_hashes[: len(held)]
+        num_tokens = len(call.prompt_token_ids)
+        if not leased:
+            return self.sender.register(rid, held, num_tokens=num_tokens, block_hashes=hashes)
+        params = self.sender.extend(
+            rid, held, num_tokens=num_tokens, block_hashes=hashes, last=True
+        )
+        if params is None:  # the release callback frees the held table too
+            raise self._lease_gone(call)
+        return params
+
+    @staticmethod
+    def _lease_gone(call: PrefillCall) -> PDServeError:
+        return PDServeError(
+            ErrorCode.UNAVAILABLE,
+            "the KV lease ended while the prompt was prefilling",
+            call.request_id,
+        )
 
     def _reply(self, call: PrefillCall, out: RequestOutput, arrival: float) -> PrefillReply:
         # (queue, compute) milliseconds: arrival -> scheduled -> first token.
@@ -177,8 +239,9 @@ class PrefillWorker:
         lease = self._leases.get(request_id)
         if lease is not None:
             logger.debug("request %s: lease ended (%s)", request_id, reason)
-            aloop, ended = lease
+            aloop, ended, outputs = lease
             aloop.call_soon_threadsafe(ended.set)
+            aloop.call_soon_threadsafe(outputs.put_nowait, None)
 
     # -- introspection ------------------------------------------------------------------------
 
@@ -193,8 +256,3 @@ class PrefillWorker:
             "endpoint": self.endpoint,
             "instance_id": self.instance_id,
         }
-
-
-def _resolve(fut: asyncio.Future[RequestOutput], out: RequestOutput) -> None:
-    if not fut.done():
-        fut.set_result(out)

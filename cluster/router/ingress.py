@@ -14,6 +14,7 @@ The request id travels through every pool and appears in every log line about it
 # (``Request``) on the methods Ray Serve's ingress wraps, or it takes them for query parameters.
 # The gRPC methods' protobuf annotations stay strings: Serve pickles the app, and protobuf
 # descriptors do not pickle.
+import collections
 import json
 import logging
 import time
@@ -46,6 +47,7 @@ from cluster.router.responses import (
     openai_error,
 )
 from cluster.serving.metrics import RouterMetrics
+from cluster.serving.routers import recent_ranking_ms
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +87,10 @@ class Router:
         self.decode_handle = decode_handle
         self.metrics = RouterMetrics()
         self.counts = {"requests": 0, "errors": 0}
+        # Milliseconds from receipt to a parsed, tokenized, hashed request, per API (latest).
+        self.parse_ms: dict[str, collections.deque[float]] = collections.defaultdict(
+            lambda: collections.deque(maxlen=4096)
+        )
 
     # -- the shared path ----------------------------------------------------------------------
 
@@ -138,8 +144,10 @@ class Router:
         self, request: "pb.GenerateRequest", grpc_context: Any
     ) -> "AsyncIterator[pb.GenerateResponse]":
         try:
+            t0 = time.perf_counter()
             self._grpc_auth(grpc_context)
             parsed = self.parser.from_grpc(request)
+            self.parse_ms["grpc"].append((time.perf_counter() - t0) * 1000)
             async for chunk in self._run(parsed, "grpc"):
                 yield grpc_chunk(chunk)
         except PDServeError as e:
@@ -193,10 +201,12 @@ class Router:
 
     async def _http(self, request: Request, kind: str) -> Response:
         try:
+            t0 = time.perf_counter()
             body = await self._body(request)
             parsed = (
                 self.parser.from_chat(body) if kind == "chat" else self.parser.from_completion(body)
             )
+            self.parse_ms[kind].append((time.perf_counter() - t0) * 1000)
         except PDServeError as e:
             status, payload = openai_error(e)
             return JSONResponse(payload, status_code=status)
@@ -270,4 +280,9 @@ class Router:
     # -- introspection (tests, operators) -----------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        return {**self.counts, "retries": self.relay.num_retries}
+        return {
+            **self.counts,
+            "retries": self.relay.num_retries,
+            "parse_ms": {k: list(v) for k, v in self.parse_ms.items()},
+            "ranking_ms": recent_ranking_ms(),  # the decode pool's routing, in this process
+        }

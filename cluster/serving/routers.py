@@ -16,6 +16,8 @@ decision serves the request it was made for, so exclusions hold.
 
 from __future__ import annotations
 
+import collections
+import time
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -30,6 +32,14 @@ ROUND_ROBIN_ROUTER = "cluster.serving.routers.RoundRobinRouter"
 
 
 PoolCall = GenerateCall | PrefillCall
+
+# Milliseconds each cache-aware routing decision took in this process (index update + scoring),
+# the latest ones: what a deployed caller reports in its stats (``bench routing``).
+_RANKING_MS: collections.deque[float] = collections.deque(maxlen=4096)
+
+
+def recent_ranking_ms() -> list[float]:
+    return list(_RANKING_MS)
 
 
 def _call(pending: PendingRequest | None) -> PoolCall | None:
@@ -102,10 +112,12 @@ class CacheAwareRouter(RequestRouter):
         call = _call(pending_request)
         if call is None or not call.block_hashes or len(candidates) < 2:
             return [candidates]
+        t0 = time.perf_counter()
         by_id = {r.replica_id.unique_id: r for r in candidates}
         for rid, replica in by_id.items():
             self.index.update(rid, replica.routing_stats)
         ranks = self.index.rank(list(by_id), call.block_hashes, len(call.prompt_token_ids))
+        _RANKING_MS.append((time.perf_counter() - t0) * 1000)
         return [[by_id[rid] for rid in rank] for rank in ranks]
 
     def on_request_routed(

@@ -20,12 +20,22 @@ import zmq
 import zmq.asyncio
 
 from cluster.common.errors import ErrorCode, PDServeError
-from cluster.common.protocol import GenerateCall, PrefillCall, PrefillReply, StreamChunk, Usage
+from cluster.common.protocol import (
+    GenerateCall,
+    PrefillCall,
+    PrefillProgress,
+    PrefillReply,
+    StreamChunk,
+    Usage,
+)
 from cluster.common.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_TYPES = {c.__name__: c for c in (GenerateCall, PrefillCall, PrefillReply, StreamChunk, Usage)}
+_TYPES = {
+    c.__name__: c
+    for c in (GenerateCall, PrefillCall, PrefillProgress, PrefillReply, StreamChunk, Usage)
+}
 
 
 def _enc(obj: Any) -> Any:

@@ -20,6 +20,7 @@ KEYS = {
         "goodput_ratio_vs_colocated",
         "p99_tpot_ratio_vs_colocated",
         "goodput_ratio_vs_chunked",
+        "knee_found",
     },
     "routing": {"hit_rate", "hit_rate_rr", "ttft_ratio", "router_overhead_ms"},
 }

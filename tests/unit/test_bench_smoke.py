@@ -34,7 +34,10 @@ EXPECTED_KEYS = {
         "zmq_ipc_vs_raw_512",
         "zmq_tcp_vs_raw_512",
         "zmq_ipc_vs_raw_32",
+        "zmq_ipc_vs_raw_512_frag",
+        "shm_vs_memcpy_512_frag",
     },
+    "kv-stream": {"stream_tax_ratio", "stream_compute_ratio"},
 }
 
 

@@ -34,6 +34,10 @@ import pytest
         "cluster.serving.signals",
         "cluster.serving.autoscaling",
         "cluster.serving.replica",
+        # The planner simulates the engine's scheduler without its runner: torch-free too.
+        "cluster.planner.plan",
+        "cluster.planner.simulator",
+        "cluster.planner.cli",
     ],
 )
 def test_module_does_not_import_torch(module: str) -> None:

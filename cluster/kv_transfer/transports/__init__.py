@@ -7,12 +7,13 @@ A transport is chosen per peer pair at the handshake: the first name of the rece
 from __future__ import annotations
 
 from cluster.kv_transfer.transports.base import TransportSpec
+from cluster.kv_transfer.transports.cuda_ipc import CUDA_IPC
 from cluster.kv_transfer.transports.direct import LOOPBACK, SHM
 from cluster.kv_transfer.transports.torch_dist import TORCH_DIST
 from cluster.kv_transfer.transports.zmq_frames import ZMQ
 
 TRANSPORTS: dict[str, TransportSpec] = {
-    spec.name: spec for spec in (LOOPBACK, SHM, ZMQ, TORCH_DIST)
+    spec.name: spec for spec in (LOOPBACK, SHM, ZMQ, TORCH_DIST, CUDA_IPC)
 }
 
 

@@ -84,6 +84,7 @@ class SenderContext:
     fault_points: FaultPoints
     stats: TransferStats
     dist_store: Any = None  # torch TCPStore (torch_dist), owned by the sender
+    cuda_ipc: str = ""  # the device pool's exported CUDA IPC handle (cuda_ipc), or ""
 
 
 @dataclass(slots=True)
@@ -136,6 +137,7 @@ class RecvPull:
     state: TransferState = TransferState.PENDING
     next_frame: int = 0  # frames landed so far, in plan order
     confirming: bool = False  # data landed, waiting for the sender's AckReply
+    final: bool = True  # False: one part of a streamed lease, which stays held after it
     extra: dict[str, Any] = field(default_factory=dict)
 
 

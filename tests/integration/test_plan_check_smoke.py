@@ -1,0 +1,55 @@
+"""`pdserve plan --validate --smoke`: the planner check end to end on its own local Ray (the
+tiny model, one mix, a few requests): a profile is measured, the same seeded requests are
+simulated and sent to bench serve's three arms, and every figure is compared. The figures mean
+nothing on the tiny model; the full check (`pdserve plan --validate`) is reported in the
+README."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.serve_fixtures import free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_plan_validate_smoke(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [
+            *(sys.executable, "-m", "cluster.cli", "plan", "--validate", "--smoke"),
+            *("--out", str(tmp_path / "results")),
+            *("--set", f"router.http_port={free_port()}"),
+            *("--set", f"router.grpc_port={free_port()}"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=560,
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    last = out.stdout.strip().splitlines()[-1].split()
+    assert last[:2] == ["RESULT", "plan-check"], last
+    keys = {k: float(v) for k, v in (p.split("=", 1) for p in last[2:])}
+    assert set(keys) == {"within_25pct", "max_error", "passed"}
+    payload = json.loads((tmp_path / "results" / "plan-check.json").read_text())
+    rows = payload["rows"]
+    assert {r["arm"] for r in rows} == {"disagg", "colocated", "colocated_chunked"}
+    assert {r["figure"] for r in rows} == {
+        "ttft_p50",
+        "ttft_p90",
+        "tpot_p50",
+        "tpot_p90",
+        "goodput",
+    }
+    assert all(math.isfinite(r["predicted"]) and r["predicted"] >= 0 for r in rows)
+    assert all(math.isfinite(r["measured"]) and r["measured"] > 0 for r in rows)
+    assert (tmp_path / "results" / "profile.json").exists()

@@ -1,0 +1,55 @@
+"""``pdserve bench gpu`` on a machine without CUDA: it imports, is left out of ``bench all``, and
+stops at once with a message saying why; its roofline arithmetic is checked here too."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cluster.bench import BENCHMARKS, DEVICE_ONLY
+from cluster.bench.gpu import NO_CUDA, roofline_seconds, weight_bytes_per_step
+
+ROOT = Path(__file__).resolve().parents[3]
+needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")
+
+
+@needs_no_cuda
+def test_bench_gpu_without_cuda_fails_clearly(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "bench", "gpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"pdserve: error: {NO_CUDA}" in out.stderr
+    assert not (tmp_path / "bench" / "results" / "gpu.json").exists()
+
+
+def test_gpu_is_registered_but_device_only() -> None:
+    assert "gpu" in BENCHMARKS and "gpu" in DEVICE_ONLY
+
+
+def test_roofline_counts_every_weight_and_the_batch_kv(tiny_model_dir: Path) -> None:
+    from cluster.engine.engine import LLMEngine
+    from tests.helpers import make_config
+
+    engine = LLMEngine(make_config(**{"model.path": str(tiny_model_dir), "cache.num_blocks": 8}))
+    model = engine.runner.model  # type: ignore[attr-defined]
+    layer_bytes = sum(
+        t.numel() * t.element_size()
+        for layer in model.layers
+        for t in vars(layer).values()
+        if isinstance(t, torch.Tensor)
+    )
+    head = model.lm_head.numel() * model.lm_head.element_size()
+    norm = model.final_norm.numel() * model.final_norm.element_size()
+    assert weight_bytes_per_step(model) == layer_bytes + head + norm
+    # 1 GB of weights and 1 MB of KV per token, 4 x 1000 tokens, at 1 TB/s: 5 ms.
+    assert roofline_seconds(10**9, 1e6, 4, 1000, 1e12) == pytest.approx(5e-3)
