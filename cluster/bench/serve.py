@@ -40,6 +40,7 @@ from cluster.bench.serve_load import (
 )
 from cluster.bench.workloads import bench_model_dir
 from cluster.config import ClusterConfig
+from cluster.config.model_paths import model_limits
 from cluster.planner.metrics import knee, unloaded_baseline
 from cluster.planner.workload import MIXED_LONG, SLOs, WorkItem, Workload
 
@@ -83,8 +84,9 @@ def arm_config(config: ClusterConfig, arm: str, total_blocks: int, model_path: s
         "decode.num_cpus": 0.25,
         "router.num_cpus": 0.1,
     }
-    if arm == "colocated":  # no chunking: one step must hold a whole prompt
-        base["model.max_model_len"] = 4096
+    if arm == "colocated":  # no chunking: one step must hold a whole prompt (4096 at most)
+        own = config.replace({"model.path": model_path, "model.max_model_len": None})
+        base["model.max_model_len"] = min(4096, model_limits(own).max_model_len)
     return config.replace({**base, **spec})
 
 
@@ -168,7 +170,6 @@ def class_slos(unloaded: dict[str, list[RequestRecord]]) -> SLOs:
 
 
 def run(ctx: BenchContext) -> BenchReport:
-    from cluster.config.model_paths import model_limits
 
     rates = ctx.pick([0.25, 0.5, 1.0, 1.5, 2.0], [0.25, 0.75], [2.0])
     total_blocks = ctx.pick(1400, 1400, 256)
