@@ -104,6 +104,24 @@ class PrefillWorker:
 
     # -- the call -----------------------------------------------------------------------------
 
+    def _check_layout(self, call: PrefillCall) -> None:
+        """Refuse at once, before any work, a caller whose KV cache has another layout (dtype,
+        quantization, shape): its pool could not take our blocks."""
+        if call.kv_layout is None:
+            return
+        assert self._pool is not None
+        try:
+            mismatch = self._pool.layout.mismatch(KVLayout(**call.kv_layout))  # type: ignore[arg-type]
+        except (TypeError, ValueError) as e:
+            mismatch = f"unreadable layout ({e})"
+        if mismatch is not None:
+            raise PDServeError(
+                ErrorCode.INTERNAL,
+                f"KV layout mismatch between the pools, the prefill pool refuses the hand-off: "
+                f"{mismatch}",
+                call.request_id,
+            )
+
     async def prefill(self, call: PrefillCall) -> AsyncIterator[PrefillReply]:
         aloop = asyncio.get_running_loop()
         arrival = time.monotonic()
@@ -114,6 +132,7 @@ class PrefillWorker:
         def sink(out: RequestOutput) -> None:
             aloop.call_soon_threadsafe(_resolve, first, out)
 
+        self._check_layout(call)
         ended = asyncio.Event()  # set by the sender thread when the lease ends
         in_engine = True  # prefilling, or held but not leased yet: an abort frees it
         leased = False
