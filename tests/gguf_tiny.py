@@ -1,9 +1,8 @@
-"""A tiny random Llama as a GGUF file, the way llama.cpp's convert script writes one.
-
-Tensors are quantized with the gguf package (Q4_0, Q4_1, Q8_0, mixed inside the fused q/k/v
-and gate/up projections), attn_q / attn_k rows are permuted for llama.cpp's RoPE layout, and
-the converted checkpoint next to it (what ``pdserve`` makes of a ``.gguf`` model.path) is
-written by transformers' own GGUF loader: its weights are the fp32-dequantized reference.
+"""A tiny random Llama as a GGUF file (``cluster.engine.models.tiny.write_tiny_gguf``: Q4_0,
+Q4_1, Q8_0 mixed inside the fused q/k/v and gate/up projections, q/k rows permuted as llama.cpp
+stores them), and the converted checkpoint next to it (what ``pdserve`` makes of a ``.gguf``
+model.path) written by transformers' own GGUF loader: its weights are the fp32-dequantized
+reference.
 """
 
 from __future__ import annotations
@@ -12,82 +11,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from cluster.config import ClusterConfig
 from cluster.config.model_paths import COMPLETE_MARKER, gguf_model_dir
+from cluster.engine.models.tiny import write_tiny_gguf
 
-# llama.cpp tensor name -> (transformers name, GGUF type)
-_LAYER = {
-    "attn_norm": ("input_layernorm", "F32"),
-    "attn_q": ("self_attn.q_proj", "Q4_1"),
-    "attn_k": ("self_attn.k_proj", "Q8_0"),
-    "attn_v": ("self_attn.v_proj", "Q4_0"),
-    "attn_output": ("self_attn.o_proj", "Q4_1"),
-    "ffn_norm": ("post_attention_layernorm", "F32"),
-    "ffn_gate": ("mlp.gate_proj", "Q4_0"),
-    "ffn_up": ("mlp.up_proj", "Q4_1"),
-    "ffn_down": ("mlp.down_proj", "Q8_0"),
-}
-
-
-def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's convert_hf_to_gguf permutation of q / k rows."""
-    return (
-        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
-
-
-def write_tiny_gguf(
-    checkpoint: Path, out: Path, *, types: dict[str, str] | None = None, arch: str = "llama"
-) -> Path:
-    """``checkpoint`` (a tiny transformers Llama) written as GGUF to ``out``."""
-    import gguf
-    import torch
-    from safetensors.torch import load_file
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(checkpoint)
-    state = load_file(str(checkpoint / "model.safetensors"))
-    kinds = {name: kind for name, (_, kind) in _LAYER.items()} | {"token_embd": "Q8_0"}
-    kinds.update(types or {})
-    writer = gguf.GGUFWriter(str(out), arch)
-    writer.add_name("pdserve-tiny")
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or 10000.0))
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
-    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-
-    def add(name: str, t: torch.Tensor, kind: str) -> None:
-        data = t.float().numpy()
-        qtype = gguf.GGMLQuantizationType[kind]
-        if kind != "F32":
-            data = gguf.quants.quantize(data, qtype)
-        writer.add_tensor(name, data, raw_dtype=qtype)
-
-    add("token_embd.weight", state["model.embed_tokens.weight"], kinds["token_embd"])
-    for i in range(cfg.num_hidden_layers):
-        for gname, (hname, _) in _LAYER.items():
-            w = state[f"model.layers.{i}.{hname}.weight"]
-            if gname == "attn_q":
-                w = torch.from_numpy(_permute(w.numpy(), cfg.num_attention_heads))
-            elif gname == "attn_k":
-                w = torch.from_numpy(_permute(w.numpy(), cfg.num_key_value_heads))
-            add(f"blk.{i}.{gname}.weight", w, kinds[gname])
-    add("output_norm.weight", state["model.norm.weight"], "F32")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
+__all__ = ["convert_tiny_gguf", "write_tiny_gguf"]
 
 
 def convert_tiny_gguf(config: ClusterConfig, gguf_path: Path, checkpoint: Path) -> Path:
