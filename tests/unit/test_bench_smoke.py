@@ -36,6 +36,7 @@ EXPECTED_KEYS = {
         "zmq_ipc_vs_raw_512",
         "zmq_tcp_vs_raw_512",
         "zmq_ipc_vs_raw_32",
+        "int8_transfer_ms_ratio_512",
     },
 }
 
