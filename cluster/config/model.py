@@ -91,3 +91,23 @@ class CacheConfig:
         )
         if self.num_blocks is not None:
             check(self.num_blocks >= 1, "cache.num_blocks", "must be >= 1")
+
+
+def declared_formats(model: ModelConfig, cache: CacheConfig) -> dict[str, str]:
+    """The weight and KV formats a configuration asks for, without loading the model
+    (``/v1/models``, the startup banner; each engine logs the exact ones, e.g. ``Q4_1 + Q8_0``).
+    """
+    weights = model.resolved_weights if model.runner != "fake" else "none (the fake runner)"
+    dtype = model.dtype if model.dtype != "auto" else "model dtype"
+    if weights == "dense":
+        weights = f"dense ({dtype})"
+    elif weights == "gguf":
+        weights = "gguf (the file's own quantized blocks)"
+    elif weights == "int8":
+        weights = "int8 (per output channel)"
+    kv = cache.kv_dtype
+    if kv == "auto":
+        kv = dtype if dtype != "model dtype" else "model dtype (float32 on CPU)"
+    elif kv == "int8":
+        kv = "int8 (one fp32 scale per token and KV head)"
+    return {"weights": weights, "kv_cache": kv}
