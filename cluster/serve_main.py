@@ -13,6 +13,7 @@ from cluster.config import ClusterConfig, cpu_count
 
 CALL_HELP = """\
 pdserve is up: {model}
+  weights {weights}; KV cache {kv_cache}
   gRPC    {grpc}   (pdserve.v1.Generation/Generate, grpc.health.v1.Health/Check)
   HTTP    {http}   (OpenAI-compatible: /v1/completions, /v1/chat/completions, /v1/models)
   metrics {metrics}
@@ -87,6 +88,7 @@ def serve_forever(
     import ray
     from ray import serve
 
+    from cluster.config.model import declared_formats
     from cluster.config.model_paths import model_name
 
     stop = threading.Event()
@@ -98,6 +100,7 @@ def serve_forever(
         print(
             CALL_HELP.format(
                 model=r.model_name or model_name(config),
+                **declared_formats(config.model, config.cache),
                 grpc=f"{host}:{r.grpc_port}",
                 http=f"http://{host}:{r.http_port}",
                 metrics=f"http://127.0.0.1:{metrics_port}/metrics"

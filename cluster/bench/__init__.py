@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, str] = {
     "kv-stream": "cluster.bench.kv_stream",
     "serve": "cluster.bench.serve",
     "routing": "cluster.bench.routing",
+    "quant": "cluster.bench.quant",
     "gpu": "cluster.bench.gpu",
 }
 # Only where a device is lent: left out of ``all`` on a machine without CUDA.

@@ -52,10 +52,12 @@ def fill_pattern(pool: KVPool, seed: int, block_ids: Sequence[int] | None = None
 
 
 def pattern_block(layout: KVLayout, seed: int, block_id: int) -> torch.Tensor:
-    # [1, num_layers, 2, block_size, num_kv_heads, head_dim]
-    dtype = TORCH_DTYPES[layout.dtype]
-    numel = layout.bytes_per_block * 8 // torch.finfo(dtype).bits
+    # [1, num_layers, 2, block_size, num_kv_heads, row_width]; int8 KV: its raw bytes
+    dtype = TORCH_DTYPES[layout.storage_dtype]
+    numel = layout.bytes_per_block // torch.empty((), dtype=dtype).element_size()
     values = torch.arange(numel, dtype=torch.int64) * 2654435761 + block_id * 40503 + seed * 9973
+    if not dtype.is_floating_point:
+        return (values % 251).to(dtype).view(1, *layout.block_shape)
     values = (values % 60013).to(torch.float32) / 7.0
     return values.to(dtype).view(1, *layout.block_shape)
 

@@ -12,11 +12,16 @@ process into a decode pool here. Arms, interleaved (rotated each repetition):
     the first blocks of each pool (contiguous: consecutive runs coalesce into few frames);
   * ``shm_frag``, ``zmq_ipc_frag``, ``zmq_tcp_frag``: the same pulls on fragmented block tables,
     as after churn and prefix hits: source and destination ids drawn at random (shuffled, fresh
-    each repetition) from pools twice the largest transfer, so almost no two blocks adjoin.
+    each repetition) from pools twice the largest transfer, so almost no two blocks adjoin;
+  * ``int8_shm``, ``int8_zmq_ipc``: the contiguous pulls of the same tokens in the int8 KV layout
+    (``cache.kv_dtype: int8``: head_dim int8 values and one fp32 scale per token and KV head,
+    68 bytes a row instead of 256 at head dim 64), from a second sender child.
 
 Times are medians; a key is a ratio of two arms measured side by side (reference / ours as a
 throughput ratio). ``transfer_share_of_prefill_*`` divides the zmq ipc transfer time by the
 prefill time of a prompt of the same length on the real model (skipped in ``--smoke``).
+``int8_transfer_ms_ratio_512`` is the int8 zmq ipc pull time over the fp32 one at 512 tokens
+(lower is better; the shm ratio is in the details).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import zmq
 
 from cluster.bench.harness import BenchContext, BenchReport, percentile
 from cluster.bench.kv_sender_peer import SenderProcess
-from cluster.common.kv_layout import KVLayout
+from cluster.common.kv_layout import SCHEMES, KVLayout
 from cluster.kv_transfer import KVPool, KVReceiver
 
 SIZES = (32, 512, 1024)
@@ -52,6 +57,8 @@ ARMS = (
     "shm_frag",
     "zmq_ipc_frag",
     "zmq_tcp_frag",
+    "int8_shm",
+    "int8_zmq_ipc",
 )
 POOL_FACTOR = 2  # pool blocks per block of the largest transfer (room to fragment)
 DEFAULT_LAYOUT = KVLayout("SmolLM2-135M-Instruct", "float32", 16, 30, 3, 64)
@@ -65,7 +72,12 @@ TARGETS = {
     "shm_vs_memcpy_512_frag": ">= 0.4 (as contiguous)",
     "transfer_share_of_prefill_512": "<= 0.05",
     "transfer_share_of_prefill_1024": "<= 0.05",
+    "int8_transfer_ms_ratio_512": "<= 0.35",
 }
+
+
+def int8_layout(layout: KVLayout) -> KVLayout:
+    return dataclasses.replace(layout, dtype="int8", quantization=SCHEMES["int8"])
 
 
 class RawClient:
@@ -96,21 +108,28 @@ def run(ctx: BenchContext) -> BenchReport:
     cfg = ctx.config.transfer
     # A lease long enough for any pull here, under the drain timeout the config requires.
     cfg = dataclasses.replace(cfg, lease_s=50.0, heartbeat_s=5.0, transfer_timeout_s=60.0)
-    ctx.progress(f"layout {layout}, {bpb} bytes per block; starting peers")
-    sender = SenderProcess(
-        {
-            "layout": layout.to_dict(),
-            "num_blocks": pool_blocks,
-            "shared": True,
-            "transfer": {
-                "transports": ["shm", "zmq"],
-                "lease_s": cfg.lease_s,
-                "heartbeat_s": cfg.heartbeat_s,
-                "frame_bytes": cfg.frame_bytes,
-                "max_message_bytes": cfg.max_message_bytes,
-            },
-        }
+    q_layout = int8_layout(layout)
+    ctx.progress(
+        f"layout {layout}, {bpb} bytes per block (int8: {q_layout.bytes_per_block}); starting peers"
     )
+    transfer_spec = {
+        "transports": ["shm", "zmq"],
+        "lease_s": cfg.lease_s,
+        "heartbeat_s": cfg.heartbeat_s,
+        "frame_bytes": cfg.frame_bytes,
+        "max_message_bytes": cfg.max_message_bytes,
+    }
+    senders = {
+        lay.dtype: SenderProcess(
+            {
+                "layout": lay.to_dict(),
+                "num_blocks": pool_blocks,
+                "shared": True,
+                "transfer": transfer_spec,
+            }
+        )
+        for lay in (layout, q_layout)
+    }
     raw = subprocess.Popen(
         [sys.executable, "-m", "cluster.bench.raw_zmq_peer", str(max_blocks * bpb)],
         stdin=subprocess.PIPE,
@@ -122,12 +141,17 @@ def run(ctx: BenchContext) -> BenchReport:
     zctx: zmq.Context[Any] = zmq.Context(io_threads=1)
     zctx.linger = 0
     pool = KVPool.allocate(layout, pool_blocks)
+    q_pool = KVPool.allocate(q_layout, max_blocks)
     assert pool.bytes is not None
     src_buf = np.full(max_blocks * bpb, 3, dtype=np.uint8)
+    shm_cfg = dataclasses.replace(cfg, transports=("shm",), ipc=True)
+    ipc_cfg = dataclasses.replace(cfg, transports=("zmq",), ipc=True)
     receivers = {
-        "shm": KVReceiver(dataclasses.replace(cfg, transports=("shm",), ipc=True), pool),
-        "zmq_ipc": KVReceiver(dataclasses.replace(cfg, transports=("zmq",), ipc=True), pool),
+        "shm": KVReceiver(shm_cfg, pool),
+        "zmq_ipc": KVReceiver(ipc_cfg, pool),
         "zmq_tcp": KVReceiver(dataclasses.replace(cfg, transports=("zmq",), ipc=False), pool),
+        "int8_shm": KVReceiver(shm_cfg, q_pool),
+        "int8_zmq_ipc": KVReceiver(ipc_cfg, q_pool),
     }
     for r in receivers.values():
         r.start()
@@ -149,11 +173,12 @@ def run(ctx: BenchContext) -> BenchReport:
                 if arm.endswith("_frag"):
                     src = frag_rng.sample(range(pool_blocks), len(ids))
                     dst = frag_rng.sample(range(pool_blocks), len(ids))
+                sender = senders["int8" if arm.startswith("int8_") else layout.dtype]
                 params = sender.register(f"{arm}-{next(counter)}", src, num_tokens=n)
                 t0 = time.perf_counter()
                 result = receivers[arm.removesuffix("_frag")].pull(params, dst)
                 elapsed = time.perf_counter() - t0
-                assert result.transport == arm.split("_")[0]
+                assert result.transport == arm.removeprefix("int8_").split("_")[0]
                 return elapsed
 
             def memcpy(nbytes: int = nbytes, flat: np.ndarray = flat) -> float:
@@ -171,6 +196,8 @@ def run(ctx: BenchContext) -> BenchReport:
                 "shm_frag": partial(pull, "shm_frag"),
                 "zmq_ipc_frag": partial(pull, "zmq_ipc_frag"),
                 "zmq_tcp_frag": partial(pull, "zmq_tcp_frag"),
+                "int8_shm": partial(pull, "int8_shm"),
+                "int8_zmq_ipc": partial(pull, "int8_zmq_ipc"),
             }
             for rep in range(warmup + reps):
                 order = ARMS[rep % len(ARMS) :] + ARMS[: rep % len(ARMS)]
@@ -182,14 +209,15 @@ def run(ctx: BenchContext) -> BenchReport:
                 f"{n} tokens ({nbytes / 1e6:.1f} MB): "
                 + ", ".join(f"{a} {statistics.median(times[(a, n)]) * 1e3:.2f} ms" for a in ARMS)
             )
-        sender_stats = sender.stats()["stats"]
+        sender_stats = {dtype: s.stats()["stats"] for dtype, s in senders.items()}
     finally:
         for r in receivers.values():
             r.close()
         for c in raws.values():
             c.sock.close(linger=0)
         zctx.term()
-        sender.close()
+        for s in senders.values():
+            s.close()
         assert raw.stdin is not None
         raw.stdin.close()
         raw.wait(timeout=10)
@@ -203,9 +231,14 @@ def run(ctx: BenchContext) -> BenchReport:
         # Fragmented tables against the same references: what scattering costs.
         "zmq_ipc_vs_raw_512_frag": med[("raw_zmq_ipc", 512)] / med[("zmq_ipc_frag", 512)],
         "shm_vs_memcpy_512_frag": med[("memcpy", 512)] / med[("shm_frag", 512)],
+        # the wire between processes: int8 KV blocks (scales inside) vs fp32, zmq ipc
+        "int8_transfer_ms_ratio_512": med[("int8_zmq_ipc", 512)] / med[("zmq_ipc", 512)],
     }
     details: dict[str, Any] = {
         "layout": layout.to_dict(),
+        "int8_layout": q_layout.to_dict(),
+        "int8_bytes_ratio": q_layout.bytes_per_block / bpb,
+        "int8_shm_ms_ratio_512": med[("int8_shm", 512)] / med[("shm", 512)],
         "reps": reps,
         "pool_blocks": pool_blocks,
         "zmq_tcp_vs_raw_512_frag": med[("raw_zmq_tcp", 512)] / med[("zmq_tcp_frag", 512)],
@@ -219,8 +252,9 @@ def run(ctx: BenchContext) -> BenchReport:
             details[f"shm_share_of_prefill_{n}"] = med[("shm", n)] / prefill[n]
     table = []
     for n in SIZES:
-        nbytes = -(-n // layout.block_size) * bpb
         for arm in ARMS:
+            arm_bpb = q_layout.bytes_per_block if arm.startswith("int8_") else bpb
+            nbytes = -(-n // layout.block_size) * arm_bpb
             xs = times[(arm, n)]
             table.append(
                 {

@@ -57,6 +57,7 @@ class PrefillCall:
     decode_endpoint: str = ""  # who will pull (logging, affinity)
     deadline: float | None = None
     exclude_replicas: tuple[str, ...] = ()  # replicas that failed this request already
+    kv_layout: dict[str, object] | None = None  # the caller's KVLayout: refused unless equal
 
 
 @dataclass(frozen=True, slots=True)

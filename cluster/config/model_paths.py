@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cluster.config.model import DEFAULT_MODEL_NAME
+from cluster.config.model import DEFAULT_MODEL_NAME, is_gguf_source
 from cluster.config.tree import ClusterConfig
 
 COMPLETE_MARKER = ".pdserve-complete"
@@ -17,18 +18,27 @@ def default_model_dir(config: ClusterConfig) -> Path:
     return config.paths.resolved_cache_dir / "models" / DEFAULT_MODEL_NAME
 
 
+def gguf_model_dir(config: ClusterConfig, gguf: Path) -> Path:
+    """Where a ``.gguf`` model.path is converted once (config, tokenizer, de-quantized weights)."""
+    tag = hashlib.sha256(str(gguf.expanduser().resolve()).encode()).hexdigest()[:8]
+    return config.paths.resolved_cache_dir / "models" / f"{gguf.stem}-{tag}"
+
+
 def model_dir(config: ClusterConfig) -> Path:
-    """The model directory the config names (the default model's converted cache when unset)."""
+    """The model directory the config names (the default model's converted cache when unset,
+    a ``.gguf`` file's converted cache)."""
     if config.model.path is None:
         return default_model_dir(config)
-    return Path(config.model.path).expanduser()
+    path = Path(config.model.path).expanduser()
+    return gguf_model_dir(config, path) if is_gguf_source(config.model.path) else path
 
 
 def model_name(config: ClusterConfig) -> str:
     """The public model name (OpenAI ``model`` field, metrics label)."""
     if config.model.path is None:
         return DEFAULT_MODEL_NAME
-    return Path(config.model.path).expanduser().resolve().name
+    path = Path(config.model.path).expanduser().resolve()
+    return path.stem if is_gguf_source(config.model.path) else path.name
 
 
 def require_model_dir(config: ClusterConfig) -> Path:
@@ -39,6 +49,12 @@ def require_model_dir(config: ClusterConfig) -> Path:
             raise FileNotFoundError(
                 f"the default model is not converted yet at {path}; run `pdserve model fetch` "
                 "(or `make model`) once"
+            )
+    elif is_gguf_source(config.model.path):
+        if not (path / COMPLETE_MARKER).is_file():
+            raise FileNotFoundError(
+                f"model.path: {config.model.path!r} is not converted yet (at {path}); run "
+                f"`pdserve model fetch --model {config.model.path}` once"
             )
     elif not path.is_dir():
         raise FileNotFoundError(f"model.path: {str(path)!r} is not a directory")

@@ -139,6 +139,7 @@ class RequestHandoff:
             seed=self.seed,
             decode_endpoint=self.ctx.receiver.instance_id,
             deadline=self.call.deadline,
+            kv_layout=self.ctx.receiver.pool.layout.to_dict(),
         )
 
     async def _remote_handoff(

@@ -2,10 +2,12 @@
 
 KV cache layout, chosen for the transfer (one block = one contiguous region across all layers):
 
-    kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+    kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, row_width]
 
 Per layer the runner takes strided views ``kv_cache[:, layer, 0]`` (K) and ``[:, layer, 1]`` (V),
-each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+each ``[num_blocks, block_size, num_kv_heads, row_width]``. A row holds one (token, KV head) as
+its ``KVCodec`` stores it (``row_width == head_dim`` for float KV; int8 values and their scale
+for int8 KV, see ``kv_codec.py``): values are encoded when written and decoded where read.
 
 A step's tokens are flattened: the decode tokens (one per request) first, then each prefill
 chunk. Decodes are attended in one batched pass over padded block tables; prefill chunks one
@@ -19,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from cluster.engine.kv_codec import FLOAT_KV, KVCodec
 
 
 @dataclass(slots=True)
@@ -65,10 +69,11 @@ def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
     meta: AttentionMetadata,
+    codec: KVCodec = FLOAT_KV,
 ) -> None:
-    # k_cache: [num_blocks, block_size, num_kv_heads, head_dim] (strided view); k: [N, Hkv, D]
-    k_cache.index_put_((meta.slot_blocks, meta.slot_offsets), k)
-    v_cache.index_put_((meta.slot_blocks, meta.slot_offsets), v)
+    # k_cache: [num_blocks, block_size, num_kv_heads, row_width] (strided view); k: [N, Hkv, D]
+    k_cache.index_put_((meta.slot_blocks, meta.slot_offsets), codec.encode(k))
+    v_cache.index_put_((meta.slot_blocks, meta.slot_offsets), codec.encode(v))
 
 
 def paged_attention(
@@ -79,25 +84,36 @@ def paged_attention(
     layer: int,
     meta: AttentionMetadata,
     scale: float,
+    codec: KVCodec = FLOAT_KV,
 ) -> torch.Tensor:
     """Attention of the step's queries over each request's cached context (KV already written).
 
     q: [N, Hq, D]; k, v: [N, Hkv, D] (this step's new keys and values, already in the cache).
     Returns [N, Hq, D].
     """
-    out = torch.empty_like(q)
     nd = meta.num_decodes
+    if nd == q.shape[0]:  # a decode-only step
+        return _decode_attention(q, kv_cache, layer, meta, scale, codec)
+    out = torch.empty_like(q)
     if nd:
-        out[:nd] = _decode_attention(q[:nd], kv_cache, layer, meta, scale)
+        out[:nd] = _decode_attention(q[:nd], kv_cache, layer, meta, scale, codec)
     k_cache, v_cache = kv_cache[:, layer, 0], kv_cache[:, layer, 1]
+    if meta.prefills:
+        # What the cache returns for this step's own keys and values (exact for float KV).
+        k, v = codec.roundtrip(k), codec.roundtrip(v)
     for p in meta.prefills:
         rows = slice(p.start, p.start + p.num_tokens)
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, p, scale)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, p, scale, codec)
     return out
 
 
 def _decode_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    meta: AttentionMetadata,
+    scale: float,
+    codec: KVCodec = FLOAT_KV,
 ) -> torch.Tensor:
     if meta.decode_kernel is not None:
         return meta.decode_kernel(
@@ -108,11 +124,11 @@ def _decode_attention(
     _, _, _, block_size, hkv, _ = kv_cache.shape
     g = hq // hkv
     t = meta.decode_mask.shape[1]
-    flat = kv_cache.view(-1, d)  # rows of head_dim values
+    flat = kv_cache.view(-1, kv_cache.shape[-1])  # [rows, row_width]: one (token, kv head) each
     k_rows = meta.decode_rows + (layer * 2) * block_size * hkv
     # One gather per K and V straight into [Hkv * B, T, D], the layout the matmuls want.
-    kh = flat.index_select(0, k_rows).view(hkv * b, t, d)
-    vh = flat.index_select(0, k_rows + block_size * hkv).view(hkv * b, t, d)
+    kh = codec.decode(flat.index_select(0, k_rows), q.dtype).view(hkv * b, t, d)
+    vh = codec.decode(flat.index_select(0, k_rows + block_size * hkv), q.dtype).view(hkv * b, t, d)
     qh = q.view(b, hkv, g, d).transpose(0, 1).reshape(hkv * b, g, d)  # [Hkv*B, G, D]
     scores = torch.bmm(qh, kh.transpose(1, 2)).view(hkv, b, g, t)  # [Hkv, B, G, T]
     scores.mul_(scale).add_(meta.decode_mask.view(1, b, 1, t))
@@ -129,6 +145,7 @@ def _prefill_attention(
     v_cache: torch.Tensor,
     p: PrefillSeq,
     scale: float,
+    codec: KVCodec,
 ) -> torch.Tensor:
     n = p.num_tokens
     if p.num_context == 0:
@@ -138,8 +155,8 @@ def _prefill_attention(
         causal = True
     else:
         total = p.num_context + n
-        kc = k_cache[p.block_ids].flatten(0, 1)[:total]  # [total, Hkv, D]
-        vc = v_cache[p.block_ids].flatten(0, 1)[:total]
+        kc = codec.decode(k_cache[p.block_ids].flatten(0, 1)[:total], q.dtype)  # [total, Hkv, D]
+        vc = codec.decode(v_cache[p.block_ids].flatten(0, 1)[:total], q.dtype)
         # Query i (absolute position num_context + i) sees keys 0 .. num_context + i.
         cols = torch.arange(total, device=q.device)
         rows = torch.arange(n, device=q.device) + p.num_context

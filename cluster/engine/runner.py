@@ -5,7 +5,9 @@ models with paged attention, ``torch_runner``) and ``fake`` (a deterministic tin
 orchestration and fault tests, ``fake_runner``). Each owns the KV cache tensor, whose layout
 every transfer relies on:
 
-    kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+    kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, row_width]
+
+(``row_width`` is ``head_dim``, or ``head_dim + 4`` bytes for int8 KV: see common/kv_layout.)
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from cluster.config import ClusterConfig, cpu_count
 from cluster.engine.scheduler import ScheduledBatch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# KVLayout.storage_dtype -> torch (int8 KV rows are raw bytes: int8 values, then an fp32 scale)
+KV_STORAGE_DTYPES = {**DTYPES, "uint8": torch.uint8}
 
 
 @dataclass(slots=True)
@@ -50,7 +54,8 @@ KVAllocator = Callable[[KVLayout, int, torch.device], torch.Tensor]
 
 def default_kv_allocator(layout: KVLayout, num_blocks: int, device: torch.device) -> torch.Tensor:
     # Zeros, not empty: padded attention rows multiply probabilities 0 by these values.
-    return torch.zeros((num_blocks, *layout.block_shape), dtype=DTYPES[layout.dtype], device=device)
+    dtype = KV_STORAGE_DTYPES[layout.storage_dtype]
+    return torch.zeros((num_blocks, *layout.block_shape), dtype=dtype, device=device)
 
 
 def resolve_device(config: ClusterConfig) -> torch.device:
@@ -66,6 +71,13 @@ def resolve_dtype(config: ClusterConfig, device: torch.device) -> torch.dtype:
         # No bf16 hardware on most CPUs (4x slower here): fp32 there, bf16 on GPUs.
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[config.model.dtype]
+
+
+def resolve_kv_dtype(config: ClusterConfig, model_dtype: torch.dtype) -> str:
+    """cache.kv_dtype, ``auto`` meaning the model's dtype."""
+    if config.cache.kv_dtype == "auto":
+        return str(model_dtype).removeprefix("torch.")
+    return config.cache.kv_dtype
 
 
 def num_kv_blocks(config: ClusterConfig, bytes_per_block: int, device: torch.device) -> int:

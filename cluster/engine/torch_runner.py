@@ -8,17 +8,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from cluster.common.kv_layout import KVLayout
+from cluster.common.kv_layout import SCHEMES, KVLayout
 from cluster.common.tokenizer import Tokenizer
 from cluster.config import ClusterConfig
-from cluster.config.model_paths import model_name, require_model_dir
+from cluster.config.model_paths import model_name
 from cluster.engine.attention import AttentionMetadata, PrefillSeq, decode_row_index
 from cluster.engine.kernels import load_paged_decode
-from cluster.engine.models.default_model import ensure_default_model
-from cluster.engine.models.llama import onednn_linear
-from cluster.engine.models.loader import load_llama
+from cluster.engine.kv_codec import kv_codec_for
+from cluster.engine.models.default_model import ModelSource, model_source
+from cluster.engine.models.weights import LoadSpec, load_model
 from cluster.engine.runner import (
     KVAllocator,
     RunnerOutput,
@@ -26,6 +25,7 @@ from cluster.engine.runner import (
     num_kv_blocks,
     resolve_device,
     resolve_dtype,
+    resolve_kv_dtype,
     set_torch_threads,
 )
 from cluster.engine.sampler import SampleRequest, sample
@@ -45,54 +45,73 @@ class TorchModelRunner:
         set_torch_threads(config)
         self.device = resolve_device(config)
         dtype = resolve_dtype(config, self.device)
-        if model_dir is None:
-            model_dir = ensure_default_model(config) if config.model.path is None else None
-            model_dir = model_dir or require_model_dir(config)
-        # CPU fp32 fast paths (model.kernels): oneDNN linear layers and the paged decode kernel.
+        source = ModelSource(model_dir, None) if model_dir is not None else model_source(config)
+        # CPU fp32 fast paths (model.kernels): oneDNN linear layers, the quantized linear and
+        # the paged decode kernels.
         self.native = config.model.kernels != "torch" and (
             self.device.type == "cpu" and dtype == torch.float32
         )
         if config.model.kernels == "native" and not self.native:
             raise ValueError("model.kernels: native needs a CPU fp32 model; use auto or torch")
-        linear = (onednn_linear() if self.native else None) or F.linear
-        self.model, _hf_config = load_llama(
-            model_dir, dtype, self.device, config.model.max_model_len, linear
+        self.model = load_model(
+            config,
+            LoadSpec(
+                source,
+                dtype,
+                self.device,
+                config.model.max_model_len,
+                self.native,
+                config.paths.resolved_cache_dir,
+                config.model.kernels == "native",
+            ),
         )
-        self.tokenizer = Tokenizer(model_dir)
+        self.tokenizer = Tokenizer(source.model_dir)
         arch = self.model.arch
         self.vocab_size = arch.vocab_size
         self.max_model_len = self.model.cos.shape[0]
         self.block_size = config.cache.block_size
+        kv_dtype = resolve_kv_dtype(config, dtype)
         self.layout = KVLayout(
-            model=model_name(config),
-            dtype=str(dtype).removeprefix("torch."),
-            block_size=self.block_size,
-            num_layers=arch.num_layers,
-            num_kv_heads=arch.num_kv_heads,
-            head_dim=arch.head_dim,
+            model_name(config),
+            kv_dtype,
+            self.block_size,
+            arch.num_layers,
+            arch.num_kv_heads,
+            arch.head_dim,
+            SCHEMES[kv_dtype],
         )
+        self.model.kv_codec = kv_codec_for(self.layout)
         self.num_blocks = num_kv_blocks(config, self.layout.bytes_per_block, self.device)
         self.decode_kernel = self._load_decode_kernel(config, dtype)
         self.kv_cache = kv_allocator(self.layout, self.num_blocks, self.device)
+        self.formats = {"weights": self.model.weight_format, "kv_cache": self.layout.dtype}
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            "weights %s (%.1f MiB); KV cache %s: %d blocks of %d tokens (%.1f MiB, %d bytes a "
+            "token)",
+            self.model.weight_format,
+            self.model.weight_bytes() / 2**20,
+            self.layout.dtype,
             self.num_blocks,
             self.block_size,
             self.num_blocks * self.layout.bytes_per_block / 2**20,
+            self.layout.bytes_per_token,
         )
 
     def _load_decode_kernel(self, config: ClusterConfig, dtype: torch.dtype) -> Any:
         kernel = None
-        if self.native:
+        if self.native and self.layout.dtype in ("float32", "int8"):
             arch = self.model.arch
             kernel = load_paged_decode(
                 config.paths.resolved_cache_dir,
                 torch.get_num_threads(),
                 arch.num_heads,
                 arch.num_kv_heads,
+                int8=self.layout.dtype == "int8",
             )
         if kernel is None and config.model.kernels == "native":
-            raise ValueError("model.kernels: native needs a C compiler (cc); use auto or torch")
+            raise ValueError(
+                "model.kernels: native needs a C compiler (cc) and an fp32 or int8 KV cache"
+            )
         return kernel
 
     # -- the step -----------------------------------------------------------------------------
@@ -169,9 +188,7 @@ class TorchModelRunner:
             dec_rows = decode_row_index(dec_table_t, bs, layout.num_layers, layout.num_kv_heads)
             lens = dec_lens_t
             cols = torch.arange(width * bs, device=dev)
-            dec_mask = torch.zeros(
-                (len(decodes), width * bs), dtype=self.kv_cache.dtype, device=dev
-            )
+            dec_mask = torch.zeros((len(decodes), width * bs), dtype=self.model.dtype, device=dev)
             dec_mask.masked_fill_(cols[None, :] >= lens[:, None], float("-inf"))
         meta = AttentionMetadata(
             slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=dev),

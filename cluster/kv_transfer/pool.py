@@ -1,6 +1,6 @@
 """A pool's KV cache as the data plane sees it: whole blocks as contiguous byte ranges.
 
-    kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], contiguous
+    kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, row_width], contiguous
 
 so ``kv_cache[b : b + n]`` is one contiguous region of ``n * layout.bytes_per_block`` bytes that
 a transport sends or fills in place. ``KVPool.allocate(..., shared=True)`` puts the pool in a
@@ -22,7 +22,13 @@ import torch
 
 from cluster.common.kv_layout import KVLayout
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# by KVLayout.storage_dtype (int8 KV is raw bytes: int8 values with their fp32 scales)
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "uint8": torch.uint8,
+}
 
 
 class KVPool:
@@ -33,8 +39,10 @@ class KVPool:
                 f"kv_cache: shape {tuple(kv_cache.shape)} does not match the layout "
                 f"[num_blocks, {', '.join(map(str, expected))}]"
             )
-        if kv_cache.dtype != TORCH_DTYPES[layout.dtype]:
-            raise ValueError(f"kv_cache: dtype {kv_cache.dtype} but the layout says {layout.dtype}")
+        if kv_cache.dtype != TORCH_DTYPES[layout.storage_dtype]:
+            raise ValueError(
+                f"kv_cache: dtype {kv_cache.dtype} but the layout stores {layout.storage_dtype}"
+            )
         if not kv_cache.is_contiguous():
             raise ValueError("kv_cache: must be contiguous (one block = one byte range)")
         self.tensor = kv_cache
@@ -55,7 +63,7 @@ class KVPool:
     ) -> KVPool:
         """A zeroed pool; ``shared`` backs it with a memfd a same-host receiver can map."""
         shape = (num_blocks, *layout.block_shape)
-        dtype = TORCH_DTYPES[layout.dtype]
+        dtype = TORCH_DTYPES[layout.storage_dtype]
         if not shared:
             return cls(torch.zeros(shape, dtype=dtype, device=device), layout)
         if device != "cpu":
@@ -82,7 +90,7 @@ class KVPool:
         return self.bytes[start : start + count]
 
     def block_tensor(self, start: int, count: int) -> torch.Tensor:
-        # [count, num_layers, 2, block_size, num_kv_heads, head_dim], a view
+        # [count, num_layers, 2, block_size, num_kv_heads, row_width], a view
         return self.tensor[start : start + count]
 
     def crc32(self, block_ids: Sequence[int]) -> list[int]:

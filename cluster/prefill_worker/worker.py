@@ -114,6 +114,24 @@ class PrefillWorker:
 
     # -- the call -----------------------------------------------------------------------------
 
+    def _check_layout(self, call: PrefillCall) -> None:
+        """Refuse at once, before any work, a caller whose KV cache has another layout (dtype,
+        quantization, shape): its pool could not take our blocks."""
+        if call.kv_layout is None:
+            return
+        assert self._pool is not None
+        try:
+            mismatch = self._pool.layout.mismatch(KVLayout(**call.kv_layout))  # type: ignore[arg-type]
+        except (TypeError, ValueError) as e:
+            mismatch = f"unreadable layout ({e})"
+        if mismatch is not None:
+            raise PDServeError(
+                ErrorCode.INTERNAL,
+                f"KV layout mismatch between the pools, the prefill pool refuses the hand-off: "
+                f"{mismatch}",
+                call.request_id,
+            )
+
     async def prefill(self, call: PrefillCall) -> AsyncIterator[PrefillProgress | PrefillReply]:
         aloop = asyncio.get_running_loop()
         arrival = time.monotonic()
@@ -124,6 +142,7 @@ class PrefillWorker:
         def sink(out: RequestOutput) -> None:
             aloop.call_soon_threadsafe(outputs.put_nowait, out)
 
+        self._check_layout(call)
         ended = asyncio.Event()  # set by the sender thread when the lease ends
         # No lease out yet: an abort frees the request wherever it is. Once leased, the lease's
         # release frees its blocks (and ends the request if it still prefills).

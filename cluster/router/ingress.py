@@ -31,6 +31,7 @@ from cluster.common.errors import ErrorCode, PDServeError
 from cluster.common.protocol import StreamChunk
 from cluster.common.tokenizer import load_tokenizer
 from cluster.config import config_from_dict
+from cluster.config.model import declared_formats
 from cluster.config.model_paths import model_limits, model_name
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.router.auth import ApiKeyAuth
@@ -268,6 +269,7 @@ class Router:
                         "created": 0,
                         "owned_by": "pdserve",
                         "max_model_len": self.limits.max_model_len,
+                        **declared_formats(self.config.model, self.config.cache),
                     }
                 ],
             }

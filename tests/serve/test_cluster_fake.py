@@ -239,6 +239,10 @@ def test_auth_on_every_method_but_health(app: App) -> None:
         status, err = http(app, path, body, key=None)
         assert status == 401 and err["error"]["type"] == "authentication_error", path
     assert http(app, "/health", key=None)[0] == 200
+    status, listing = http(app, "/v1/models")
+    assert status == 200
+    assert listing["data"][0]["weights"] == "none (the fake runner)"
+    assert listing["data"][0]["kv_cache"].startswith("model dtype")
     app.assert_clean()
 
 

@@ -29,6 +29,8 @@ EXPECTED_KEYS = {
     "prefix": {"ttft_speedup", "miss_vs_hf", "no_share_regression"},
     "chunked-prefill": {"p99_itl_ratio", "long_ttft_cost"},
     # --smoke leaves out transfer_share_of_prefill_*: they time a prefill on the real model.
+    # --smoke leaves out b1_vs_llamacpp: llama.cpp runs the real GGUF file only.
+    "quant": {"b1_vs_fp32", "b32_vs_fp32", "kv_bytes_ratio", "kv_capacity_ratio"},
     "kv-transfer": {
         "shm_vs_memcpy_512",
         "zmq_ipc_vs_raw_512",
@@ -36,6 +38,7 @@ EXPECTED_KEYS = {
         "zmq_ipc_vs_raw_32",
         "zmq_ipc_vs_raw_512_frag",
         "shm_vs_memcpy_512_frag",
+        "int8_transfer_ms_ratio_512",
     },
     "kv-stream": {"stream_tax_ratio", "stream_compute_ratio"},
 }

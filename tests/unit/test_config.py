@@ -158,3 +158,24 @@ def test_flat_keys_and_registries_agree() -> None:
     assert set(RUNNER_REGISTRY) == {"torch", "fake"}
     assert ClusterConfig().model.runner in RUNNER_REGISTRY
     assert "zmq" in _TRANSPORTS
+
+
+def test_declared_formats_name_the_weights_and_kv_formats() -> None:
+    from cluster.config.model import declared_formats
+
+    def formats(**overrides: object) -> dict[str, str]:
+        cfg = ClusterConfig().replace(overrides)
+        return declared_formats(cfg.model, cfg.cache)
+
+    assert formats() == {
+        "weights": "gguf (the file's own quantized blocks)",
+        "kv_cache": "model dtype (float32 on CPU)",
+    }
+    assert formats(**{"model.weights": "int8", "cache.kv_dtype": "int8"}) == {
+        "weights": "int8 (per output channel)",
+        "kv_cache": "int8 (one fp32 scale per token and KV head)",
+    }
+    assert formats(**{"model.weights": "dense", "model.dtype": "bfloat16"}) == {
+        "weights": "dense (bfloat16)",
+        "kv_cache": "bfloat16",
+    }

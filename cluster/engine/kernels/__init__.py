@@ -1,13 +1,16 @@
 """Small native kernels, compiled on first use with the system C compiler and cached.
 
 No build step at install time: the C source is compiled into the pdserve cache directory the
-first time a runner needs it (well under a second), keyed by the source's hash. Where no
-compiler is available the runner falls back to the pure-torch path (same results).
+first time a runner needs it (about a second), keyed by the source's hash, the compiler flags
+and the CPU's instruction-set flags (a cache shared between hosts never hands one CPU a binary
+built for another's instructions). Where no compiler is available the runner falls back to
+the pure-torch path (same results).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -27,10 +30,33 @@ _MAX_GROUP = 64  # query heads per kv head the kernel's stack buffers hold
 _PARALLEL_MIN_WORK = 16384  # (request, kv head) items x context tokens
 
 
-def _compile(cache_dir: Path) -> Path | None:
-    src = _SOURCE.read_bytes()
-    tag = hashlib.sha256(src + platform.machine().encode()).hexdigest()[:16]
-    target = cache_dir / "kernels" / f"paged_decode-{tag}.so"
+@functools.cache
+def cpu_fingerprint() -> str:
+    """What a binary built for this CPU may rely on: the machine and its instruction-set flags.
+
+    Part of every kernel's cache key, so a cache directory shared between hosts (a home
+    directory, an image layer) never hands a ``-march=native`` build to a CPU that lacks one
+    of its instructions.
+    """
+    parts = [platform.machine(), platform.system()]
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key = line.split(":", 1)[0].strip()
+            if key in ("flags", "Features", "isa", "vendor_id", "model name", "CPU part"):
+                parts.append(line)
+                if key in ("flags", "Features"):
+                    break
+    except OSError:
+        parts.append(platform.processor())
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def compile_kernel(source: Path, cache_dir: Path, flags: tuple[str, ...]) -> Path | None:
+    """``source`` built into ``cache_dir/kernels`` once per (source, flags, CPU), or None."""
+    src = source.read_bytes()
+    key = src + " ".join(flags).encode() + cpu_fingerprint().encode()
+    tag = hashlib.sha256(key).hexdigest()[:16]
+    target = cache_dir / "kernels" / f"{source.stem}-{tag}.so"
     if target.is_file():
         return target
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -39,23 +65,28 @@ def _compile(cache_dir: Path) -> Path | None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [cc, "-O3", "-march=native", "-fPIC", "-shared", "-o", tmp, str(_SOURCE), "-lm"]
+    cmd = [cc, *flags, "-fPIC", "-shared", "-o", tmp, str(source), "-lm", "-lpthread"]
     try:
-        subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+        subprocess.run(cmd, check=True, capture_output=True, timeout=300)
         os.replace(tmp, target)  # atomic: concurrent processes never load a partial file
     except (subprocess.SubprocessError, OSError) as e:
-        logger.warning("could not compile the paged decode kernel (%s); using torch", e)
+        logger.warning("could not compile %s (%s); using torch", source.name, e)
         Path(tmp).unlink(missing_ok=True)
         return None
     return target
 
 
-class PagedDecodeKernel:
-    """Decode attention straight from the paged fp32 KV cache, split across threads."""
+def _compile(cache_dir: Path) -> Path | None:
+    return compile_kernel(_SOURCE, cache_dir, ("-O3", "-march=native"))
 
-    def __init__(self, lib_path: Path, num_threads: int) -> None:
+
+class PagedDecodeKernel:
+    """Decode attention straight from the paged KV cache (fp32, or int8 rows with their scales,
+    de-quantized as they are read), split across threads."""
+
+    def __init__(self, lib_path: Path, num_threads: int, int8: bool = False) -> None:
         lib = ctypes.CDLL(str(lib_path))
-        fn = lib.pdserve_paged_decode_f32
+        fn = lib.pdserve_paged_decode_i8 if int8 else lib.pdserve_paged_decode_f32
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [
             ptr,
@@ -78,6 +109,8 @@ class PagedDecodeKernel:
         self._fn = fn
         self._lib = lib
         self.num_threads = max(1, num_threads)
+        self._lens: torch.Tensor | None = None
+        self._max_len = 0
         self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="paged-decode")
 
     def __call__(
@@ -111,7 +144,10 @@ class PagedDecodeKernel:
             scale,
         )
         # Small steps run inline: a thread hand-off costs more than the work it would split.
-        work = items * int(ctx_lens.max())
+        # (Every layer of a step passes the same ctx_lens: its max is read once a step.)
+        if ctx_lens is not self._lens:
+            self._lens, self._max_len = ctx_lens, int(ctx_lens.max())
+        work = items * self._max_len
         n = min(self.num_threads, items) if work >= _PARALLEL_MIN_WORK else 1
         if n <= 1:
             self._check(self._fn(*args, 0, items))
@@ -129,7 +165,7 @@ class PagedDecodeKernel:
 
 
 def load_paged_decode(
-    cache_dir: Path, num_threads: int, num_heads: int, num_kv_heads: int
+    cache_dir: Path, num_threads: int, num_heads: int, num_kv_heads: int, int8: bool = False
 ) -> PagedDecodeKernel | None:
     if num_heads // num_kv_heads > _MAX_GROUP:
         return None
@@ -137,7 +173,7 @@ def load_paged_decode(
     if path is None:
         return None
     try:
-        return PagedDecodeKernel(path, num_threads)
+        return PagedDecodeKernel(path, num_threads, int8)
     except OSError as e:
         logger.warning("could not load the paged decode kernel (%s); using torch", e)
         return None

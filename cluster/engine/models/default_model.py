@@ -2,7 +2,10 @@
 
 transformers de-quantizes the GGUF to fp32 (~20 s); we do that once and cache the result as a
 plain transformers checkpoint (safetensors + config + tokenizer + chat template), which every
-process then loads in well under a second. Nothing is downloaded from a hub.
+process then loads in well under a second. Nothing is downloaded from a hub. Any ``.gguf`` file
+given as model.path is converted the same way. The checkpoint is the model's shape, tokenizer
+and fp32 reference; ``model.weights: gguf`` (the default for GGUF sources) runs the file's own
+quantized blocks (``gguf_loader.py``).
 """
 
 from __future__ import annotations
@@ -12,10 +15,12 @@ import importlib.util
 import logging
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.config import ClusterConfig
-from cluster.config.model_paths import COMPLETE_MARKER, default_model_dir
+from cluster.config.model import is_gguf_source
+from cluster.config.model_paths import COMPLETE_MARKER, model_dir, require_model_dir
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +42,35 @@ def find_gguf() -> Path:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    model_dir: Path  # config.json, tokenizer, dense weights
+    gguf: Path | None  # the GGUF file the checkpoint was converted from, if any
+
+
+def model_source(config: ClusterConfig) -> ModelSource:
+    """The checkpoint directory (converted first for a GGUF source) and the GGUF file, if any."""
+    if is_gguf_source(config.model.path):
+        return ModelSource(ensure_default_model(config), gguf_source(config))
+    return ModelSource(require_model_dir(config), None)
+
+
+def gguf_source(config: ClusterConfig) -> Path | None:
+    """The GGUF file the config's model comes from (the default model's, a ``.gguf`` path)."""
+    if config.model.path is None:
+        return find_gguf()
+    if is_gguf_source(config.model.path):
+        path = Path(config.model.path).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"model.path: {config.model.path!r} is not a file")
+        return path
+    return None
+
+
 def ensure_default_model(config: ClusterConfig) -> Path:
-    """Convert the default model once (under a file lock, so concurrent processes wait)."""
-    target = default_model_dir(config)
+    """The config's model directory, converting a GGUF source once (under a file lock, so
+    concurrent processes wait): the default model, or a ``.gguf`` model.path."""
+    target = model_dir(config)
     if (target / COMPLETE_MARKER).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -47,7 +78,8 @@ def ensure_default_model(config: ClusterConfig) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (target / COMPLETE_MARKER).is_file():
             return target
-        gguf = find_gguf()
+        gguf = gguf_source(config)
+        assert gguf is not None
         logger.info("converting %s to %s (once)", gguf.name, target)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
         try:

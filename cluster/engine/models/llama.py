@@ -11,11 +11,15 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from cluster.engine.attention import AttentionMetadata, paged_attention, write_kv
+from cluster.engine.attention import AttentionMetadata, paged_attention
+from cluster.engine.kv_codec import FLOAT_KV, KVCodec
+from cluster.engine.models.layer_ops import LayerOps, TorchOps
+from cluster.engine.models.packed import PackedWeight, Weight, weight_format
 
 
 @dataclass(frozen=True)
@@ -36,16 +40,21 @@ class LlamaArch:
 
 @dataclass
 class LayerWeights:
+    # Matrices are dense tensors or PackedWeight (quantized rows), [out_features, in_features].
     input_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [(Hq + 2*Hkv) * D, H]
+    qkv: Weight  # [(Hq + 2*Hkv) * D, H]
     qkv_bias: torch.Tensor | None  # [(Hq + 2*Hkv) * D]
-    o: torch.Tensor  # [H, Hq * D]
+    o: Weight  # [H, Hq * D]
     post_norm: torch.Tensor  # [H]
-    gate_up: torch.Tensor  # [2 * I, H]
-    down: torch.Tensor  # [H, I]
+    gate_up: Weight  # [2 * I, H]
+    down: Weight  # [H, I]
+
+    def matrices(self) -> list[Weight]:
+        return [self.qkv, self.o, self.gate_up, self.down]
 
 
-Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+# (x [N, in], weight [out, in], bias) -> [N, out]; PackedLinear also takes PackedWeight
+Linear = Callable[[torch.Tensor, Any, torch.Tensor | None], torch.Tensor]
 
 
 @functools.cache
@@ -110,41 +119,28 @@ def _faster(candidate: Linear, baseline: Linear, rows: int, rounds: int = 9) -> 
     return ratios[len(ratios) // 2] < 0.95
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [N, heads, D]; cos, sin: [N, 1, D]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class LlamaModel:
     def __init__(
         self,
         arch: LlamaArch,
-        embed: torch.Tensor,
+        embed: Weight,
         layers: list[LayerWeights],
         final_norm: torch.Tensor,
-        lm_head: torch.Tensor,
+        lm_head: Weight,
         inv_freq: torch.Tensor,
         attention_scaling: float,
         max_model_len: int,
-        linear: Linear = F.linear,
+        ops: LayerOps | None = None,
     ) -> None:
         self.arch = arch
-        self.linear = linear
+        self.ops: LayerOps = ops or TorchOps(F.linear)
         self.embed = embed  # [V, H]
         self.layers = layers
         self.final_norm = final_norm
         self.lm_head = lm_head  # [V, H] (the embedding itself when tied)
+        self.kv_codec: KVCodec = FLOAT_KV  # how K/V rows are stored; the runner sets it
         self.scale = arch.head_dim**-0.5
-        dtype, device = embed.dtype, embed.device
+        dtype, device = final_norm.dtype, final_norm.device
         # RoPE tables for every position, as transformers computes them (fp32, then cast).
         pos = torch.arange(max_model_len, dtype=torch.float32, device=device)
         freqs = pos[:, None] * inv_freq.to(device=device, dtype=torch.float32)[None, :]
@@ -154,11 +150,37 @@ class LlamaModel:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        return self.final_norm.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed.device
+        return self.final_norm.device
+
+    def matrices(self) -> list[Weight]:
+        return [self.embed, self.lm_head] + [m for lw in self.layers for m in lw.matrices()]
+
+    @property
+    def weight_format(self) -> str:
+        """``dense float32``, or the packed formats in use (``Q4_1 + Q8_0``, ``int8``)."""
+        return weight_format(self.matrices())
+
+    def weight_bytes(self) -> int:
+        """Resident bytes of every weight (shared storage, e.g. a tied lm_head, counted once)."""
+        seen: dict[int, int] = {}
+        tensors: list[torch.Tensor] = [self.final_norm]
+        for lw in self.layers:
+            tensors += [lw.input_norm, lw.post_norm]
+            tensors += [lw.qkv_bias] if lw.qkv_bias is not None else []
+        for m in self.matrices():
+            if isinstance(m, PackedWeight):
+                for s in m.segments:
+                    tensors += [s.data] + ([s.scales] if s.scales is not None else [])
+            else:
+                tensors.append(m)
+        for t in tensors:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        return sum(seen.values())
 
     @torch.inference_mode()
     def forward(
@@ -171,32 +193,24 @@ class LlamaModel:
         a = self.arch
         n = input_ids.shape[0]
         hq, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
-        q_size, kv_size = hq * d, hkv * d
-        cos = self.cos[positions].unsqueeze(1)  # [N, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        lin = self.linear
-        h = F.embedding(input_ids, self.embed)  # [N, H]
+        eps, inter = a.rms_norm_eps, a.intermediate_size
+        ops = self.ops
+        rope = ops.rope_state(self.cos, self.sin, positions)
+        h = ops.embed(self.embed, input_ids)  # [N, H]
         for i, lw in enumerate(self.layers):
-            x = rms_norm(h, lw.input_norm, a.rms_norm_eps)
-            qkv = lin(x, lw.qkv, lw.qkv_bias)  # [N, (Hq + 2*Hkv) * D]
-            q = qkv[:, :q_size].view(n, hq, d)
-            k = qkv[:, q_size : q_size + kv_size].view(n, hkv, d)
-            v = qkv[:, q_size + kv_size :].view(n, hkv, d)
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
-            k_cache = kv_cache[:, i, 0]  # [num_blocks, block_size, Hkv, D]
-            v_cache = kv_cache[:, i, 1]
-            write_kv(k_cache, v_cache, k, v, meta)
-            attn = paged_attention(q, k, v, kv_cache, i, meta, self.scale)  # [N, Hq, D]
-            h = h + lin(attn.reshape(n, q_size), lw.o, None)
-            x = rms_norm(h, lw.post_norm, a.rms_norm_eps)
-            gu = lin(x, lw.gate_up, None)  # [N, 2 * I]
-            inter = a.intermediate_size
-            h = h + lin(F.silu(gu[:, :inter]) * gu[:, inter:], lw.down, None)
+            qkv = ops.norm_linear(h, lw.input_norm, eps, lw.qkv, lw.qkv_bias)  # [N, (Hq+2Hkv)*D]
+            q, k, v = ops.rope(qkv, rope, hq, hkv, d)  # [N, Hq, D], [N, Hkv, D], [N, Hkv, D]
+            ops.write_kv(kv_cache, i, k, v, meta, self.kv_codec)
+            attn = paged_attention(q, k, v, kv_cache, i, meta, self.scale, self.kv_codec)
+            h = ops.linear_add(h, attn.reshape(n, hq * d), lw.o)
+            gu = ops.norm_linear(h, lw.post_norm, eps, lw.gate_up, None)  # [N, 2 * I]
+            h = ops.mlp_add(h, gu, lw.down, inter)
         return h  # [N, H]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, H] -> [S, V] in fp32
-        x = rms_norm(hidden, self.final_norm, self.arch.rms_norm_eps)
-        return self.linear(x, self.lm_head, None).float()
+        ops = self.ops
+        return ops.norm_linear(
+            hidden, self.final_norm, self.arch.rms_norm_eps, self.lm_head, None
+        ).float()

@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from cluster.config.model_paths import resolve_max_model_len
+from cluster.engine.models.layer_ops import LayerOps, TorchOps
 from cluster.engine.models.llama import LayerWeights, Linear, LlamaArch, LlamaModel
+from cluster.engine.models.packed import Weight
 
 logger = logging.getLogger(__name__)
 
@@ -96,13 +98,8 @@ class _WeightReader:
         return None
 
 
-def load_llama(
-    model_dir: Path,
-    dtype: torch.dtype,
-    device: torch.device,
-    max_model_len: int | None,
-    linear: Linear = F.linear,
-) -> tuple[LlamaModel, Any]:
+def read_arch(model_dir: Path) -> tuple[LlamaArch, Any]:
+    """The model's shape from its config.json (and the transformers config itself)."""
     hf_config, arch_name = read_hf_config(model_dir)
     num_heads = int(hf_config.num_attention_heads)
     head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads)
@@ -123,7 +120,58 @@ def load_llama(
     )
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise ValueError(f"model: unsupported activation {hf_config.hidden_act!r} (need silu)")
+    return arch, hf_config
+
+
+def build_model(
+    arch: LlamaArch,
+    hf_config: Any,
+    embed: Weight,
+    layers: list[LayerWeights],
+    final_norm: torch.Tensor,
+    lm_head: Weight,
+    max_model_len: int | None,
+    ops: LayerOps,
+    source: str,
+) -> LlamaModel:
     max_len = resolve_max_model_len(hf_config.to_dict(), max_model_len)
+    inv_freq, attention_scaling = _rope(hf_config, arch.head_dim)
+    model = LlamaModel(
+        arch,
+        embed,
+        layers,
+        final_norm,
+        lm_head,
+        inv_freq,
+        attention_scaling,
+        max_len,
+        ops,
+    )
+    logger.info(
+        "loaded %s from %s: %d layers, %d/%d heads, max_model_len %d, %s on %s, weights %s "
+        "(%.1f MiB)",
+        arch.architecture,
+        source,
+        arch.num_layers,
+        arch.num_heads,
+        arch.num_kv_heads,
+        max_len,
+        model.dtype,
+        model.device,
+        model.weight_format,
+        model.weight_bytes() / 2**20,
+    )
+    return model
+
+
+def load_llama(
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int | None,
+    linear: Linear = F.linear,
+) -> tuple[LlamaModel, Any]:
+    arch, hf_config = read_arch(model_dir)
     reader = _WeightReader(model_dir)
 
     def w(name: str) -> torch.Tensor:
@@ -153,27 +201,15 @@ def load_llama(
     embed = w("embed_tokens.weight")
     lm_head_raw = None if arch.tie_word_embeddings else reader.get("lm_head.weight", required=False)
     lm_head = embed if lm_head_raw is None else lm_head_raw.to(device=device, dtype=dtype)
-    inv_freq, attention_scaling = _rope(hf_config, head_dim)
-    model = LlamaModel(
+    model = build_model(
         arch,
+        hf_config,
         embed,
         layers,
         w("norm.weight"),
         lm_head,
-        inv_freq,
-        attention_scaling,
-        max_len,
-        linear=linear,
-    )
-    logger.info(
-        "loaded %s from %s: %d layers, %d/%d heads, max_model_len %d, %s on %s",
-        arch_name,
-        model_dir,
-        arch.num_layers,
-        arch.num_heads,
-        arch.num_kv_heads,
-        max_len,
-        dtype,
-        device,
+        max_model_len,
+        TorchOps(linear),
+        str(model_dir),
     )
     return model, hf_config

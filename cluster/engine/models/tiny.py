@@ -3,6 +3,8 @@
 Built from a transformers ``LlamaConfig``, saved with ``save_pretrained`` and loaded through the
 real loading code, with a small byte-level BPE tokenizer trained on the spot (ChatML special
 tokens and chat template), so nothing is downloaded and no real model is needed.
+``write_tiny_gguf`` writes such a checkpoint as a GGUF file the way llama.cpp's convert script
+does (quantized with the gguf package, q/k rows permuted for llama.cpp's RoPE layout).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 _CORPUS = """
 The quick brown fox jumps over the lazy dog. Once upon a time there was a small model that
@@ -98,3 +102,76 @@ def build_tiny_llama(
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(path)
     return path
+
+
+# llama.cpp tensor name -> (transformers name, GGUF type)
+_LAYER = {
+    "attn_norm": ("input_layernorm", "F32"),
+    "attn_q": ("self_attn.q_proj", "Q4_1"),
+    "attn_k": ("self_attn.k_proj", "Q8_0"),
+    "attn_v": ("self_attn.v_proj", "Q4_0"),
+    "attn_output": ("self_attn.o_proj", "Q4_1"),
+    "ffn_norm": ("post_attention_layernorm", "F32"),
+    "ffn_gate": ("mlp.gate_proj", "Q4_0"),
+    "ffn_up": ("mlp.up_proj", "Q4_1"),
+    "ffn_down": ("mlp.down_proj", "Q8_0"),
+}
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of q / k rows."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def write_tiny_gguf(
+    checkpoint: Path, out: Path, *, types: dict[str, str] | None = None, arch: str = "llama"
+) -> Path:
+    """``checkpoint`` (a tiny transformers Llama) written as GGUF to ``out``."""
+    import gguf
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(checkpoint)
+    state = load_file(str(checkpoint / "model.safetensors"))
+    kinds = {name: kind for name, (_, kind) in _LAYER.items()} | {"token_embd": "Q8_0"}
+    kinds.update(types or {})
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_name("pdserve-tiny")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or 10000.0))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+
+    def add(name: str, t: torch.Tensor, kind: str) -> None:
+        data = t.float().numpy()
+        qtype = gguf.GGMLQuantizationType[kind]
+        if kind != "F32":
+            data = gguf.quants.quantize(data, qtype)
+        writer.add_tensor(name, data, raw_dtype=qtype)
+
+    add("token_embd.weight", state["model.embed_tokens.weight"], kinds["token_embd"])
+    for i in range(cfg.num_hidden_layers):
+        for gname, (hname, _) in _LAYER.items():
+            w = state[f"model.layers.{i}.{hname}.weight"]
+            if gname == "attn_q":
+                w = torch.from_numpy(_permute(w.numpy(), cfg.num_attention_heads))
+            elif gname == "attn_k":
+                w = torch.from_numpy(_permute(w.numpy(), cfg.num_key_value_heads))
+            add(f"blk.{i}.{gname}.weight", w, kinds[gname])
+    add("output_norm.weight", state["model.norm.weight"], "F32")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

@@ -1,0 +1,866 @@
+/* Linear layers on quantized weights: fp32 activations times packed weight rows, on the CPU.
+ *
+ * Weight formats (one row = one output feature, `row_bytes` bytes):
+ *   Q4_0 (ggml type 2):  blocks of 32 values, 18 bytes: fp16 d, 16 bytes of nibbles; w = d * (q - 8)
+ *   Q4_1 (ggml type 3):  blocks of 32 values, 20 bytes: fp16 d, fp16 m, 16 bytes; w = d * q + m
+ *   Q8_0 (ggml type 8):  blocks of 32 values, 34 bytes: fp16 d, 32 int8;            w = d * q
+ *   I8_ROW (ours, 1000): `cols` int8 values, one fp32 scale per row (row_scales);   w = s * q
+ * In a 4-bit block, byte j holds value j in its low nibble and value j + 16 in its high nibble.
+ *
+ *   y[i, r] = (accumulate ? y[i, r] : 0) + bias[r] + sum_k x[i, k] * w[r, k]
+ *
+ * The values multiplied are exactly the ones a de-quantizing reference computes (dequantize
+ * rows with -ffp-contract=off, so d * q + m rounds twice as numpy does); only the order of the
+ * fp32 sums differs. One activation row uses the fused block kernels (the weights stream once
+ * and are never expanded in memory); a few rows de-quantize four weight rows at a time into a
+ * per-thread scratch and dot them with every activation row; many rows are the caller's
+ * business (de-quantize tiles with pdserve_dequant_rows and use BLAS).
+ *
+ * Code paths: AVX-512F, AVX2+FMA+F16C, portable C, chosen at run time from cpuid
+ * (__builtin_cpu_supports), so one binary runs on any x86-64 (and the portable path anywhere).
+ *
+ * Threads: a small pool owned by this library (the caller counts as one thread). Workers spin
+ * briefly after a job (decode issues one linear after another) and then sleep on a condition
+ * variable. A call that finds the pool busy (another engine thread in the process) runs inline.
+ */
+#define _GNU_SOURCE
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define PD_X86 1
+#else
+#define PD_X86 0
+#endif
+
+enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8, QT_I8_ROW = 1000 };
+enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+
+#define QK 32
+#define MAX_BLOCKS 8192 /* cols up to 262144 */
+
+static int g_isa = -1;
+
+/* -- fp16 -> fp32 (portable, exact) -------------------------------------------------------- */
+
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else { /* subnormal: normalize */
+            int e = -1;
+            do {
+                e++;
+                mant <<= 1;
+            } while (!(mant & 0x400u));
+            mant &= 0x3ffu;
+            bits = sign | ((uint32_t)(112 - e) << 23) | (mant << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t load_u16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+static int block_bytes(int qt) {
+    switch (qt) {
+    case QT_Q4_0: return 18;
+    case QT_Q4_1: return 20;
+    case QT_Q8_0: return 34;
+    default: return 0;
+    }
+}
+
+/* -- portable: de-quantize one row, and dot one row -------------------------------------- */
+
+static void dequant_row_portable(int qt, const uint8_t *w, float scale, int64_t cols, float *out) {
+    if (qt == QT_I8_ROW) {
+        const int8_t *q = (const int8_t *)w;
+        for (int64_t k = 0; k < cols; k++) out[k] = (float)q[k] * scale;
+        return;
+    }
+    const int bb = block_bytes(qt);
+    for (int64_t b = 0; b < cols / QK; b++) {
+        const uint8_t *blk = w + b * bb;
+        float *o = out + b * QK;
+        const float d = f16_to_f32(load_u16(blk));
+        if (qt == QT_Q4_0) {
+            for (int j = 0; j < 16; j++) {
+                o[j] = (float)((int)(blk[2 + j] & 15) - 8) * d;
+                o[j + 16] = (float)((int)(blk[2 + j] >> 4) - 8) * d;
+            }
+        } else if (qt == QT_Q4_1) {
+            const float m = f16_to_f32(load_u16(blk + 2));
+            for (int j = 0; j < 16; j++) {
+                o[j] = d * (float)(blk[4 + j] & 15) + m;
+                o[j + 16] = d * (float)(blk[4 + j] >> 4) + m;
+            }
+        } else { /* Q8_0 */
+            const int8_t *q = (const int8_t *)(blk + 2);
+            for (int j = 0; j < QK; j++) o[j] = (float)q[j] * d;
+        }
+    }
+}
+
+static float dot_row_portable(int qt, const uint8_t *w, float scale, int64_t cols,
+                              const float *x) {
+    float tmp[QK];
+    float acc = 0.0f;
+    if (qt == QT_I8_ROW) {
+        const int8_t *q = (const int8_t *)w;
+        for (int64_t k = 0; k < cols; k++) acc += (float)q[k] * x[k];
+        return acc * scale;
+    }
+    const int bb = block_bytes(qt);
+    for (int64_t b = 0; b < cols / QK; b++) {
+        dequant_row_portable(qt, w + b * bb, 1.0f, QK, tmp);
+        for (int j = 0; j < QK; j++) acc += tmp[j] * x[b * QK + j];
+    }
+    return acc;
+}
+
+static float dot_f32_portable(const float *a, const float *b, int64_t n) {
+    float acc[8] = {0};
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8)
+        for (int l = 0; l < 8; l++) acc[l] += a[k + l] * b[k + l];
+    float s = 0.0f;
+    for (int l = 0; l < 8; l++) s += acc[l];
+    for (; k < n; k++) s += a[k] * b[k];
+    return s;
+}
+
+/* -- AVX2 + FMA + F16C ------------------------------------------------------------------- */
+#if PD_X86
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+#define INLINE inline __attribute__((always_inline))
+
+AVX2 static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+AVX2 static inline __m256 u8lo_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+AVX2 static inline __m256 u8hi_ps(__m128i v) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
+}
+AVX2 static inline __m256 i8lo_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+AVX2 static inline __m256 i8hi_ps(__m128i v) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+}
+
+/* 8 bytes from memory, zero-extended to 8 int32 lanes (one load+shuffle uop) */
+AVX2 static INLINE __m256i u8x8(const uint8_t *p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+AVX2 static INLINE __m256 i8x8_ps(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* sum_j q_j x_j over one block (before its scale; Q4_0's -8 goes through xsum), x in x0..x3.
+ * A 4-bit block is widened byte -> int32 first and split into nibbles there (and / shift), so
+ * each 8 values cost one shuffle, one integer op and one conversion. */
+AVX2 static INLINE __m256 blockdot_avx2(int qt, const uint8_t *qs, __m256 x0, __m256 x1,
+                                        __m256 x2, __m256 x3) {
+    __m256 w0, w1, w2, w3;
+    if (qt == QT_Q8_0 || qt == QT_I8_ROW) {
+        w0 = i8x8_ps(qs), w1 = i8x8_ps(qs + 8), w2 = i8x8_ps(qs + 16), w3 = i8x8_ps(qs + 24);
+    } else {
+        const __m256i m4 = _mm256_set1_epi32(0x0F);
+        const __m256i a = u8x8(qs), b = u8x8(qs + 8); /* bytes 0-7, 8-15 */
+        w0 = _mm256_cvtepi32_ps(_mm256_and_si256(a, m4));      /* values 0-7 */
+        w1 = _mm256_cvtepi32_ps(_mm256_and_si256(b, m4));      /* 8-15 */
+        w2 = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));      /* 16-23 */
+        w3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));      /* 24-31 */
+    }
+    __m256 s = _mm256_mul_ps(w0, x0);
+    s = _mm256_fmadd_ps(w1, x1, s);
+    s = _mm256_fmadd_ps(w2, x2, s);
+    return _mm256_fmadd_ps(w3, x3, s);
+}
+
+/* y[r] for rows r0 .. r0 + NR - 1 (NR <= 4) of a GGUF-block type, one activation row x. */
+AVX2 static INLINE void dot_rows_avx2(int qt, const uint8_t *w, int64_t row_bytes, int nr,
+                                      int64_t nb, const float *x, const float *xsum,
+                                      float *out) {
+    const int bb = block_bytes(qt);
+    const int off = qt == QT_Q4_1 ? 4 : 2;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                     _mm256_setzero_ps()};
+    __m128 macc[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
+    for (int64_t b = 0; b < nb; b++) {
+        const float *xb = x + b * QK;
+        const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8);
+        const __m256 x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
+        if ((b & 3) == 0) /* the next group of rows, a few blocks ahead (about 10% here) */
+            for (int r = 0; r < 4; r++) __builtin_prefetch(w + (4 + r) * row_bytes + b * bb, 0, 0);
+        for (int r = 0; r < 4; r++) {
+            if (r >= nr) break;
+            const uint8_t *blk = w + r * row_bytes + b * bb;
+            const __m256 s = blockdot_avx2(qt, blk + off, x0, x1, x2, x3);
+            if (qt == QT_Q4_1) { /* d and m in one conversion; sum (d q + m) x = d sum q x + m sum x */
+                uint32_t dm;
+                memcpy(&dm, blk, 4);
+                const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm)); /* d, m, 0, 0 */
+                acc[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(f), s, acc[r]);
+                macc[r] = _mm_fmadd_ss(_mm_movehdup_ps(f), _mm_load_ss(xsum + b), macc[r]);
+            } else if (qt == QT_Q4_0) { /* sum d (q - 8) x = d sum q x - 8 d sum x */
+                const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(load_u16(blk)));
+                acc[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(f), s, acc[r]);
+                macc[r] = _mm_fmadd_ss(_mm_mul_ss(f, _mm_set_ss(-8.0f)), _mm_load_ss(xsum + b),
+                                       macc[r]);
+            } else {
+                const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(load_u16(blk)));
+                acc[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(f), s, acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++) out[r] = hsum256(acc[r]) + _mm_cvtss_f32(macc[r]);
+}
+
+/* One instantiation per (type, row count): both are compile-time constants inside. */
+typedef void (*dot_rows_fn)(const uint8_t *w, int64_t rb, int nr, int64_t nb, const float *x,
+                            const float *xs, float *o);
+#define DOT_ROWS(name, body_fn, attr, qt)                                                       \
+    attr static void name(const uint8_t *w, int64_t rb, int nr, int64_t nb, const float *x,      \
+                          const float *xs, float *o) {                                          \
+        if (nr == 4) body_fn(qt, w, rb, 4, nb, x, xs, o);                                        \
+        else body_fn(qt, w, rb, nr, nb, x, xs, o);                                               \
+    }
+DOT_ROWS(dot_rows_avx2_q4_0, dot_rows_avx2, AVX2, QT_Q4_0)
+DOT_ROWS(dot_rows_avx2_q4_1, dot_rows_avx2, AVX2, QT_Q4_1)
+DOT_ROWS(dot_rows_avx2_q8_0, dot_rows_avx2, AVX2, QT_Q8_0)
+
+AVX2 static float dot_i8row_avx2(const int8_t *q, float scale, int64_t cols, const float *x) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + QK <= cols; k += QK) {
+        const __m128i lo = _mm_loadu_si128((const __m128i *)(q + k));
+        const __m128i hi = _mm_loadu_si128((const __m128i *)(q + k + 16));
+        acc0 = _mm256_fmadd_ps(i8lo_ps(lo), _mm256_loadu_ps(x + k), acc0);
+        acc1 = _mm256_fmadd_ps(i8hi_ps(lo), _mm256_loadu_ps(x + k + 8), acc1);
+        acc0 = _mm256_fmadd_ps(i8lo_ps(hi), _mm256_loadu_ps(x + k + 16), acc0);
+        acc1 = _mm256_fmadd_ps(i8hi_ps(hi), _mm256_loadu_ps(x + k + 24), acc1);
+    }
+    float s = hsum256(_mm256_add_ps(acc0, acc1));
+    for (; k < cols; k++) s += (float)q[k] * x[k];
+    return s * scale;
+}
+
+AVX2 static void dequant_row_avx2(int qt, const uint8_t *w, float scale, int64_t cols,
+                                  float *out) {
+    if (qt == QT_I8_ROW) {
+        const int8_t *q = (const int8_t *)w;
+        const __m256 s = _mm256_set1_ps(scale);
+        int64_t k = 0;
+        for (; k + 16 <= cols; k += 16) {
+            const __m128i v = _mm_loadu_si128((const __m128i *)(q + k));
+            _mm256_storeu_ps(out + k, _mm256_mul_ps(i8lo_ps(v), s));
+            _mm256_storeu_ps(out + k + 8, _mm256_mul_ps(i8hi_ps(v), s));
+        }
+        for (; k < cols; k++) out[k] = (float)q[k] * scale;
+        return;
+    }
+    const int bb = block_bytes(qt);
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    for (int64_t b = 0; b < cols / QK; b++) {
+        const uint8_t *blk = w + b * bb;
+        float *o = out + b * QK;
+        const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(blk)));
+        __m256 w0, w1, w2, w3;
+        if (qt == QT_Q8_0) {
+            const __m128i lo = _mm_loadu_si128((const __m128i *)(blk + 2));
+            const __m128i hi = _mm_loadu_si128((const __m128i *)(blk + 18));
+            w0 = i8lo_ps(lo), w1 = i8hi_ps(lo), w2 = i8lo_ps(hi), w3 = i8hi_ps(hi);
+            w0 = _mm256_mul_ps(w0, d), w1 = _mm256_mul_ps(w1, d);
+            w2 = _mm256_mul_ps(w2, d), w3 = _mm256_mul_ps(w3, d);
+        } else {
+            const int off = qt == QT_Q4_1 ? 4 : 2;
+            const __m128i q = _mm_loadu_si128((const __m128i *)(blk + off));
+            __m128i lo = _mm_and_si128(q, m4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
+            if (qt == QT_Q4_0) {
+                const __m128i eight = _mm_set1_epi8(8);
+                lo = _mm_sub_epi8(lo, eight), hi = _mm_sub_epi8(hi, eight);
+                w0 = _mm256_mul_ps(i8lo_ps(lo), d), w1 = _mm256_mul_ps(i8hi_ps(lo), d);
+                w2 = _mm256_mul_ps(i8lo_ps(hi), d), w3 = _mm256_mul_ps(i8hi_ps(hi), d);
+            } else {
+                const __m256 m = _mm256_set1_ps(_cvtsh_ss(load_u16(blk + 2)));
+                /* two roundings, as the reference: (d * q) + m (-ffp-contract=off) */
+                w0 = _mm256_add_ps(_mm256_mul_ps(d, u8lo_ps(lo)), m);
+                w1 = _mm256_add_ps(_mm256_mul_ps(d, u8hi_ps(lo)), m);
+                w2 = _mm256_add_ps(_mm256_mul_ps(d, u8lo_ps(hi)), m);
+                w3 = _mm256_add_ps(_mm256_mul_ps(d, u8hi_ps(hi)), m);
+            }
+        }
+        _mm256_storeu_ps(o, w0), _mm256_storeu_ps(o + 8, w1);
+        _mm256_storeu_ps(o + 16, w2), _mm256_storeu_ps(o + 24, w3);
+    }
+}
+
+/* four fp32 dots of x against w0..w3 (each n long) */
+AVX2 static void dot4_f32_avx2(const float *w, int64_t ldw, const float *x, int64_t n,
+                               float *out) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
+           a3 = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8) {
+        const __m256 xv = _mm256_loadu_ps(x + k);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), xv, a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + ldw + k), xv, a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + 2 * ldw + k), xv, a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + 3 * ldw + k), xv, a3);
+    }
+    out[0] = hsum256(a0), out[1] = hsum256(a1), out[2] = hsum256(a2), out[3] = hsum256(a3);
+    for (; k < n; k++) {
+        for (int r = 0; r < 4; r++) out[r] += w[r * ldw + k] * x[k];
+    }
+}
+
+/* -- AVX-512F ----------------------------------------------------------------------------- */
+#define AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+
+AVX512 static INLINE __m512 blockdot_avx512(int qt, const uint8_t *qs, __m512 x01, __m512 x23) {
+    __m512 w01, w23;
+    if (qt == QT_Q8_0 || qt == QT_I8_ROW) {
+        w01 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs)));
+        w23 = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16))));
+    } else { /* bytes 0-15 widened to int32, then split: low nibbles 0-15, high 16-31 */
+        const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+        w01 = _mm512_cvtepi32_ps(_mm512_and_si512(a, _mm512_set1_epi32(0x0F)));
+        w23 = _mm512_cvtepi32_ps(_mm512_srli_epi32(a, 4));
+    }
+    return _mm512_fmadd_ps(w23, x23, _mm512_mul_ps(w01, x01));
+}
+
+AVX512 static INLINE void dot_rows_avx512(int qt, const uint8_t *w, int64_t row_bytes, int nr,
+                                          int64_t nb, const float *x, const float *xsum,
+                                          float *out) {
+    const int bb = block_bytes(qt);
+    const int off = qt == QT_Q4_1 ? 4 : 2;
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                     _mm512_setzero_ps()};
+    __m128 macc[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
+    for (int64_t b = 0; b < nb; b++) {
+        const __m512 x01 = _mm512_loadu_ps(x + b * QK), x23 = _mm512_loadu_ps(x + b * QK + 16);
+        if ((b & 3) == 0)
+            for (int r = 0; r < 4; r++) __builtin_prefetch(w + (4 + r) * row_bytes + b * bb, 0, 0);
+        for (int r = 0; r < 4; r++) {
+            if (r >= nr) break;
+            const uint8_t *blk = w + r * row_bytes + b * bb;
+            const __m512 s = blockdot_avx512(qt, blk + off, x01, x23);
+            if (qt == QT_Q4_1) {
+                uint32_t dm;
+                memcpy(&dm, blk, 4);
+                const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm)); /* d, m, 0, 0 */
+                acc[r] = _mm512_fmadd_ps(_mm512_broadcastss_ps(f), s, acc[r]);
+                macc[r] = _mm_fmadd_ss(_mm_movehdup_ps(f), _mm_load_ss(xsum + b), macc[r]);
+            } else if (qt == QT_Q4_0) {
+                const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(load_u16(blk)));
+                acc[r] = _mm512_fmadd_ps(_mm512_broadcastss_ps(f), s, acc[r]);
+                macc[r] = _mm_fmadd_ss(_mm_mul_ss(f, _mm_set_ss(-8.0f)), _mm_load_ss(xsum + b),
+                                       macc[r]);
+            } else {
+                const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(load_u16(blk)));
+                acc[r] = _mm512_fmadd_ps(_mm512_broadcastss_ps(f), s, acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++) out[r] = _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(macc[r]);
+}
+
+DOT_ROWS(dot_rows_avx512_q4_0, dot_rows_avx512, AVX512, QT_Q4_0)
+DOT_ROWS(dot_rows_avx512_q4_1, dot_rows_avx512, AVX512, QT_Q4_1)
+DOT_ROWS(dot_rows_avx512_q8_0, dot_rows_avx512, AVX512, QT_Q8_0)
+
+AVX512 static float dot_i8row_avx512(const int8_t *q, float scale, int64_t cols,
+                                     const float *x) {
+    __m512 acc = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= cols; k += 16) {
+        const __m512 wv =
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + k))));
+        acc = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + k), acc);
+    }
+    float s = _mm512_reduce_add_ps(acc);
+    for (; k < cols; k++) s += (float)q[k] * x[k];
+    return s * scale;
+}
+#endif /* PD_X86 */
+
+/* -- dispatch ----------------------------------------------------------------------------- */
+
+static int detect_isa(void) {
+#if PD_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
+        __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        return ISA_AVX512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c"))
+        return ISA_AVX2;
+#endif
+    return ISA_PORTABLE;
+}
+
+static inline int isa(void) {
+    if (g_isa < 0) g_isa = detect_isa();
+    return g_isa;
+}
+
+/* The best path this CPU has; pdserve_quant_set_isa caps it (tests run every path). */
+int pdserve_quant_isa(void) { return isa(); }
+
+int pdserve_quant_set_isa(int level) {
+    const int best = detect_isa();
+    g_isa = level < 0 || level > best ? best : level;
+    return g_isa;
+}
+
+static void dequant_row(int qt, const uint8_t *w, float scale, int64_t cols, float *out) {
+#if PD_X86
+    if (isa() >= ISA_AVX2) {
+        dequant_row_avx2(qt, w, scale, cols, out);
+        return;
+    }
+#endif
+    dequant_row_portable(qt, w, scale, cols, out);
+}
+
+/* out[r - r0] = w[r] . x for rows [r0, r1) of one activation row */
+static void matvec_rows(int qt, const uint8_t *w, const float *scales, int64_t row_bytes,
+                        int64_t cols, const float *x, int64_t r0, int64_t r1, float *out) {
+    const int level = isa();
+    if (qt == QT_I8_ROW) {
+        for (int64_t r = r0; r < r1; r++) {
+            const int8_t *q = (const int8_t *)(w + r * row_bytes);
+#if PD_X86
+            if (level == ISA_AVX512) {
+                out[r - r0] = dot_i8row_avx512(q, scales[r], cols, x);
+                continue;
+            }
+            if (level == ISA_AVX2) {
+                out[r - r0] = dot_i8row_avx2(q, scales[r], cols, x);
+                continue;
+            }
+#endif
+            out[r - r0] = dot_row_portable(qt, (const uint8_t *)q, scales[r], cols, x);
+        }
+        return;
+    }
+    const int64_t nb = cols / QK;
+    float xsum[MAX_BLOCKS];
+    if (qt == QT_Q4_1 || qt == QT_Q4_0) {
+        for (int64_t b = 0; b < nb; b++) {
+            float s = 0.0f;
+            for (int j = 0; j < QK; j++) s += x[b * QK + j];
+            xsum[b] = s;
+        }
+    }
+    dot_rows_fn fn = NULL;
+#if PD_X86
+    if (level == ISA_AVX512)
+        fn = qt == QT_Q4_0 ? dot_rows_avx512_q4_0 : qt == QT_Q4_1 ? dot_rows_avx512_q4_1 : dot_rows_avx512_q8_0;
+    else if (level == ISA_AVX2)
+        fn = qt == QT_Q4_0 ? dot_rows_avx2_q4_0 : qt == QT_Q4_1 ? dot_rows_avx2_q4_1 : dot_rows_avx2_q8_0;
+#endif
+    for (int64_t r = r0; r < r1; r += 4) {
+        const int nr = r1 - r < 4 ? (int)(r1 - r) : 4;
+        const uint8_t *wr = w + r * row_bytes;
+        float *o = out + (r - r0);
+        if (fn) {
+            fn(wr, row_bytes, nr, nb, x, xsum, o);
+            continue;
+        }
+        for (int i = 0; i < nr; i++) o[i] = dot_row_portable(qt, wr + i * row_bytes, 1.0f, cols, x);
+    }
+}
+
+/* -- the thread pool ---------------------------------------------------------------------- */
+
+#define MAX_THREADS 256
+#define SPIN_NS 100000 /* how long an idle worker spins before it sleeps */
+
+typedef void (*task_fn)(const void *ctx, int64_t begin, int64_t end);
+
+static struct {
+    pthread_mutex_t run_mu; /* one job at a time; a caller that finds it taken runs inline */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int num_workers; /* started workers (the caller is thread 0) */
+    pid_t pid;
+    pthread_t threads[MAX_THREADS];
+    uint64_t start_gen[MAX_THREADS]; /* the generation before a worker's first job */
+    _Atomic uint64_t gen;
+    _Atomic int pending;
+    _Atomic int sleepers;
+    task_fn fn;
+    const void *ctx;
+    int64_t total, align;
+    int job_threads;
+} P = {.run_mu = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER,
+       .cv = PTHREAD_COND_INITIALIZER};
+
+static inline void cpu_relax(void) {
+#if PD_X86
+    _mm_pause();
+#endif
+}
+
+static inline int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void chunk(int i, int n, int64_t total, int64_t align, int64_t *b, int64_t *e) {
+    const int64_t units = (total + align - 1) / align;
+    *b = units * i / n * align;
+    *e = units * (i + 1) / n * align;
+    if (*e > total) *e = total;
+}
+
+static void *worker_main(void *arg) {
+    const int idx = (int)(intptr_t)arg;
+    uint64_t seen = P.start_gen[idx];
+    for (;;) {
+        uint64_t g;
+        const int64_t t0 = now_ns();
+        int spins = 0;
+        while ((g = atomic_load_explicit(&P.gen, memory_order_acquire)) == seen) {
+            cpu_relax();
+            if (++spins % 64 == 0 && now_ns() - t0 > SPIN_NS) {
+                pthread_mutex_lock(&P.mu);
+                atomic_fetch_add(&P.sleepers, 1);
+                while ((g = atomic_load(&P.gen)) == seen) pthread_cond_wait(&P.cv, &P.mu);
+                atomic_fetch_sub(&P.sleepers, 1);
+                pthread_mutex_unlock(&P.mu);
+                break;
+            }
+        }
+        seen = g;
+        if (idx >= P.job_threads) continue; /* not part of this job */
+        int64_t b, e;
+        chunk(idx, P.job_threads, P.total, P.align, &b, &e);
+        if (b < e) P.fn(P.ctx, b, e);
+        atomic_fetch_sub_explicit(&P.pending, 1, memory_order_release);
+    }
+    return NULL;
+}
+
+/* Make sure `n - 1` workers run (the pool only grows; a forked child starts afresh). */
+static int ensure_workers(int n) {
+    if (P.pid != getpid()) { /* after fork(): the parent's workers do not exist here */
+        P.num_workers = 0;
+        P.pid = getpid();
+        atomic_store(&P.sleepers, 0);
+    }
+    if (n > MAX_THREADS) n = MAX_THREADS;
+    while (P.num_workers < n - 1) {
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setstacksize(&attr, 1 << 20);
+        const int idx = P.num_workers + 1;
+        P.start_gen[idx] = atomic_load(&P.gen);
+        const int rc = pthread_create(&P.threads[idx], &attr, worker_main, (void *)(intptr_t)idx);
+        pthread_attr_destroy(&attr);
+        if (rc != 0) break;
+        pthread_detach(P.threads[idx]);
+        P.num_workers++;
+    }
+    return P.num_workers + 1;
+}
+
+static void run_parallel(task_fn fn, const void *ctx, int64_t total, int64_t align, int n) {
+    if (n <= 1 || total <= align || pthread_mutex_trylock(&P.run_mu) != 0) {
+        fn(ctx, 0, total);
+        return;
+    }
+    const int available = ensure_workers(n);
+    if (available < n) n = available;
+    const int64_t units = (total + align - 1) / align;
+    if (units < n) n = (int)units;
+    if (n <= 1) {
+        pthread_mutex_unlock(&P.run_mu);
+        fn(ctx, 0, total);
+        return;
+    }
+    P.fn = fn, P.ctx = ctx, P.total = total, P.align = align, P.job_threads = n;
+    atomic_store(&P.pending, n - 1);
+    atomic_fetch_add(&P.gen, 1); /* publishes the job (seq_cst) */
+    if (atomic_load(&P.sleepers) > 0) {
+        pthread_mutex_lock(&P.mu);
+        pthread_cond_broadcast(&P.cv);
+        pthread_mutex_unlock(&P.mu);
+    }
+    int64_t b, e;
+    chunk(0, n, total, align, &b, &e);
+    if (b < e) fn(ctx, b, e);
+    int spins = 0;
+    while (atomic_load_explicit(&P.pending, memory_order_acquire) > 0) {
+        cpu_relax();
+        if (++spins % 4096 == 0) sched_yield(); /* a descheduled worker: let it run */
+    }
+    pthread_mutex_unlock(&P.run_mu);
+}
+
+/* -- the entry points --------------------------------------------------------------------- */
+
+typedef struct {
+    int qt;
+    const uint8_t *w;
+    const float *scales;
+    int64_t row_bytes, cols;
+    const float *x;
+    int64_t n, ldx;
+    float *y;
+    int64_t ldy;
+    const float *bias;
+    int accumulate;
+} linear_job;
+
+static __thread float *t_scratch;
+static __thread int64_t t_scratch_cap;
+
+static float *scratch(int64_t floats) {
+    if (floats > t_scratch_cap) {
+        free(t_scratch);
+        t_scratch = malloc(sizeof(float) * (size_t)floats);
+        t_scratch_cap = t_scratch ? floats : 0;
+    }
+    return t_scratch;
+}
+
+static inline void store(const linear_job *j, float *yr, int64_t r, float v) {
+    if (j->bias) v += j->bias[r];
+    yr[r] = j->accumulate ? yr[r] + v : v;
+}
+
+#define ROW_CHUNK 256
+
+/* rows [r0, r1) of activation row i through the fused block kernels */
+static void linear_rows_fused(const linear_job *j, int64_t i, int64_t r0, int64_t r1) {
+    float out[ROW_CHUNK];
+    float *yi = j->y + i * j->ldy;
+    for (int64_t r = r0; r < r1; r += ROW_CHUNK) {
+        const int64_t re = r + ROW_CHUNK < r1 ? r + ROW_CHUNK : r1;
+        matvec_rows(j->qt, j->w, j->scales, j->row_bytes, j->cols, j->x + i * j->ldx, r, re, out);
+        for (int64_t k = r; k < re; k++) store(j, yi, k, out[k - r]);
+    }
+}
+
+static void linear_task(const void *ctx, int64_t r0, int64_t r1) {
+    const linear_job *j = ctx;
+    const int64_t cols = j->cols;
+    float *wbuf = j->n > 1 ? scratch(4 * cols) : NULL;
+    if (!wbuf) { /* one activation row (or no scratch memory): weights stream once per row */
+        for (int64_t i = 0; i < j->n; i++) linear_rows_fused(j, i, r0, r1);
+        return;
+    }
+    /* a few activation rows: de-quantize 4 weight rows once, dot them with every row of x */
+    for (int64_t r = r0; r < r1; r += 4) {
+        const int nr = r1 - r < 4 ? (int)(r1 - r) : 4;
+        for (int i = 0; i < nr; i++)
+            dequant_row(j->qt, j->w + (r + i) * j->row_bytes, j->scales ? j->scales[r + i] : 1.0f,
+                        cols, wbuf + i * cols);
+        for (int64_t i = 0; i < j->n; i++) {
+            const float *xi = j->x + i * j->ldx;
+            float *yi = j->y + i * j->ldy;
+            float out[4];
+#if PD_X86
+            if (nr == 4 && isa() >= ISA_AVX2) {
+                dot4_f32_avx2(wbuf, cols, xi, cols, out);
+            } else
+#endif
+            {
+                for (int k = 0; k < nr; k++) out[k] = dot_f32_portable(wbuf + k * cols, xi, cols);
+            }
+            for (int k = 0; k < nr; k++) store(j, yi, r + k, out[k]);
+        }
+    }
+}
+
+/* y[n, ldy] (+)= x[n, ldx] @ W^T + bias, W: `rows` rows of `row_bytes` bytes. 0 or an error. */
+int pdserve_quant_linear(int qt, const uint8_t *w, const float *scales, int64_t rows,
+                         int64_t cols, int64_t row_bytes, const float *x, int64_t n, int64_t ldx,
+                         float *y, int64_t ldy, const float *bias, int accumulate,
+                         int num_threads) {
+    if (qt != QT_I8_ROW && (block_bytes(qt) == 0 || cols % QK || cols / QK > MAX_BLOCKS))
+        return -1;
+    if (qt == QT_I8_ROW && !scales) return -1;
+    const linear_job job = {qt, w, scales, row_bytes, cols, x, n, ldx, y, ldy, bias, accumulate};
+    run_parallel(linear_task, &job, rows, 16, num_threads);
+    return 0;
+}
+
+typedef struct {
+    int qt;
+    const uint8_t *w;
+    const float *scales;
+    int64_t row_bytes, cols;
+    const int64_t *row_ids; /* NULL: rows row0 .. */
+    int64_t row0;
+    float *out;
+    int64_t ldo;
+} dequant_job;
+
+static void dequant_task(const void *ctx, int64_t i0, int64_t i1) {
+    const dequant_job *j = ctx;
+    for (int64_t i = i0; i < i1; i++) {
+        const int64_t r = j->row_ids ? j->row_ids[i] : j->row0 + i;
+        dequant_row(j->qt, j->w + r * j->row_bytes, j->scales ? j->scales[r] : 1.0f, j->cols,
+                    j->out + i * j->ldo);
+    }
+}
+
+/* out[i, :cols] = W[row(i)] as fp32, row(i) = row_ids[i] or row0 + i, for i < count; -2 when a
+ * row is outside [0, rows). */
+int pdserve_dequant_rows(int qt, const uint8_t *w, const float *scales, int64_t rows,
+                         int64_t cols, int64_t row_bytes, const int64_t *row_ids, int64_t row0,
+                         int64_t count, float *out, int64_t ldo, int num_threads) {
+    if (qt != QT_I8_ROW && (block_bytes(qt) == 0 || cols % QK)) return -1;
+    if (qt == QT_I8_ROW && !scales) return -1;
+    if (row_ids) {
+        for (int64_t i = 0; i < count; i++)
+            if (row_ids[i] < 0 || row_ids[i] >= rows) return -2;
+    } else if (row0 < 0 || row0 + count > rows) {
+        return -2;
+    }
+    const dequant_job job = {qt, w, scales, row_bytes, cols, row_ids, row0, out, ldo};
+    run_parallel(dequant_task, &job, count, 4, count >= 64 ? num_threads : 1);
+    return 0;
+}
+
+/* -- the small per-layer ops around the linears (CPU fp32 models with packed weights) -------
+ * Each replaces several torch ops (and their per-op dispatch cost, which at batch 1 exceeds the
+ * arithmetic) with one call, computing the same expressions in the same order: products and sums
+ * round as torch's separate ops do (-ffp-contract=off). */
+
+typedef struct {
+    const float *x;
+    int64_t ldx;
+    const float *w;
+    float *out;
+    int64_t ldo, h;
+    float eps;
+} norm_job;
+
+static void norm_task(const void *ctx, int64_t i0, int64_t i1) {
+    const norm_job *j = ctx;
+    for (int64_t i = i0; i < i1; i++) {
+        const float *x = j->x + i * j->ldx;
+        float *o = j->out + i * j->ldo;
+        float acc[8] = {0};
+        int64_t k = 0;
+        for (; k + 8 <= j->h; k += 8)
+            for (int l = 0; l < 8; l++) acc[l] += x[k + l] * x[k + l];
+        float ss = 0.0f;
+        for (int l = 0; l < 8; l++) ss += acc[l];
+        for (; k < j->h; k++) ss += x[k] * x[k];
+        const float r = 1.0f / sqrtf(ss / (float)j->h + j->eps);
+        for (k = 0; k < j->h; k++) o[k] = j->w[k] * (x[k] * r);
+    }
+}
+
+/* out[i] = w * (x[i] * rsqrt(mean(x[i]^2) + eps)), rows of h values */
+int pdserve_rms_norm(const float *x, int64_t ldx, const float *w, float *out, int64_t ldo,
+                     int64_t n, int64_t h, float eps, int num_threads) {
+    const norm_job job = {x, ldx, w, out, ldo, h, eps};
+    run_parallel(norm_task, &job, n, 1, n >= 64 ? num_threads : 1);
+    return 0;
+}
+
+/* RoPE in place on the first num_heads heads of each row of x (the q heads then the k heads of
+ * a fused qkv row): v[j] = v[j] cos[j] - v[j + D/2] sin[j]; v[j + D/2] = v[j + D/2] cos + v[j] sin
+ * with cos, sin: [positions, head_dim] tables. */
+int pdserve_rope(float *x, int64_t ldx, int64_t n, int64_t num_heads, int64_t head_dim,
+                 const float *cos_t, const float *sin_t, const int64_t *positions) {
+    const int64_t half = head_dim / 2;
+    for (int64_t i = 0; i < n; i++) {
+        const float *c = cos_t + positions[i] * head_dim, *s = sin_t + positions[i] * head_dim;
+        for (int64_t hd = 0; hd < num_heads; hd++) {
+            float *v = x + i * ldx + hd * head_dim;
+            for (int64_t k = 0; k < half; k++) {
+                const float a = v[k], b = v[k + half];
+                v[k] = a * c[k] + (-b) * s[k];
+                v[k + half] = b * c[k + half] + a * s[k + half];
+            }
+        }
+    }
+    return 0;
+}
+
+/* out[i, k] = silu(gu[i, k]) * gu[i, inter + k] */
+int pdserve_swiglu(const float *gu, int64_t ld, int64_t n, int64_t inter, float *out,
+                   int64_t ldo) {
+    for (int64_t i = 0; i < n; i++) {
+        const float *g = gu + i * ld, *u = g + inter;
+        float *o = out + i * ldo;
+        for (int64_t k = 0; k < inter; k++) o[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
+    }
+    return 0;
+}
+
+/* Write this step's K and V rows (from the fused qkv rows) into their cache slots of `layer`.
+ * kv: [num_blocks, num_layers, 2, block_size, num_kv_heads, width] of fp32 (int8 = 0, width =
+ * head_dim) or bytes (int8 = 1, width = head_dim + 4: int8 values q = round(x / s), s = max|x| /
+ * 127, then s), the encoding of kv_codec.Int8KV. */
+int pdserve_write_kv(void *kv, const float *k, const float *v, int64_t ld, int64_t n,
+                     const int64_t *slot_blocks, const int64_t *slot_offsets, int64_t num_layers,
+                     int64_t layer, int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
+                     int int8) {
+    const int64_t width = int8 ? head_dim + 4 : head_dim;
+    const int64_t esize = int8 ? 1 : 4;
+    const int64_t row = num_kv_heads * width * esize; /* bytes of one token's heads */
+    const int64_t plane = block_size * row;
+    const int64_t block_stride = num_layers * 2 * plane;
+    for (int64_t i = 0; i < n; i++) {
+        uint8_t *base = (uint8_t *)kv + slot_blocks[i] * block_stride + layer * 2 * plane +
+                        slot_offsets[i] * row;
+        for (int kv_i = 0; kv_i < 2; kv_i++) {
+            const float *src = (kv_i ? v : k) + i * ld;
+            uint8_t *dst = base + kv_i * plane;
+            for (int64_t hd = 0; hd < num_kv_heads; hd++) {
+                const float *x = src + hd * head_dim;
+                uint8_t *r = dst + hd * width * esize;
+                if (!int8) {
+                    memcpy(r, x, sizeof(float) * (size_t)head_dim);
+                    continue;
+                }
+                float amax = 0.0f;
+                for (int64_t d = 0; d < head_dim; d++) amax = fmaxf(amax, fabsf(x[d]));
+                const float scale = amax / 127.0f;
+                const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+                for (int64_t d = 0; d < head_dim; d++) {
+                    float q = nearbyintf(x[d] * inv);
+                    q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+                    r[d] = (uint8_t)(int8_t)q;
+                }
+                memcpy(r + head_dim, &scale, sizeof scale);
+            }
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,195 @@
+"""Load a Llama GGUF file with its quantized tensors kept as they are (``model.weights: gguf``).
+
+The model's shape, RoPE and tokenizer come from the transformers checkpoint converted from the
+same file (``default_model.py``); the weights come from the GGUF file itself: Q4_0, Q4_1 and Q8_0
+tensors stay packed (``PackedWeight``), F32/F16/BF16 tensors become dense tensors. llama.cpp
+stores attn_q / attn_k rows permuted for its RoPE layout; transformers' GGUF loader un-permutes
+them, and so do we, moving whole packed rows, so every value equals the de-quantized reference.
+
+Every tensor's name, type and shape is checked before any is read, so a file the loader cannot
+run fails with an error naming the tensor and its type and leaves nothing loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from cluster.engine.kernels.quant import BLOCK, Q4_0, Q4_1, Q8_0
+from cluster.engine.models.layer_ops import LayerOps
+from cluster.engine.models.llama import LayerWeights, LlamaArch, LlamaModel
+from cluster.engine.models.loader import build_model, read_arch
+from cluster.engine.models.packed import PackedWeight, Weight
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+PACKED_TYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0}
+DENSE_TYPES = ("F32", "F16", "BF16")
+_LAYER_TENSORS = (
+    "attn_norm",
+    "attn_q",
+    "attn_k",
+    "attn_v",
+    "attn_output",
+    "ffn_norm",
+    "ffn_gate",
+    "ffn_up",
+    "ffn_down",
+)
+
+
+def expected_shapes(arch: LlamaArch) -> dict[str, tuple[int, ...]]:
+    """GGUF tensor name -> [out_features, in_features] (or [n]) the architecture needs."""
+    h, d, i = arch.hidden_size, arch.head_dim, arch.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "token_embd.weight": (arch.vocab_size, h),
+        "output_norm.weight": (h,),
+    }
+    for n in range(arch.num_layers):
+        p = f"blk.{n}."
+        shapes.update(
+            {
+                f"{p}attn_norm.weight": (h,),
+                f"{p}attn_q.weight": (arch.num_heads * d, h),
+                f"{p}attn_k.weight": (arch.num_kv_heads * d, h),
+                f"{p}attn_v.weight": (arch.num_kv_heads * d, h),
+                f"{p}attn_output.weight": (h, arch.num_heads * d),
+                f"{p}ffn_norm.weight": (h,),
+                f"{p}ffn_gate.weight": (i, h),
+                f"{p}ffn_up.weight": (i, h),
+                f"{p}ffn_down.weight": (h, i),
+            }
+        )
+    return shapes
+
+
+def _field(reader: Any, key: str) -> Any:
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def check_gguf(reader: Any, path: Path, arch: LlamaArch) -> dict[str, Any]:
+    """The tensors to load by name, after checking architecture, names, types and shapes."""
+    gguf_arch = _field(reader, "general.architecture")
+    if gguf_arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"{path.name}: GGUF architecture {gguf_arch!r} is not one the quantized loader knows "
+            f"(supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}); use model.weights=dense, "
+            "which de-quantizes through transformers"
+        )
+    if arch.qkv_bias:
+        raise ValueError(f"{path.name}: q/k/v biases are not supported by the quantized loader")
+    tensors = {t.name: t for t in reader.tensors}
+    shapes = expected_shapes(arch)
+    if not arch.tie_word_embeddings:
+        shapes["output.weight"] = (arch.vocab_size, arch.hidden_size)
+    missing = [name for name in shapes if name not in tensors]
+    if missing:
+        raise ValueError(f"{path.name}: missing tensors {missing[:4]} (of {len(missing)})")
+    for name, want in shapes.items():
+        t = tensors[name]
+        kind = t.tensor_type.name
+        if kind not in PACKED_TYPES and kind not in DENSE_TYPES:
+            raise ValueError(
+                f"{path.name}: tensor {name!r} has type {kind}, which the quantized loader does "
+                f"not support (supported: {', '.join([*PACKED_TYPES, *DENSE_TYPES])}); use "
+                "model.weights=dense, which de-quantizes through transformers"
+            )
+        got = tuple(int(x) for x in reversed(t.shape))  # ggml lists the fastest dim first
+        if got != want:
+            raise ValueError(f"{path.name}: tensor {name!r} is {list(got)}, expected {list(want)}")
+        if kind in PACKED_TYPES and got[-1] % BLOCK:
+            raise ValueError(f"{path.name}: tensor {name!r} rows are not whole {kind} blocks")
+    return {name: tensors[name] for name in shapes}
+
+
+def rope_row_permutation(rows: int, num_heads: int) -> torch.Tensor:
+    """The row order transformers' GGUF loader restores for attn_q / attn_k (llama.cpp's
+    convert script interleaves the two RoPE halves of each head)."""
+    dim = rows // num_heads // 2
+    return torch.arange(rows).view(num_heads, dim, 2).transpose(1, 2).reshape(rows)
+
+
+def _tensor(t: Any, dtype: torch.dtype, device: torch.device) -> Weight:
+    data = torch.from_numpy(np.array(t.data))  # a copy: the file's memory map is let go
+    kind = t.tensor_type.name
+    if kind in PACKED_TYPES:
+        cols = int(t.shape[0])
+        return PackedWeight.of(PACKED_TYPES[kind], data.view(torch.uint8), cols)
+    if kind == "BF16":
+        data = data.view(torch.bfloat16)
+    shape = tuple(int(x) for x in reversed(t.shape))
+    return data.reshape(shape).to(device=device, dtype=dtype)
+
+
+def _cat(parts: list[Weight]) -> Weight:
+    if all(isinstance(p, PackedWeight) for p in parts):
+        return PackedWeight.cat(parts)  # type: ignore[arg-type]
+    dense = [p.dequantize() if isinstance(p, PackedWeight) else p for p in parts]
+    return torch.cat([d.to(dense[-1].dtype) for d in dense]).contiguous()
+
+
+def _permuted(w: Weight, num_heads: int) -> Weight:
+    perm = rope_row_permutation(w.shape[0] if isinstance(w, torch.Tensor) else w.rows, num_heads)
+    return w.permute_rows(perm) if isinstance(w, PackedWeight) else w[perm].contiguous()
+
+
+def load_gguf_llama(
+    gguf_path: Path,
+    config_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int | None,
+    ops: LayerOps,
+) -> tuple[LlamaModel, Any]:
+    from gguf import GGUFReader
+
+    arch, hf_config = read_arch(config_dir)
+    reader = GGUFReader(str(gguf_path))
+    tensors = check_gguf(reader, gguf_path, arch)
+
+    def w(name: str) -> Weight:
+        return _tensor(tensors[name], dtype, device)
+
+    def norm(name: str) -> torch.Tensor:
+        t = w(name)
+        assert isinstance(t, torch.Tensor)
+        return t
+
+    layers = []
+    for n in range(arch.num_layers):
+        p = f"blk.{n}."
+        q = _permuted(w(f"{p}attn_q.weight"), arch.num_heads)
+        k = _permuted(w(f"{p}attn_k.weight"), arch.num_kv_heads)
+        layers.append(
+            LayerWeights(
+                input_norm=norm(f"{p}attn_norm.weight"),
+                qkv=_cat([q, k, w(f"{p}attn_v.weight")]),
+                qkv_bias=None,
+                o=w(f"{p}attn_output.weight"),
+                post_norm=norm(f"{p}ffn_norm.weight"),
+                gate_up=_cat([w(f"{p}ffn_gate.weight"), w(f"{p}ffn_up.weight")]),
+                down=w(f"{p}ffn_down.weight"),
+            )
+        )
+    embed = w("token_embd.weight")
+    lm_head = embed if arch.tie_word_embeddings else w("output.weight")
+    final_norm = norm("output_norm.weight")
+    tensors.clear()  # the reader and its memory map go with this frame
+    model = build_model(
+        arch,
+        hf_config,
+        embed,
+        layers,
+        final_norm,
+        lm_head,
+        max_model_len,
+        ops,
+        str(gguf_path),
+    )
+    return model, hf_config

@@ -1,0 +1,179 @@
+"""The operations of one decoder layer around attention, in torch or natively (one per model).
+
+``LlamaModel.forward`` is written once against these; the loader picks the implementation:
+
+- ``TorchOps``: plain torch ops over any ``linear`` (dense tensors, or packed weights through
+  ``PackedLinear``'s fallbacks), on any device. Numerics follow transformers.
+- ``NativeOps``: CPU fp32 models with packed weights and the native kernel. RMSNorm, RoPE,
+  the KV write (int8 quantization included) and SwiGLU are one C call each instead of 5-15
+  torch ops, and the residual adds accumulate inside the linear kernel: at batch 1 the per-op
+  dispatch cost of torch is larger than the arithmetic of a 135M model's layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from cluster.engine.attention import AttentionMetadata, write_kv
+from cluster.engine.kernels.quant import QuantKernels
+from cluster.engine.kv_codec import KVCodec
+from cluster.engine.models.packed import PackedLinear, PackedWeight, Weight
+
+Linear = Any  # (x [N, in], weight [out, in], bias) -> [N, out]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [N, heads, D]; cos, sin: [N, 1, D]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def dense_embedding(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return F.embedding(ids, table)
+
+
+class LayerOps(Protocol):
+    linear: Linear
+
+    def embed(self, table: Weight, ids: torch.Tensor) -> torch.Tensor: ...
+
+    def rope_state(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> Any:
+        """Whatever ``rope`` needs for this step's positions (computed once per forward)."""
+        ...
+
+    def norm_linear(
+        self, h: torch.Tensor, norm: torch.Tensor, eps: float, w: Weight, b: torch.Tensor | None
+    ) -> torch.Tensor:
+        """linear(rms_norm(h), w, b): [N, H] -> [N, out]."""
+        ...
+
+    def rope(
+        self, qkv: torch.Tensor, state: Any, hq: int, hkv: int, d: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fused qkv rows -> rotated q [N, Hq, D], rotated k and v [N, Hkv, D]."""
+        ...
+
+    def write_kv(
+        self,
+        kv_cache: torch.Tensor,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        codec: KVCodec,
+    ) -> None: ...
+
+    def linear_add(self, h: torch.Tensor, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        """h + linear(x, w) (possibly in place)."""
+        ...
+
+    def mlp_add(self, h: torch.Tensor, gu: torch.Tensor, down: Weight, inter: int) -> torch.Tensor:
+        """h + linear(silu(gate) * up, down), gu = [gate | up] rows."""
+        ...
+
+
+class TorchOps:
+    def __init__(self, linear: Linear, embedding: Any = dense_embedding) -> None:
+        self.linear = linear
+        self._embedding = embedding
+
+    def embed(self, table: Weight, ids: torch.Tensor) -> torch.Tensor:
+        return self._embedding(table, ids)
+
+    def rope_state(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> Any:
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [N, 1, D] each
+
+    def norm_linear(
+        self, h: torch.Tensor, norm: torch.Tensor, eps: float, w: Weight, b: torch.Tensor | None
+    ) -> torch.Tensor:
+        return self.linear(rms_norm(h, norm, eps), w, b)
+
+    def rope(
+        self, qkv: torch.Tensor, state: Any, hq: int, hkv: int, d: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cos, sin = state
+        n, q_size, kv_size = qkv.shape[0], hq * d, hkv * d
+        q = qkv[:, :q_size].view(n, hq, d)
+        k = qkv[:, q_size : q_size + kv_size].view(n, hkv, d)
+        v = qkv[:, q_size + kv_size :].view(n, hkv, d)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def write_kv(
+        self,
+        kv_cache: torch.Tensor,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        codec: KVCodec,
+    ) -> None:
+        write_kv(kv_cache[:, layer, 0], kv_cache[:, layer, 1], k, v, meta, codec)
+
+    def linear_add(self, h: torch.Tensor, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        return h + self.linear(x, w, None)
+
+    def mlp_add(self, h: torch.Tensor, gu: torch.Tensor, down: Weight, inter: int) -> torch.Tensor:
+        return h + self.linear(F.silu(gu[:, :inter]) * gu[:, inter:], down, None)
+
+
+class NativeOps(TorchOps):
+    """CPU fp32 with the native kernel: the same expressions, one C call each."""
+
+    def __init__(self, linear: PackedLinear, kernels: QuantKernels) -> None:
+        super().__init__(linear, linear.embed)
+        self.packed = linear
+        self.kernels = kernels
+
+    def rope_state(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> Any:
+        return cos, sin, positions.contiguous()
+
+    def norm_linear(
+        self, h: torch.Tensor, norm: torch.Tensor, eps: float, w: Weight, b: torch.Tensor | None
+    ) -> torch.Tensor:
+        return self.linear(self.kernels.rms_norm(h.contiguous(), norm, eps), w, b)
+
+    def rope(
+        self, qkv: torch.Tensor, state: Any, hq: int, hkv: int, d: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cos, sin, positions = state
+        n, q_size, kv_size = qkv.shape[0], hq * d, hkv * d
+        self.kernels.rope(qkv, hq + hkv, d, cos, sin, positions)  # q and k heads, in place
+        q = qkv[:, :q_size].view(n, hq, d)
+        k = qkv[:, q_size : q_size + kv_size].view(n, hkv, d)
+        v = qkv[:, q_size + kv_size :].view(n, hkv, d)
+        return q, k, v
+
+    def write_kv(
+        self,
+        kv_cache: torch.Tensor,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        codec: KVCodec,
+    ) -> None:
+        if kv_cache.dtype not in (torch.float32, torch.uint8) or k.stride(1) != k.shape[2]:
+            super().write_kv(kv_cache, layer, k, v, meta, codec)
+            return
+        self.kernels.write_kv(
+            kv_cache, layer, k, v, meta.slot_blocks, meta.slot_offsets, k.shape[2]
+        )
+
+    def linear_add(self, h: torch.Tensor, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        if isinstance(w, PackedWeight) and self.packed.accumulate(h, x, w):
+            return h
+        return h + self.linear(x, w, None)
+
+    def mlp_add(self, h: torch.Tensor, gu: torch.Tensor, down: Weight, inter: int) -> torch.Tensor:
+        return self.linear_add(h, self.kernels.swiglu(gu, inter), down)

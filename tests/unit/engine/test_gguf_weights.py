@@ -1,0 +1,162 @@
+"""Packed weights end to end on a tiny GGUF Llama: ``model.weights: gguf`` runs the file's own
+blocks and equals transformers' de-quantized reference; int8 weights; bad files fail cleanly."""
+
+from __future__ import annotations
+
+import gc
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from cluster.config.model_paths import COMPLETE_MARKER, gguf_model_dir
+from cluster.engine.engine import LLMEngine
+from cluster.engine.models.llama import LlamaModel
+from cluster.engine.models.packed import PackedWeight
+from tests.gguf_tiny import convert_tiny_gguf, write_tiny_gguf
+from tests.helpers import greedy, make_config, run_until_done
+from tests.reference import NEAR_TIE, capture_logits
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("tiny-gguf")
+    path = write_tiny_gguf(tiny_model_dir, root / "tiny.gguf")
+    cfg = make_config(
+        **{
+            "model.path": str(path),
+            "paths.cache_dir": str(root / "cache"),
+            "cache.num_blocks": 96,
+            "model.num_threads": 2,
+            "scheduler.chunk_size": 8,
+        }
+    )
+    convert_tiny_gguf(cfg, path, tiny_model_dir)
+    return {"path": path, "config": cfg}
+
+
+def _run(eng: LLMEngine, n: int = 6, max_tokens: int = 24) -> dict[str, list[int]]:
+    for i in range(n):
+        eng.add(f"r{i}", [3 + i * 7 + j for j in range(3 + 9 * i)], greedy(max_tokens))
+    out = run_until_done(eng)
+    eng.check_integrity()
+    return out
+
+
+def test_gguf_weights_equal_the_dequantized_reference(tiny_gguf: dict[str, Any]) -> None:
+    cfg = tiny_gguf["config"]
+    ref = LLMEngine(cfg.replace({"model.weights": "dense"}))
+    ref_logits = capture_logits(ref)
+    expected = _run(ref)
+    eng = LLMEngine(cfg)  # auto: a .gguf source keeps its blocks
+    assert cfg.model.resolved_weights == "gguf"
+    model = eng.runner.model
+    assert set(eng.runner.formats["weights"].split(" + ")) == {"Q4_0", "Q4_1", "Q8_0"}
+    assert all(isinstance(m, PackedWeight) for m in model.matrices())
+    assert model.lm_head is model.embed  # tied: one packed table
+    # The packed rows are the reference's values exactly, q/k rows un-permuted as transformers does.
+    dense = ref.runner.model
+    for lw, rw in zip(model.layers, dense.layers):
+        for name in ("qkv", "o", "gate_up", "down"):
+            assert torch.equal(getattr(lw, name).dequantize(), getattr(rw, name)), name
+    got = _run(eng)
+    for rid, toks in expected.items():
+        for i, (a, b) in enumerate(zip(got[rid], toks)):
+            if a != b:  # only a genuine near-tie may diverge
+                top = ref_logits[(rid, i)].topk(2).values
+                assert float(top[0] - top[1]) <= NEAR_TIE, (rid, i)
+                break
+    assert sum(got[r] == expected[r] for r in expected) >= len(expected) - 1
+
+
+def test_gguf_without_the_native_kernel_is_the_same_model(tiny_gguf: dict[str, Any]) -> None:
+    cfg = tiny_gguf["config"]
+    native = _run(LLMEngine(cfg), n=3)
+    torch_path = _run(LLMEngine(cfg.replace({"model.kernels": "torch"})), n=3)
+    assert native == torch_path
+
+
+def test_int8_weights_quantize_every_matrix_per_output_channel(tiny_model_dir: Path) -> None:
+    cfg = make_config(
+        **{"model.path": str(tiny_model_dir), "cache.num_blocks": 96, "model.num_threads": 2}
+    )
+    dense = LLMEngine(cfg)
+    eng = LLMEngine(cfg.replace({"model.weights": "int8"}))
+    model = eng.runner.model
+    assert eng.runner.formats["weights"] == "int8"
+    assert all(isinstance(m, PackedWeight) for m in model.matrices())
+    assert model.lm_head is model.embed  # the tied embedding is quantized once
+    for lw, rw in zip(model.layers, dense.runner.model.layers):
+        w, ref = lw.gate_up.dequantize(), rw.gate_up
+        step = ref.abs().amax(dim=1, keepdim=True) / 127
+        assert bool(((w - ref).abs() <= step / 2 * (1 + 1e-5)).all())  # round to nearest
+    assert model.weight_bytes() < 0.3 * dense.runner.model.weight_bytes()
+    # The int8 engine computes the model whose weights are the int8 values: the dense engine
+    # running on the de-quantized int8 matrices gives the same logits (fp32 summation order
+    # aside). The accuracy gate on the real model: tests/integration/test_quant_real.py.
+    ref = dense.runner.model
+    for lw, rw in zip(model.layers, ref.layers):
+        for name in ("qkv", "o", "gate_up", "down"):
+            setattr(rw, name, getattr(lw, name).dequantize())
+    ref.embed = ref.lm_head = model.embed.dequantize()  # type: ignore[union-attr]
+    logits = [capture_logits(e) for e in (dense, eng)]
+    _run(dense, max_tokens=4), _run(eng, max_tokens=4)
+    for key, ref_row in logits[0].items():
+        err = float((logits[1][key] - ref_row).abs().max())
+        assert err <= 1e-4 * float(ref_row.abs().max()), (key, err)
+
+
+def _broken_gguf(tiny_model_dir: Path, tmp_path: Path, **kw: Any) -> Any:
+    path = write_tiny_gguf(tiny_model_dir, tmp_path / "broken.gguf", **kw)
+    cfg = make_config(
+        **{
+            "model.path": str(path),
+            "paths.cache_dir": str(tmp_path / "cache"),
+            "cache.num_blocks": 32,
+            "model.weights": "gguf",
+        }
+    )
+    target = gguf_model_dir(cfg, path)
+    shutil.copytree(tiny_model_dir, target)  # its config and tokenizer: the file is the problem
+    (target / COMPLETE_MARKER).write_text("test\n")
+    return cfg
+
+
+def _live(kind: type) -> int:
+    gc.collect()
+    return sum(isinstance(o, kind) for o in gc.get_objects())
+
+
+def test_an_unsupported_tensor_type_is_named_and_nothing_stays_loaded(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    cfg = _broken_gguf(tiny_model_dir, tmp_path, types={"ffn_down": "Q5_0"})
+    before = (_live(PackedWeight), _live(LlamaModel))
+    with pytest.raises(ValueError) as e:
+        LLMEngine(cfg)
+    msg = str(e.value)
+    assert "'blk.0.ffn_down.weight'" in msg and "Q5_0" in msg and "model.weights=dense" in msg
+    e.value.__traceback__ = None  # what a caller that keeps the error holds
+    del e
+    assert (_live(PackedWeight), _live(LlamaModel)) == before
+    # The same file de-quantized through transformers is fine: dense reads the checkpoint.
+    assert LLMEngine(cfg.replace({"model.weights": "dense"})).runner.formats["weights"]
+
+
+def test_an_unknown_gguf_architecture_is_refused_before_loading(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    cfg = _broken_gguf(tiny_model_dir, tmp_path, arch="mamba")
+    before = _live(PackedWeight)
+    with pytest.raises(ValueError, match="GGUF architecture 'mamba'.*supported: llama"):
+        LLMEngine(cfg)
+    assert _live(PackedWeight) == before
+
+
+def test_gguf_weights_need_a_gguf_source(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match=r"model\.weights: gguf needs a GGUF source"):
+        make_config(**{"model.path": str(tiny_model_dir), "model.weights": "gguf"})
+    with pytest.raises(ValueError, match="model.weights: unknown value 'q4'"):
+        make_config(**{"model.weights": "q4"})

@@ -1,0 +1,257 @@
+"""The quantized-weight formats and the native kernels against torch references.
+
+Every instruction-set path the host has runs (``set_isa`` caps the dispatch: portable, then
+AVX2, then AVX-512 where the CPU has it), so a CI host with AVX-512 tests that path too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cluster.engine.attention import AttentionMetadata, _decode_attention, decode_row_index
+from cluster.engine.kernels import compile_kernel, load_paged_decode
+from cluster.engine.kernels.quant import (
+    INT8_ROW,
+    ISA_NAMES,
+    Q4_0,
+    Q4_1,
+    Q8_0,
+    QuantKernels,
+    dequantize,
+    load_quant_kernels,
+)
+from cluster.engine.kv_codec import Int8KV
+from cluster.engine.models.layer_ops import apply_rope, rms_norm
+from cluster.engine.models.packed import PackedLinear, PackedWeight, quantize_int8_rows
+
+GGUF_TYPES = (Q4_0, Q4_1, Q8_0)
+ALL_TYPES = (*GGUF_TYPES, INT8_ROW)
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory: pytest.TempPathFactory) -> Iterator[QuantKernels]:
+    k = load_quant_kernels(tmp_path_factory.mktemp("quant-cache"), 2)
+    if k is None:
+        pytest.skip("no C compiler: packed weights use the torch fallback")
+    yield k
+    k.set_isa(None)
+
+
+def _isas(k: QuantKernels) -> list[str]:
+    k.set_isa(None)
+    return list(ISA_NAMES[: ISA_NAMES.index(k.isa) + 1])
+
+
+def packed(qtype: int, rows: int, cols: int, seed: int = 0) -> PackedWeight:
+    import gguf
+
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g) * 0.05
+    w[:, :5] *= 20  # some outliers, so the blocks' scales differ
+    if qtype == INT8_ROW:
+        return quantize_int8_rows(w)
+    data = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType(qtype))
+    return PackedWeight.of(qtype, torch.from_numpy(np.ascontiguousarray(data)), cols)
+
+
+@pytest.mark.parametrize("qtype", GGUF_TYPES)
+def test_torch_dequantize_is_the_gguf_reference(qtype: int) -> None:
+    import gguf
+
+    w = packed(qtype, 24, 96)
+    seg = w.segments[0]
+    ref = gguf.quants.dequantize(seg.data.numpy(), gguf.GGMLQuantizationType(qtype))
+    assert np.array_equal(dequantize(qtype, seg.data, None).numpy(), ref.reshape(24, 96))
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES)
+def test_native_dequant_equals_torch_on_every_isa(kernels: QuantKernels, qtype: int) -> None:
+    w = packed(qtype, 37, 128, seed=1)
+    seg = w.segments[0]
+    ref = dequantize(qtype, seg.data, seg.scales)
+    ids = torch.tensor([5, 0, 36, 5, 17])
+    for isa in _isas(kernels):
+        kernels.set_isa(isa)
+        out = torch.empty(37, 128)
+        assert torch.equal(kernels.dequant(qtype, seg.data, seg.scales, 128, out), ref), isa
+        rows = torch.empty(5, 128)
+        got = kernels.dequant(qtype, seg.data, seg.scales, 128, rows, row_ids=ids)
+        assert torch.equal(got, ref[ids]), isa
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES)
+@pytest.mark.parametrize("n", [1, 3, 8, 19])
+def test_native_linear_matches_the_dequantized_reference(
+    kernels: QuantKernels, qtype: int, n: int
+) -> None:
+    rows, cols = 70, 192  # rows not a multiple of the 4-row groups or the thread split
+    w = packed(qtype, rows, cols, seed=n)
+    seg = w.segments[0]
+    g = torch.Generator().manual_seed(100 + n)
+    x = torch.randn(n, cols, generator=g)
+    bias = torch.randn(rows, generator=g)
+    base = torch.randn(n, rows, generator=g)
+    ref = F.linear(x.double(), w.dequantize().double(), bias.double())
+    tol = 1e-5 * float(ref.abs().max())
+    for isa in _isas(kernels):
+        kernels.set_isa(isa)
+        out = torch.empty(n, rows)
+        kernels.linear(qtype, seg.data, seg.scales, cols, x, out, bias)
+        assert float((out.double() - ref).abs().max()) <= tol, isa
+        acc = base.clone()
+        kernels.linear(qtype, seg.data, seg.scales, cols, x, acc, bias, accumulate=True)
+        assert float((acc.double() - (ref + base.double())).abs().max()) <= tol, isa
+
+
+def test_the_thread_split_does_not_change_a_bit(tmp_path: Path) -> None:
+    one = load_quant_kernels(tmp_path, 1)
+    two = load_quant_kernels(tmp_path, 2)
+    if one is None or two is None:
+        pytest.skip("no C compiler")
+    w = packed(Q4_1, 1000, 256).segments[0]
+    for n in (1, 5):
+        x = torch.randn(n, 256)
+        a, b = torch.empty(n, 1000), torch.empty(n, 1000)
+        one.linear(Q4_1, w.data, None, 256, x, a)
+        two.linear(Q4_1, w.data, None, 256, x, b)
+        assert torch.equal(a, b)
+
+
+def test_packed_linear_mixed_segments_kernel_and_tiles(kernels: QuantKernels) -> None:
+    parts = [packed(Q4_1, 24, 64, 1), packed(Q4_1, 8, 64, 2), packed(Q8_0, 8, 64, 3)]
+    w = PackedWeight.cat(parts)
+    assert [s.qtype for s in w.segments] == [Q4_1, Q8_0] and w.rows == 40
+    dense = w.dequantize()
+    assert torch.equal(dense, torch.cat([p.dequantize() for p in parts]))
+    x, bias = torch.randn(6, 64), torch.randn(40)
+    ref = F.linear(x, dense, bias)
+    kernel = PackedLinear(F.linear, kernels, kernel_max_rows=64)
+    torch.testing.assert_close(kernel(x, w, bias), ref, atol=1e-5, rtol=1e-5)
+    h = torch.randn(6, 40)
+    h_acc = h.clone()
+    assert kernel.accumulate(h_acc, x, w)
+    torch.testing.assert_close(h_acc, h + F.linear(x, dense), atol=1e-5, rtol=1e-5)
+    # Many rows: de-quantized tiles + the dense linear, on exactly the reference values.
+    tiles = PackedLinear(F.linear, kernels, kernel_max_rows=0)
+    assert torch.equal(tiles(x, w, bias), ref)
+    big = packed(Q8_0, 40_000, 64, 4)  # more rows than one 8 MiB scratch tile holds
+    assert torch.equal(tiles(x, big, None), F.linear(x, big.dequantize()))
+    # Embedding rows come out de-quantized exactly.
+    ids = torch.tensor([3, 7, 0, 3])
+    single = parts[2]
+    assert torch.equal(kernel.embed(single, ids), single.dequantize()[ids])
+    with pytest.raises(IndexError):
+        kernel.embed(single, torch.tensor([8]))  # never a read outside the table
+
+
+def test_native_layer_ops_compute_what_torch_computes(kernels: QuantKernels) -> None:
+    g = torch.Generator().manual_seed(7)
+    n, hq, hkv, d = 5, 4, 2, 16
+    h = torch.randn(n, 64, generator=g)
+    norm = torch.rand(64, generator=g) + 0.5
+    torch.testing.assert_close(
+        kernels.rms_norm(h, norm, 1e-5), rms_norm(h, norm, 1e-5), atol=1e-6, rtol=1e-6
+    )
+    cos_t, sin_t = torch.randn(50, d, generator=g), torch.randn(50, d, generator=g)
+    positions = torch.tensor([0, 7, 7, 31, 49])
+    qkv = torch.randn(n, (hq + 2 * hkv) * d, generator=g)
+    q_ref = apply_rope(
+        qkv[:, : hq * d].view(n, hq, d), cos_t[positions][:, None], sin_t[positions][:, None]
+    )
+    k_ref = apply_rope(
+        qkv[:, hq * d : (hq + hkv) * d].view(n, hkv, d),
+        cos_t[positions][:, None],
+        sin_t[positions][:, None],
+    )
+    v_ref = qkv[:, (hq + hkv) * d :].clone()
+    rotated = qkv.clone()
+    kernels.rope(rotated, hq + hkv, d, cos_t, sin_t, positions)
+    assert torch.equal(rotated[:, : hq * d].view(n, hq, d), q_ref)  # same ops, same order
+    assert torch.equal(rotated[:, hq * d : (hq + hkv) * d].view(n, hkv, d), k_ref)
+    assert torch.equal(rotated[:, (hq + hkv) * d :], v_ref)
+    gu = torch.randn(n, 2 * 48, generator=g)
+    torch.testing.assert_close(
+        kernels.swiglu(gu, 48), F.silu(gu[:, :48]) * gu[:, 48:], atol=1e-6, rtol=1e-5
+    )
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_native_kv_write_stores_the_codecs_bytes(kernels: QuantKernels, int8: bool) -> None:
+    g = torch.Generator().manual_seed(3)
+    nb, layers, bs, hkv, d = 6, 3, 4, 2, 16
+    width = d + 4 if int8 else d
+    dtype = torch.uint8 if int8 else torch.float32
+    cache = torch.zeros(nb, layers, 2, bs, hkv, width, dtype=dtype)
+    qkv = torch.randn(5, (4 + 2 * hkv) * d, generator=g)
+    qkv[1, 4 * d : 4 * d + d] = 0.0  # an all-zero row: scale 0, values 0
+    k = qkv[:, 4 * d : (4 + hkv) * d].view(5, hkv, d)
+    v = qkv[:, (4 + hkv) * d :].view(5, hkv, d)
+    blocks, offsets = torch.tensor([0, 5, 5, 2, 3]), torch.tensor([0, 1, 3, 2, 0])
+    kernels.write_kv(cache, 1, k, v, blocks, offsets, d)
+    encode = Int8KV(d).encode if int8 else (lambda x: x)
+    assert torch.equal(cache[blocks, 1, 0, offsets], encode(k))
+    assert torch.equal(cache[blocks, 1, 1, offsets], encode(v))
+    cache[blocks, 1, :, offsets] = 0
+    assert not cache.any()  # nothing written anywhere else
+
+
+def test_int8_codec_round_trip_error_is_bounded() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 3, 64, generator=g) * torch.rand(50, 3, 1, generator=g) * 10
+    codec = Int8KV(64)
+    rows = codec.encode(x)
+    assert rows.shape == (50, 3, 68) and rows.dtype == torch.uint8
+    back = codec.decode(rows, torch.float32)
+    bound = x.abs().amax(-1, keepdim=True) / 127 / 2 * (1 + 1e-5)  # half a step per row
+    assert bool(((back - x).abs() <= bound).all())
+    assert torch.equal(codec.roundtrip(x), back)
+
+
+def test_int8_paged_decode_kernel_equals_the_torch_path(tmp_path: Path) -> None:
+    nb, layers, bs, hkv, d, hq = 40, 3, 4, 2, 16, 6
+    kernel = load_paged_decode(tmp_path, 2, num_heads=hq, num_kv_heads=hkv, int8=True)
+    if kernel is None:
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(0)
+    codec = Int8KV(d)
+    kv = codec.encode(torch.randn(nb, layers, 2, bs, hkv, d, generator=g))
+    lens = torch.tensor([1, 5, 16, 23, 9])
+    width = 6
+    tables = torch.randperm(nb, generator=g)[: len(lens) * width].view(len(lens), width)
+    tables = tables.contiguous()
+    q = torch.randn(len(lens), hq, d, generator=g)
+    mask = torch.zeros(len(lens), width * bs)
+    mask.masked_fill_(torch.arange(width * bs)[None, :] >= lens[:, None], float("-inf"))
+    meta = AttentionMetadata(
+        slot_blocks=torch.empty(0, dtype=torch.long),
+        slot_offsets=torch.empty(0, dtype=torch.long),
+        num_decodes=len(lens),
+        decode_rows=decode_row_index(tables, bs, layers, hkv),
+        decode_mask=mask,
+        prefills=[],
+    )
+    for layer in range(layers):
+        ref = _decode_attention(q, kv, layer, meta, 0.25, codec)
+        got = kernel(q, kv, tables, lens, layer, 0.25)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_kernel_cache_is_keyed_by_the_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import cluster.engine.kernels as kernels_mod
+
+    src = Path(kernels_mod.__file__).with_name("quant_linear.c")
+    first = compile_kernel(src, tmp_path, ("-O1",))
+    if first is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(kernels_mod, "cpu_fingerprint", lambda: "another-cpu")
+    second = compile_kernel(src, tmp_path, ("-O1",))
+    assert second is not None and second != first  # never the other CPU's binary
+    assert compile_kernel(src, tmp_path, ("-O2",)) not in (first, second)  # flags count too
