@@ -18,18 +18,41 @@ import torch
 
 from cluster.common.kv_layout import KVLayout
 from cluster.config import ClusterConfig, cpu_count
-from cluster.engine.scheduler import ScheduledBatch
+from cluster.engine.batch import ScheduledBatch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(slots=True)
 class RunnerOutput:
-    # One entry per scheduled request whose step ended in a sampled token, in batch order.
+    # One entry per emitted token, in batch order: one for each scheduled request whose step
+    # ended in a sampled token; a request verified with drafts has its accepted drafts, then
+    # the correction or bonus token, in consecutive entries (``spec.verify``).
     request_ids: list[str]
     token_ids: list[int]
     logprobs: list[float] | None
     top_logprobs: list[list[tuple[int, float]]] | None
+
+    def per_request(self) -> dict[str, EmittedTokens]:
+        """The entries grouped by request, in order."""
+        out: dict[str, EmittedTokens] = {}
+        for i, rid in enumerate(self.request_ids):
+            em = out.get(rid)
+            if em is None:
+                em = out[rid] = EmittedTokens([], [], [])
+            em.token_ids.append(self.token_ids[i])
+            em.logprobs.append(self.logprobs[i] if self.logprobs is not None else None)
+            em.top_logprobs.append(self.top_logprobs[i] if self.top_logprobs is not None else None)
+        return out
+
+
+@dataclass(slots=True)
+class EmittedTokens:
+    """One request's tokens of a step (with drafts, possibly several)."""
+
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]] | None]
 
 
 class ModelRunner(Protocol):
