@@ -16,6 +16,7 @@ from cluster.config import ClusterConfig
 from cluster.config.model_paths import model_name, require_model_dir
 from cluster.engine.attention import AttentionMetadata, PrefillSeq, decode_row_index
 from cluster.engine.kernels import load_paged_decode
+from cluster.engine.kernels.rows import rows_linear
 from cluster.engine.models.default_model import ensure_default_model
 from cluster.engine.models.llama import onednn_linear
 from cluster.engine.models.loader import load_llama
@@ -48,13 +49,17 @@ class TorchModelRunner:
         if model_dir is None:
             model_dir = ensure_default_model(config) if config.model.path is None else None
             model_dir = model_dir or require_model_dir(config)
-        # CPU fp32 fast paths (model.kernels): oneDNN linear layers and the paged decode kernel.
+        # CPU fp32 fast paths (model.kernels): oneDNN linear layers, the rows kernel for decode
+        # steps (kernels/rows.py) and the paged decode kernel.
         self.native = config.model.kernels != "torch" and (
             self.device.type == "cpu" and dtype == torch.float32
         )
         if config.model.kernels == "native" and not self.native:
             raise ValueError("model.kernels: native needs a CPU fp32 model; use auto or torch")
         linear = (onednn_linear() if self.native else None) or F.linear
+        if self.native:
+            cache_dir = config.paths.resolved_cache_dir
+            linear = rows_linear(cache_dir, torch.get_num_threads(), linear) or linear
         self.model, _hf_config = load_llama(
             model_dir, dtype, self.device, config.model.max_model_len, linear
         )

@@ -27,10 +27,11 @@ _MAX_GROUP = 64  # query heads per kv head the kernel's stack buffers hold
 _PARALLEL_MIN_WORK = 16384  # (request, kv head) items x context tokens
 
 
-def _compile(cache_dir: Path) -> Path | None:
-    src = _SOURCE.read_bytes()
-    tag = hashlib.sha256(src + platform.machine().encode()).hexdigest()[:16]
-    target = cache_dir / "kernels" / f"paged_decode-{tag}.so"
+def _compile(cache_dir: Path, source: Path = _SOURCE, flags: tuple[str, ...] = ()) -> Path | None:
+    src = source.read_bytes()
+    salt = platform.machine().encode() + (repr(flags).encode() if flags else b"")
+    tag = hashlib.sha256(src + salt).hexdigest()
+    target = cache_dir / "kernels" / f"{source.stem}-{tag[:16]}.so"
     if target.is_file():
         return target
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -39,12 +40,12 @@ def _compile(cache_dir: Path) -> Path | None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [cc, "-O3", "-march=native", "-fPIC", "-shared", "-o", tmp, str(_SOURCE), "-lm"]
+    cmd = [cc, "-O3", "-march=native", *flags, "-fPIC", "-shared", "-o", tmp, str(source), "-lm"]
     try:
         subprocess.run(cmd, check=True, capture_output=True, timeout=120)
         os.replace(tmp, target)  # atomic: concurrent processes never load a partial file
     except (subprocess.SubprocessError, OSError) as e:
-        logger.warning("could not compile the paged decode kernel (%s); using torch", e)
+        logger.warning("could not compile the %s kernel (%s); using torch", source.stem, e)
         Path(tmp).unlink(missing_ok=True)
         return None
     return target
