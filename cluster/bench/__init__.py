@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, str] = {
     "kv-transfer": "cluster.bench.kv_transfer",
     "serve": "cluster.bench.serve",
     "routing": "cluster.bench.routing",
+    "spec": "cluster.bench.spec",
 }
 
 

@@ -5,9 +5,11 @@ Each step, a proposer guesses up to ``num_speculative_tokens`` next tokens of ea
 request (``ngram``: prompt lookup, the longest suffix of the request's tokens of
 ``min_ngram``..``max_ngram`` tokens found earlier in them, and what followed it there); the
 model verifies them all in that step's forward, exactly (greedy output is token-identical to no
-speculation). Adaptive: a request whose recent acceptance falls under ``min_acceptance_rate``
-stops drafting for a while (doubling each time, up to ``max_pause_steps``), and no request
-drafts in a step with more than ``max_batch_size`` decoding requests.
+speculation). Adaptive: a request drafts about as many tokens as its recent acceptance rate
+says will be accepted (at most ``num_speculative_tokens``); one whose rate falls under
+``min_acceptance_rate`` stops drafting for a while (doubling each time, up to
+``max_pause_steps``); a step drafts at most ``max_num_draft_tokens`` in all, shared out over
+its decoding requests, and none with more than ``max_batch_size`` of them.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ class SpeculativeConfig:
     min_ngram: int = 2  # the shortest suffix a lookup may match
     max_ngram: int = 4  # the longest suffix tried (longer matches are preferred)
     max_batch_size: int = 16  # no drafts in a step with more decoding requests than this
+    # Draft tokens per step across the batch, shared out evenly: 24 keeps 8 decoding requests
+    # (8 + 24 rows) within the CPU rows kernel's 32 (more rows cost much more per row).
+    max_num_draft_tokens: int = 24
     min_acceptance_rate: float = 0.25  # recent accepted / drafted under this: pause drafting
     max_pause_steps: int = 64  # a paused request drafts again after at most this many steps
 
@@ -47,6 +52,11 @@ class SpeculativeConfig:
             self.max_batch_size >= 1,
             f"{name}.max_batch_size",
             f"must be >= 1, got {self.max_batch_size}",
+        )
+        check(
+            self.max_num_draft_tokens >= 1,
+            f"{name}.max_num_draft_tokens",
+            f"must be >= 1, got {self.max_num_draft_tokens}",
         )
         check(
             0.0 <= self.min_acceptance_rate <= 1.0,

@@ -28,6 +28,7 @@ EXPECTED_KEYS = {
     },
     "prefix": {"ttft_speedup", "miss_vs_hf", "no_share_regression"},
     "chunked-prefill": {"p99_itl_ratio", "long_ttft_cost"},
+    "spec": {"speedup_b1", "speedup_b8", "no_copy_ratio", "acceptance", "greedy_identical"},
     # --smoke leaves out transfer_share_of_prefill_*: they time a prefill on the real model.
     "kv-transfer": {
         "shm_vs_memcpy_512",

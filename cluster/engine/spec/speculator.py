@@ -3,8 +3,11 @@
 Each step, before the scheduler runs (``LLMEngine.schedule``):
   1. ``propose(running)``: which decoding requests draft, and how many tokens, then the
      proposer's guesses. None in a step with more than ``max_batch_size`` decoding requests
-     (there the extra rows cost more than they save); none for a paused request; never more
-     than the request may still emit (``max_tokens``) minus the token the step samples anyway.
+     (there the extra rows cost more than they save); none for a paused request; per request
+     about what its acceptance rate says will be accepted plus one (at most
+     ``num_speculative_tokens``), all of them together at most ``max_num_draft_tokens``
+     (shared out evenly); never more than the request may still emit (``max_tokens``) minus
+     the token the step samples anyway.
   2. The scheduler feeds each request its last token + drafts (as many as fit) and the runner
      verifies them (``spec.verify``); ``update`` appends the accepted ones.
   3. ``record(item, num_accepted)``: per-request and engine counters, and the adaptive policy:
@@ -18,6 +21,7 @@ Method ``none`` has no proposer: ``propose`` returns nothing and the engine runs
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -64,13 +68,18 @@ class Speculator:
             if track.pause_steps:
                 track.pause_steps -= 1
                 continue
-            # The step samples one token after the drafts anyway: room for max_tokens - 1 more.
-            n = min(k, r.params.max_tokens - r.num_output_tokens - 1)
+            # About what its acceptance says will be accepted, and one more; the step samples
+            # one token after the drafts anyway: room for max_tokens - 1 more.
+            n = min(k, math.ceil(track.rate * k) + 1, r.params.max_tokens - r.num_output_tokens - 1)
             if n > 0:
                 chosen.append(r)
                 max_drafts.append(n)
+        budget = self.config.max_num_draft_tokens
+        del chosen[budget:], max_drafts[budget:]  # oldest first: one draft each at least
         if not chosen:
             return {}
+        share = budget // len(chosen)
+        max_drafts = [min(n, share) for n in max_drafts]
         drafts = self.proposer.propose(chosen, max_drafts)
         return {r.request_id: d for r, d in zip(chosen, drafts, strict=True) if d}
 

@@ -259,6 +259,37 @@ def test_low_acceptance_pauses_drafting_and_a_big_batch_drafts_nothing() -> None
     assert eng.stats()["spec"]["num_verifications"] == 0 and scripted.num_calls == 0
 
 
+def test_a_step_drafts_at_most_its_budget_shared_out_and_less_where_acceptance_is_low() -> None:
+    prompts = {f"r{i}": [2 + (i * 17 + j) % 500 for j in range(10)] for i in range(4)}
+    ref = _run(LLMEngine(fake_config()), prompts, greedy(40))
+    budget = {
+        "decode.speculative.max_num_draft_tokens": 7,
+        "decode.speculative.min_acceptance_rate": 0.0,
+    }
+    eng = LLMEngine(fake_config(**SPEC, **budget))
+    scripted = ScriptedProposer(ref, eng.vocab_size, wrong_share=0.0)
+    asked: list[list[int]] = []
+    propose = scripted.propose
+
+    def recording(requests: Any, max_drafts: Any) -> list[list[int]]:
+        asked.append(list(max_drafts))
+        return propose(requests, max_drafts)
+
+    scripted.propose = recording  # type: ignore[method-assign]
+    use_proposer(eng, scripted)
+    assert _run(eng, prompts, greedy(40)) == ref
+    four = [a for a in asked if len(a) == 4]
+    assert four and all(sum(a) <= 7 and max(a) == 1 for a in four)  # 7 // 4 each
+    eng = LLMEngine(fake_config(**SPEC, **{"decode.speculative.min_acceptance_rate": 0.0}))
+    wrong = ScriptedProposer(ref, eng.vocab_size, wrong_share=1.0)
+    asked.clear()
+    propose = wrong.propose
+    wrong.propose = recording  # type: ignore[method-assign]
+    use_proposer(eng, wrong)
+    assert _run(eng, {"r0": prompts["r0"]}, greedy(40)) == {"r0": ref["r0"]}
+    assert asked[0] == [5] and asked[-1] == [1]  # all rejected: down to one draft a step
+
+
 def test_usage_counts_drafted_and_accepted_tokens_per_request() -> None:
     prompt = [9, 8, 7, 6, 5]
     ref = _run(LLMEngine(fake_config()), {"a": prompt}, greedy(30))
@@ -301,6 +332,7 @@ def test_abort_with_drafts_verified_frees_everything() -> None:
         ("min_ngram", 0),
         ("max_ngram", 1),
         ("max_batch_size", 0),
+        ("max_num_draft_tokens", 0),
         ("min_acceptance_rate", 1.5),
         ("max_pause_steps", 0),
         ("num_speculative_tokens", "4"),
