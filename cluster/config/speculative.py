@@ -5,11 +5,12 @@ Each step, a proposer guesses up to ``num_speculative_tokens`` next tokens of ea
 request (``ngram``: prompt lookup, the longest suffix of the request's tokens of
 ``min_ngram``..``max_ngram`` tokens found earlier in them, and what followed it there); the
 model verifies them all in that step's forward, exactly (greedy output is token-identical to no
-speculation). Adaptive: a request drafts about as many tokens as its recent acceptance rate
-says will be accepted (at most ``num_speculative_tokens``); one whose rate falls under
-``min_acceptance_rate`` stops drafting for a while (doubling each time, up to
-``max_pause_steps``); a step drafts at most ``max_num_draft_tokens`` in all, shared out over
-its decoding requests, and none with more than ``max_batch_size`` of them.
+speculation). Adaptive: a request drafts as many tokens as its recent acceptance says will pay
+for their rows (``draft_row_cost``: one more row's share of a one-row step; at most
+``num_speculative_tokens``), none under ``min_acceptance_rate``; one that may draft none probes
+with one draft after 2, 4, ... steps (at most ``max_pause_steps``); a step drafts at most
+``max_num_draft_tokens`` in all, shared out over its decoding requests, and none with more than
+``max_batch_size`` of them.
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ class SpeculativeConfig:
     # Draft tokens per step across the batch, shared out evenly: 24 keeps 8 decoding requests
     # (8 + 24 rows) within the CPU rows kernel's 32 (more rows cost much more per row).
     max_num_draft_tokens: int = 24
-    min_acceptance_rate: float = 0.25  # recent accepted / drafted under this: pause drafting
+    # One more row in a step costs this share of a one-row decode step (CPU fp32 with the rows
+    # kernel: ~0.1); with it the engine drafts only what it expects to pay (speculator.py).
+    draft_row_cost: float = 0.1
+    min_acceptance_rate: float = 0.05  # a per-draft acceptance under this never drafts
     max_pause_steps: int = 64  # a paused request drafts again after at most this many steps
 
     def _validate(self, name: str) -> None:
@@ -59,9 +63,14 @@ class SpeculativeConfig:
             f"must be >= 1, got {self.max_num_draft_tokens}",
         )
         check(
-            0.0 <= self.min_acceptance_rate <= 1.0,
+            0.0 <= self.draft_row_cost <= 10.0,
+            f"{name}.draft_row_cost",
+            f"must be in [0, 10], got {self.draft_row_cost}",
+        )
+        check(
+            0.0 <= self.min_acceptance_rate < 1.0,
             f"{name}.min_acceptance_rate",
-            f"must be in [0, 1], got {self.min_acceptance_rate}",
+            f"must be in [0, 1), got {self.min_acceptance_rate}",
         )
         check(
             self.max_pause_steps >= 1,

@@ -1,20 +1,23 @@
 """``Speculator``: the engine's speculative-decoding collaborator (``decode.speculative``).
 
 Each step, before the scheduler runs (``LLMEngine.schedule``):
-  1. ``propose(running)``: which decoding requests draft, and how many tokens, then the
-     proposer's guesses. None in a step with more than ``max_batch_size`` decoding requests
-     (there the extra rows cost more than they save); none for a paused request; per request
-     about what its acceptance rate says will be accepted plus one (at most
-     ``num_speculative_tokens``), all of them together at most ``max_num_draft_tokens``
-     (shared out evenly); never more than the request may still emit (``max_tokens``) minus
-     the token the step samples anyway.
+  1. ``propose(running)``: how many tokens each decoding request drafts, then the proposer's
+     guesses. A draft pays when the chance it is accepted beats what its row costs: with B
+     decoding requests and one more row costing ``draft_row_cost`` of a one-row step, the
+     j-th draft is worth verifying while ``p ** j > B c / (1 + B c)`` (p: the request's
+     per-draft acceptance, estimated below; floor ``min_acceptance_rate``). So a copying
+     request at batch 1 drafts many, one at batch 8 a few, one that never copies none. At
+     most ``num_speculative_tokens`` per request and ``max_num_draft_tokens`` per step (shared
+     out evenly), nothing with more than ``max_batch_size`` decoding requests, never more than
+     the request may still emit (``max_tokens``) minus the token the step samples anyway.
   2. The scheduler feeds each request its last token + drafts (as many as fit) and the runner
      verifies them (``spec.verify``); ``update`` appends the accepted ones.
-  3. ``record(item, num_accepted)``: per-request and engine counters, and the adaptive policy:
-     an exponential average of each request's accepted / drafted; under
-     ``min_acceptance_rate`` the request stops drafting for 2, 4, 8 ... steps (at most
-     ``max_pause_steps``), then one verification decides again. Where lookups find nothing,
-     nothing is verified, so a workload that never quotes its context pays only the lookups.
+  3. ``record(item, num_accepted)``: per-request and engine counters, and the estimate of p:
+     accepted / tried drafts (those up to and including the first rejection), both decayed by
+     ``_DECAY`` per verification, from a prior of 0.8. A request whose p allows no draft
+     pauses and probes with one draft after 2, 4, 8 ... steps (at most ``max_pause_steps``).
+     Where lookups find nothing nothing is verified: a workload that never quotes its context
+     pays only the lookups.
 
 Method ``none`` has no proposer: ``propose`` returns nothing and the engine runs as without.
 """
@@ -34,14 +37,22 @@ from cluster.engine.spec.proposer import NgramProposer, Proposer
 # decode.speculative.method -> a proposer (config validates the names; "none" has none).
 PROPOSERS: dict[str, Callable[[SpeculativeConfig], Proposer]] = {"ngram": NgramProposer}
 
+_DECAY = 0.8  # weight of a request's older verifications in its acceptance estimate
+_PRIOR_ACCEPTED, _PRIOR_TRIED = 1.6, 2.0  # before any verification: p = 0.8
+
 
 @dataclass(slots=True)
 class _Track:
     """One request's acceptance history (the adaptive policy's state)."""
 
-    rate: float = 1.0  # exponential average of accepted / drafted, per verification
+    accepted: float = _PRIOR_ACCEPTED  # decayed sums of accepted and of tried drafts
+    tried: float = _PRIOR_TRIED
     pause_steps: int = 0  # steps left without drafting
     num_pauses: int = 0  # consecutive pauses (each twice as long as the last)
+
+    @property
+    def p(self) -> float:
+        return self.accepted / self.tried
 
 
 class Speculator:
@@ -53,6 +64,16 @@ class Speculator:
         self.num_accepted_tokens = 0
         self.num_verifications = 0
 
+    def worth(self, p: float, batch: int) -> int:
+        """How many drafts pay for a request of per-draft acceptance ``p`` in a batch."""
+        c = self.config.draft_row_cost * batch
+        threshold = max(self.config.min_acceptance_rate, c / (1 + c))
+        if p <= threshold:
+            return 0
+        if p >= 1.0 or threshold <= 0.0:
+            return self.config.num_speculative_tokens
+        return min(self.config.num_speculative_tokens, math.ceil(math.log(threshold, p)) - 1)
+
     def propose(self, running: Sequence[Request]) -> dict[str, list[int]]:
         """Drafts for this step's decoding requests (request id -> tokens; absent: none)."""
         if self.proposer is None:
@@ -62,15 +83,17 @@ class Speculator:
             return {}
         chosen: list[Request] = []
         max_drafts: list[int] = []
-        k = self.config.num_speculative_tokens
         for r in decoding:
             track = self._tracks.setdefault(r.request_id, _Track())
-            if track.pause_steps:
-                track.pause_steps -= 1
-                continue
-            # About what its acceptance says will be accepted, and one more; the step samples
-            # one token after the drafts anyway: room for max_tokens - 1 more.
-            n = min(k, math.ceil(track.rate * k) + 1, r.params.max_tokens - r.num_output_tokens - 1)
+            n = self.worth(track.p, len(decoding))
+            if n == 0:  # not worth it now: probe with one draft once the pause is over
+                if track.pause_steps:
+                    track.pause_steps -= 1
+                    continue
+                track.num_pauses += 1
+                track.pause_steps = min(self.config.max_pause_steps, 2**track.num_pauses)
+                n = 1
+            n = min(n, r.params.max_tokens - r.num_output_tokens - 1)
             if n > 0:
                 chosen.append(r)
                 max_drafts.append(n)
@@ -95,16 +118,10 @@ class Speculator:
         self.num_accepted_tokens += num_accepted
         self.num_verifications += 1
         track = self._tracks.setdefault(req.request_id, _Track())
-        share = num_accepted / num_drafted
-        track.rate = 0.5 * track.rate + 0.5 * share
-        floor = self.config.min_acceptance_rate
-        if track.rate >= floor:
-            if share >= floor:
-                track.num_pauses = 0
-            return
-        track.num_pauses += 1
-        track.pause_steps = min(self.config.max_pause_steps, 2**track.num_pauses)
-        track.rate = floor  # after the pause, the next verification alone decides
+        track.accepted = _DECAY * track.accepted + num_accepted
+        track.tried = _DECAY * track.tried + min(num_accepted + 1, num_drafted)
+        if self.worth(track.p, 1):
+            track.num_pauses = 0
 
     def forget(self, request_id: str) -> None:
         self._tracks.pop(request_id, None)
