@@ -219,6 +219,7 @@ def run(ctx: BenchContext) -> BenchReport:
                 "max_ngram": spec_cfg.max_ngram,
                 "max_batch_size": spec_cfg.max_batch_size,
                 "max_num_draft_tokens": spec_cfg.max_num_draft_tokens,
+                "draft_row_cost": spec_cfg.draft_row_cost,
                 "min_acceptance_rate": spec_cfg.min_acceptance_rate,
                 "max_pause_steps": spec_cfg.max_pause_steps,
             },

@@ -20,7 +20,7 @@ from tests.helpers import greedy, make_config, run_until_done
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
-NUM_NEW = 48
+NUM_NEW = 32
 SYSTEM = "You are a careful assistant. Answer briefly and quote the text you are given exactly."
 QUESTIONS = ["What is the capital of France?", "List three prime numbers."]
 RAW = ["The quick brown fox", "def fibonacci(n):\n    ", "1, 1, 2, 3, 5, 8, 13,"]
