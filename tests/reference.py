@@ -80,9 +80,12 @@ def capture_logits(engine: Any) -> dict[tuple[str, int], torch.Tensor]:
 
     def recording_forward(inputs: Any) -> torch.Tensor:
         logits = forward(inputs)
-        for row, item in enumerate(inputs.sampled):
+        row = 0
+        for item in inputs.sampled:
             r = item.request
+            # Only the first row of an item with drafts follows the known tokens for sure.
             captured[(r.request_id, r.num_output_tokens)] = logits[row].float().cpu()
+            row += item.num_sampled_rows
         return logits
 
     engine.runner.forward = recording_forward

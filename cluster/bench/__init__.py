@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, str] = {
     "serve": "cluster.bench.serve",
     "routing": "cluster.bench.routing",
     "quant": "cluster.bench.quant",
+    "spec": "cluster.bench.spec",
     "gpu": "cluster.bench.gpu",
 }
 # Only where a device is lent: left out of ``all`` on a machine without CUDA.

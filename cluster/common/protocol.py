@@ -97,6 +97,10 @@ class Usage:
     cached_tokens: int = 0
     prefill_mode: str = ""  # "remote" | "local"
     phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    # Speculative decoding in the decode phase: draft tokens verified, and how many were
+    # accepted (each saved a decode step); 0 and 0 without speculation.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 @dataclass(slots=True)

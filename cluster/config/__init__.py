@@ -8,9 +8,9 @@ values from the environment, which ``environment`` (the package's only reader of
 variables) returns where they are used.
 
 One module per section: ``model`` (model, cache), ``scheduler``, ``transfer``, ``pools``
-(prefill, decode: routing, autoscaling), ``router``, ``paths``, ``testing``; ``tree`` joins
-them into ``ClusterConfig``; ``loading`` turns YAML and overrides into it; ``model_paths`` says
-where models live on disk.
+(prefill, decode: routing, autoscaling), ``speculative`` (the decode pool's drafts), ``router``,
+``paths``, ``testing``; ``tree`` joins them into ``ClusterConfig``; ``loading`` turns YAML and
+overrides into it; ``model_paths`` says where models live on disk.
 """
 
 from __future__ import annotations
@@ -34,12 +34,14 @@ from cluster.config.pools import (
 )
 from cluster.config.router import RouterConfig
 from cluster.config.scheduler import SchedulerConfig
+from cluster.config.speculative import SPECULATIVE_METHODS, SpeculativeConfig
 from cluster.config.testing import FakeModelConfig, TestingConfig
 from cluster.config.transfer import _TRANSPORTS, TransferConfig
 from cluster.config.tree import ClusterConfig
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
+    "SPECULATIVE_METHODS",
     "_TRANSPORTS",
     "AutoscalingConfig",
     "CacheConfig",
@@ -53,6 +55,7 @@ __all__ = [
     "RouterConfig",
     "RoutingConfig",
     "SchedulerConfig",
+    "SpeculativeConfig",
     "TestingConfig",
     "TransferConfig",
     "advertise_host",

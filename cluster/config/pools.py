@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cluster.config.scheduler import SchedulerConfig
+from cluster.config.speculative import SpeculativeConfig
 from cluster.config.validation import check, check_choice
 
 
@@ -156,7 +157,10 @@ class DecodePoolConfig(PoolConfig):
     # A request whose uncached prompt part is at most this many tokens is prefilled locally on
     # its decode replica (no transfer); longer ones go to the prefill pool. 0: always remote.
     local_prefill_threshold: int = 64
+    # Speculative decoding (prompt-lookup drafts verified exactly); off by default.
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         self._validate("decode")
+        self.speculative._validate("decode.speculative")
         check(self.local_prefill_threshold >= 0, "decode.local_prefill_threshold", "must be >= 0")

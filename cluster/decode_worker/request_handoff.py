@@ -267,6 +267,8 @@ class RequestHandoff:
         # a recompute's) by this replica's.
         remote = self.remote_cached_tokens if u.prefill_mode == "remote" else None
         u.cached_tokens = out.num_cached_tokens if remote is None else remote
+        u.draft_tokens = out.num_draft_tokens
+        u.accepted_draft_tokens = out.num_accepted_tokens
         if self.first_token_at is not None:
             u.phases["decode_ms"] = (time.monotonic() - self.first_token_at) * 1000
         return u

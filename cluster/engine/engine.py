@@ -32,11 +32,12 @@ from cluster.engine.handoff import (
     PrefillMode,
     create_handoff,
 )
-from cluster.engine.outputs import OutputProcessor, RequestOutput
+from cluster.engine.outputs import EmittedTokens, OutputProcessor, RequestOutput
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.runner import ModelRunner, RunnerOutput
 from cluster.engine.runner_registry import create_runner
 from cluster.engine.scheduler import ScheduledBatch, Scheduler
+from cluster.engine.spec import create_speculator
 
 __all__ = ["Admission", "EngineCounters", "KVReservation", "LLMEngine", "RequestOutput"]
 
@@ -67,6 +68,7 @@ class LLMEngine:
         )
         self.handoff = create_handoff(role, config, self.block_manager)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.handoff)
+        self.speculator = create_speculator(config.decode.speculative)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._pending_outputs: list[RequestOutput] = []
@@ -151,7 +153,7 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r} already has its first token")
         if not 0 <= token_id < self.vocab_size:
             raise ValueError(f"first token id {token_id} is outside the vocabulary")
-        return self._append(req, token_id, logprob, top_logprobs)
+        return self._append(req, EmittedTokens([token_id], [logprob], [top_logprobs]))
 
     def kv_arrived(self, request_id: str) -> None:
         """All reserved blocks hold the prompt's KV: the request may join the decode batch."""
@@ -203,7 +205,7 @@ class LLMEngine:
     def schedule(self) -> ScheduledBatch:
         if self._preempt_every and (self.counters.num_steps + 1) % self._preempt_every == 0:
             self.scheduler.preempt_newest()  # testing.force_preempt_interval: churn on purpose
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(self.speculator.propose(self.scheduler.running))
         self._reservations.extend(batch.reservations)
         self.last_num_scheduled = len(batch.items) + len(batch.reservations)
         return batch
@@ -213,29 +215,28 @@ class LLMEngine:
         outputs, self._pending_outputs = self._pending_outputs, []
         if result is None:
             return outputs
+        emitted = result.per_request()
         for item in batch.items:
-            self.scheduler.commit(item)
+            # Drafts up to the first mismatch were accepted: their positions' KV is verified;
+            # the rest is rolled back (not computed; the slots are overwritten later).
+            em = emitted.get(item.request.request_id)
+            num_accepted = len(em.token_ids) - 1 if em is not None else 0
+            self.speculator.record(item, num_accepted)
+            self.scheduler.commit(item, num_rejected=len(item.draft_token_ids) - num_accepted)
         outputs.extend(self.handoff.take_outputs())  # streamed blocks (prefill role)
-        for i, rid in enumerate(result.request_ids):
-            lp = result.logprobs[i] if result.logprobs is not None else None
-            top = result.top_logprobs[i] if result.top_logprobs is not None else None
-            outputs.append(self._append(self.requests[rid], result.token_ids[i], lp, top))
+        for rid, em in emitted.items():
+            outputs.append(self._append(self.requests[rid], em))
         self.counters.num_steps += 1
         return outputs
 
-    def _append(
-        self,
-        req: Request,
-        token_id: int,
-        logprob: float | None,
-        top: list[tuple[int, float]] | None,
-    ) -> RequestOutput:
-        status = self.outputs.append(req, token_id, logprob, top)
-        self.counters.num_generated_tokens += 1
-        if req.num_output_tokens == 1:
+    def _append(self, req: Request, em: EmittedTokens) -> RequestOutput:
+        """A step's tokens for ``req``, appended one by one until one of them ends it."""
+        status, n = self.outputs.append_all(req, em)
+        self.counters.num_generated_tokens += n
+        if req.num_output_tokens == n:  # its first tokens
             self.counters.num_cached_prompt_tokens += req.num_cached_tokens
         held = self.handoff.hold(req) if status is None and self.handoff.ends_here(req) else None
-        out = self.outputs.delta(req, token_id, logprob, top, status, held)
+        out = self.outputs.delta(req, em, n, status, held)
         if status is not None:
             self._finish(req, status)
         elif held is not None:  # this engine's part is over; the blocks wait for a pull
@@ -254,6 +255,7 @@ class LLMEngine:
     def _forget(self, req: Request) -> None:
         del self.requests[req.request_id]
         self.outputs.forget(req.request_id)
+        self.speculator.forget(req.request_id)
         self.counters.num_finished += 1
 
     # -- introspection ------------------------------------------------------------------------
@@ -289,4 +291,5 @@ class LLMEngine:
                 c.num_cached_prompt_tokens / c.num_prompt_tokens if c.num_prompt_tokens else 0.0
             ),
             "kv": self.block_manager.stats(),
+            "spec": self.speculator.stats(),
         }

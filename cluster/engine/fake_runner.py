@@ -2,10 +2,11 @@
 
 For orchestration and fault tests (RELIABILITY.md, "Harness"). Each token's KV is a fixed
 function of (token, position, layer, k/v, head, dim), written through the real block tables into
-the real KV tensor; the next token is a function of the KV *read back from the cache* for the
-last ``context_window`` positions. So corrupted, missing or foreign KV changes the output, and
-any completed request can be checked token for token against a fault-free run. A configurable
-delay emulates prefill and decode cost.
+the real KV tensor; the next-token distribution is a function of the KV *read back from the
+cache* for the last ``context_window`` positions: logits ``-((v - base) mod V)`` around a base
+token computed from it, sampled by the real sampler (greedy: the base). So corrupted, missing or
+foreign KV changes the output, and any completed request can be checked token for token against
+a fault-free run. A configurable delay emulates prefill and decode cost.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from cluster.engine.runner import (
     num_kv_blocks,
     set_torch_threads,
 )
-from cluster.engine.sampler import draw_seed
 from cluster.engine.scheduler import ScheduledBatch
+from cluster.engine.spec.verify import sample_and_verify
 
 _MOD = 2039  # KV values are integers below this: exact in fp16
 
@@ -75,13 +76,13 @@ class FakeModelRunner:
         for it in batch.items:
             r = it.request
             start, end = r.num_computed_tokens, r.num_computed_tokens + it.num_new_tokens
-            ids.extend(r.token_at(p) for p in range(start, end))
+            ids.extend(it.input_token_ids())
             pos.extend(range(start, end))
             blocks.extend(it.block_ids[p // bs] for p in range(start, end))
-            if it.num_new_tokens > 1 or r.num_uncomputed_tokens > 1:
+            if it.num_new_tokens - len(it.draft_token_ids) > 1 or r.num_uncomputed_tokens > 1:
                 num_prefill_tokens += it.num_new_tokens
             else:
-                has_decode = True
+                has_decode = True  # a decode, with or without drafts to verify
         if ids:
             t_ids = torch.tensor(ids)
             t_pos = torch.tensor(pos)
@@ -91,26 +92,38 @@ class FakeModelRunner:
             delay += self.fm.decode_delay_s
         if delay:
             time.sleep(delay)
-        out = RunnerOutput([], [], None, None)
-        want_logprobs = False
-        for it in batch.items:
-            if not it.samples:
-                continue
-            r = it.request
-            ctx = r.num_computed_tokens + it.num_new_tokens
-            window = range(max(0, ctx - self.fm.context_window), ctx)
-            b = torch.tensor([it.block_ids[p // bs] for p in window])
-            o = torch.tensor([p % bs for p in window])
-            checksum = int(self.kv_cache[b, :, :, o].double().sum().item())
-            token = (checksum * 40503 + ctx) % self.vocab_size
-            if not r.params.is_greedy:
-                token = (token + draw_seed(r.seed, r.num_output_tokens)) % self.vocab_size
-            if r.num_output_tokens < r.params.min_tokens and token in r.eos_token_ids:
-                token = (token + 1) % self.vocab_size
-            out.request_ids.append(r.request_id)
-            out.token_ids.append(token)
-            want_logprobs = want_logprobs or r.params.logprobs is not None
-        if want_logprobs:
-            out.logprobs = [0.0] * len(out.token_ids)
-            out.top_logprobs = [[] for _ in out.token_ids]
-        return out
+        sampled = [it for it in batch.items if it.samples]
+        contexts: list[tuple[list[int], int]] = []  # (block table, tokens before) per row
+        for it in sampled:
+            first_ctx = it.request.num_computed_tokens + it.num_new_tokens
+            first_ctx -= len(it.draft_token_ids)
+            rows = range(first_ctx, first_ctx + it.num_sampled_rows)
+            contexts.extend((it.block_ids, c) for c in rows)
+        return sample_and_verify(self.logits(self.next_token_bases(contexts)), sampled)
+
+    def next_token_bases(self, contexts: list[tuple[list[int], int]]) -> torch.Tensor:
+        """The most likely next token after each (block table, ctx) context: a function of the
+        KV read back for its last ``context_window`` positions. Returns [S] long."""
+        bs, w = self.block_size, self.fm.context_window
+        if not contexts:
+            return torch.empty(0, dtype=torch.long)
+        blocks: list[int] = []
+        offsets: list[int] = []
+        valid: list[bool] = []
+        for table, ctx in contexts:
+            for p in range(ctx - w, ctx):
+                blocks.append(table[p // bs] if p >= 0 else 0)
+                offsets.append(p % bs)
+                valid.append(p >= 0)
+        kv = self.kv_cache[torch.tensor(blocks), :, :, torch.tensor(offsets)]  # [S*w, L, 2, H, D]
+        sums = kv.double().flatten(1).sum(1) * torch.tensor(valid, dtype=torch.float64)
+        checksums = sums.view(len(contexts), w).sum(1).to(torch.long)
+        ctxs = torch.tensor([c for _, c in contexts], dtype=torch.long)
+        return (checksums * 40503 + ctxs) % self.vocab_size
+
+    def logits(self, bases: torch.Tensor) -> torch.Tensor:
+        """[S] base tokens -> [S, V] fp32 logits: ``-((v - base) mod V)``, so a token ``m``
+        above the base has probability proportional to ``exp(-m / temperature)`` (a known
+        next-token distribution: greedy picks the base)."""
+        v = torch.arange(self.vocab_size).view(1, -1)
+        return -((v - bases.view(-1, 1)) % self.vocab_size).to(torch.float32)

@@ -1,9 +1,10 @@
 """From sampled tokens to what a caller sees: stop conditions, text deltas, ``RequestOutput``.
 
 ``OutputProcessor`` keeps each live request's incremental detokenizer (only where text is
-wanted: a prefill-role engine streams no text) and decides, per appended token, whether the
-request stopped: a stop or EOS token (after ``min_tokens``), a stop string in the text, or the
-length limit (``max_tokens``, the model's context).
+wanted: a prefill-role engine streams no text) and decides, per appended token (a step that
+accepted drafts appends several, one by one), whether the request stopped: a stop or EOS token
+(after ``min_tokens``), a stop string in the text, or the length limit (``max_tokens``, the
+model's context).
 """
 
 from __future__ import annotations
@@ -14,6 +15,15 @@ from dataclasses import dataclass
 from cluster.common.tokenizer import Tokenizer
 from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class EmittedTokens:
+    """One request's tokens of a step (with drafts, possibly several)."""
+
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]] | None]
 
 
 @dataclass(slots=True)
@@ -30,6 +40,8 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    num_draft_tokens: int = 0  # speculative drafts verified for the request so far
+    num_accepted_tokens: int = 0  # ... of which were accepted
     error: str | None = None
     # Prefill role: the request's part here ended with this output and these blocks (its whole
     # table, prompt order) are held for a decode replica's pull; finish_reason is then None.
@@ -89,21 +101,31 @@ class OutputProcessor:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    def append_all(self, req: Request, em: EmittedTokens) -> tuple[RequestStatus | None, int]:
+        """Append a step's tokens one by one (each checked for stops) until one ends ``req``;
+        returns its finished status (None: it goes on) and how many were appended."""
+        for i, token_id in enumerate(em.token_ids):
+            status = self.append(req, token_id, em.logprobs[i], em.top_logprobs[i])
+            if status is not None:
+                return status, i + 1
+        return None, len(em.token_ids)
+
     def delta(
         self,
         req: Request,
-        token_id: int,
-        logprob: float | None,
-        top: list[tuple[int, float]] | None,
+        em: EmittedTokens,
+        num_appended: int,
         status: RequestStatus | None,
         held_block_ids: list[int] | None = None,
     ) -> RequestOutput:
-        """The output of one appended token; ``status``: the request finished with it."""
-        with_logprobs = logprob is not None and req.params.logprobs is not None
+        """The output of a step's first ``num_appended`` tokens of ``em``; ``status``: the
+        request finished with the last of them."""
+        with_logprobs = em.logprobs[0] is not None and req.params.logprobs is not None
         finished = status is not None or held_block_ids is not None
-        out = self._output(req, [token_id], finished, status)
-        out.new_logprobs = [logprob] if with_logprobs and logprob is not None else None
-        out.new_top_logprobs = [top or []] if with_logprobs else None
+        out = self._output(req, em.token_ids[:num_appended], finished, status)
+        if with_logprobs:
+            out.new_logprobs = [lp or 0.0 for lp in em.logprobs[:num_appended]]
+            out.new_top_logprobs = [top or [] for top in em.top_logprobs[:num_appended]]
         out.held_block_ids = held_block_ids
         return out
 
@@ -127,6 +149,8 @@ class OutputProcessor:
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens,
+            num_draft_tokens=req.num_draft_tokens,
+            num_accepted_tokens=req.num_accepted_tokens,
             arrival_time=req.arrival_time,
             scheduled_time=req.scheduled_time,
             first_token_time=req.first_token_time,

@@ -64,6 +64,8 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at admission (for metrics)
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculative drafts verified for it, and how many were accepted
+    num_accepted_tokens: int = 0
     stop_reason: int | str | None = None
     error: str | None = None
     scheduled_time: float | None = None  # first admitted to a batch (or blocks reserved)

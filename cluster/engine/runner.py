@@ -20,7 +20,8 @@ import torch
 
 from cluster.common.kv_layout import KVLayout
 from cluster.config import ClusterConfig, cpu_count
-from cluster.engine.scheduler import ScheduledBatch
+from cluster.engine.batch import ScheduledBatch
+from cluster.engine.outputs import EmittedTokens
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # KVLayout.storage_dtype -> torch (int8 KV rows are raw bytes: int8 values, then an fp32 scale)
@@ -29,11 +30,25 @@ KV_STORAGE_DTYPES = {**DTYPES, "uint8": torch.uint8}
 
 @dataclass(slots=True)
 class RunnerOutput:
-    # One entry per scheduled request whose step ended in a sampled token, in batch order.
+    # One entry per emitted token, in batch order: one for each scheduled request whose step
+    # ended in a sampled token; a request verified with drafts has its accepted drafts, then
+    # the correction or bonus token, in consecutive entries (``spec.verify``).
     request_ids: list[str]
     token_ids: list[int]
     logprobs: list[float] | None
     top_logprobs: list[list[tuple[int, float]]] | None
+
+    def per_request(self) -> dict[str, EmittedTokens]:
+        """The entries grouped by request, in order."""
+        out: dict[str, EmittedTokens] = {}
+        for i, rid in enumerate(self.request_ids):
+            em = out.get(rid)
+            if em is None:
+                em = out[rid] = EmittedTokens([], [], [])
+            em.token_ids.append(self.token_ids[i])
+            em.logprobs.append(self.logprobs[i] if self.logprobs is not None else None)
+            em.top_logprobs.append(self.top_logprobs[i] if self.top_logprobs is not None else None)
+        return out
 
 
 class ModelRunner(Protocol):

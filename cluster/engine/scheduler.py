@@ -2,7 +2,8 @@
 
 Each step:
   1. Running requests, oldest first, get their next tokens (one for a decode, a chunk for a
-     prefill) under the token budget. If blocks run out, the newest running request is
+     prefill; a decode with drafts, 1 + its drafts, as many as the budget and spare blocks
+     allow) under the token budget. If blocks run out, the newest running request is
      preempted (blocks freed, recomputed later); a request may preempt itself.
   2. The role's hand-off reserves blocks for the requests it keeps (decode role: KV to pull).
   3. If nothing was preempted, waiting requests are admitted in arrival order (FCFS) while the
@@ -20,38 +21,15 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
 
 from cluster.config import SchedulerConfig
+from cluster.engine.batch import ScheduledBatch, ScheduledRequest
 from cluster.engine.block_manager import BlockManager
-from cluster.engine.handoff import Handoff, KVReservation
+from cluster.engine.handoff import Handoff
 from cluster.engine.request import Request, RequestStatus
 
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # fed this step, from request.num_computed_tokens on
-    block_ids: list[int]  # the request's live block table (read-only for the runner)
-
-    @property
-    def samples(self) -> bool:
-        r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
-
-
-@dataclass(slots=True)
-class ScheduledBatch:
-    items: list[ScheduledRequest] = field(default_factory=list)
-    num_batched_tokens: int = 0
-    preempted_ids: list[str] = field(default_factory=list)
-    reservations: list[KVReservation] = field(default_factory=list)
-    num_deferred: int = 0  # waiting requests held back for a prefix block being computed
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.items
+__all__ = ["ScheduledBatch", "ScheduledRequest", "Scheduler"]
 
 
 class Scheduler:
@@ -80,19 +58,21 @@ class Scheduler:
 
     # -- the step -----------------------------------------------------------------------------
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, drafts: Mapping[str, Sequence[int]] | None = None) -> ScheduledBatch:
+        """``drafts``: proposed next tokens of decoding running requests, verified this step."""
         cfg = self.config
         batch = ScheduledBatch()
         budget = cfg.max_num_batched_tokens
-        i = 0  # 1. Running requests, oldest first.
+        i = 0  # 1. Running requests, oldest first; a decode with drafts feeds 1 + k tokens.
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._num_tokens_to_schedule(req, budget)
-            if n and not self._ensure_blocks(req, n, batch):
+            d = self._fit_drafts(req, drafts.get(req.request_id, ()), budget - n) if drafts else []
+            if n and not self._ensure_blocks(req, n + len(d), batch):
                 break  # req preempted itself; everything after it is gone too
             if n:
-                batch.items.append(self._item(req, n))
-                budget -= n
+                batch.items.append(self._item(req, n + len(d), d))
+                budget -= n + len(d)
             i += 1
         if batch.preempted_ids:
             return self._close(batch, budget)
@@ -123,8 +103,19 @@ class Scheduler:
         batch.num_deferred = len(deferred)
         return self._close(batch, budget)
 
-    def _item(self, req: Request, n: int) -> ScheduledRequest:
-        return ScheduledRequest(req, n, self.block_manager.block_table(req.request_id))
+    def _item(self, req: Request, n: int, drafts: list[int] | None = None) -> ScheduledRequest:
+        table = self.block_manager.block_table(req.request_id)
+        return ScheduledRequest(req, n, table, drafts or [])
+
+    def _fit_drafts(self, req: Request, drafts: Sequence[int], budget: int) -> list[int]:
+        """The drafts the budget and the free slots allow, leaving a block for every other
+        running request's next token: drafts never cause a preemption."""
+        if not drafts or req.num_uncomputed_tokens != 1:
+            return []
+        bm = self.block_manager
+        spare = max(0, bm.num_free_blocks - len(self.running))
+        slots = (len(bm.block_table(req.request_id)) + spare) * self.block_size
+        return list(drafts[: max(0, min(budget, slots - req.num_tokens))])
 
     def _close(self, batch: ScheduledBatch, budget: int) -> ScheduledBatch:
         batch.num_batched_tokens = self.config.max_num_batched_tokens - budget
@@ -218,10 +209,11 @@ class Scheduler:
 
     # -- after the step -----------------------------------------------------------------------
 
-    def commit(self, item: ScheduledRequest) -> None:
-        """Record that the step computed ``item``'s tokens, and publish its full blocks."""
+    def commit(self, item: ScheduledRequest, num_rejected: int = 0) -> None:
+        """Record that the step computed ``item``'s tokens but its ``num_rejected`` last drafts,
+        and publish its full blocks (of known tokens: accepted drafts are published next step)."""
         req = item.request
-        req.num_computed_tokens += item.num_new_tokens
+        req.num_computed_tokens += item.num_new_tokens - num_rejected
         if req.num_computed_tokens >= self.block_size:
             hashes = req.update_block_hashes(self.block_size)
             self.block_manager.cache_blocks(

@@ -28,8 +28,8 @@ from cluster.engine.runner import (
     resolve_kv_dtype,
     set_torch_threads,
 )
-from cluster.engine.sampler import SampleRequest, sample
 from cluster.engine.scheduler import ScheduledBatch, ScheduledRequest
+from cluster.engine.spec.verify import sample_and_verify
 
 logger = logging.getLogger(__name__)
 
@@ -119,41 +119,37 @@ class TorchModelRunner:
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         inputs = self.prepare(batch)
         logits = self.forward(inputs)
-        rows = [_sample_request(it) for it in inputs.sampled]
-        out = sample(logits, rows)
-        return RunnerOutput(
-            [it.request.request_id for it in inputs.sampled],
-            out.token_ids,
-            out.logprobs,
-            out.top_logprobs,
-        )
+        return sample_and_verify(logits, inputs.sampled)
 
     def forward(self, inputs: ForwardInputs) -> torch.Tensor:
-        """Logits [num_sampled, vocab] (fp32) of the rows that end a request's known tokens."""
+        """Logits [num_sampled, vocab] (fp32) of the rows sampled: each request's last known
+        token's and, with drafts, each draft's (``ScheduledRequest.num_sampled_rows``)."""
         hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache)
         return self.model.compute_logits(hidden[inputs.sample_rows])
 
     def prepare(self, batch: ScheduledBatch) -> ForwardInputs:
         bs = self.block_size
         dev = self.device
-        decodes = [it for it in batch.items if it.num_new_tokens == 1]
-        prefills = [it for it in batch.items if it.num_new_tokens > 1]
+        # A decode with drafts is 1 + k decode rows over its one table (row j sees its context
+        # up to itself): the same batched pass verifies them.
+        decodes = [it for it in batch.items if it.num_new_tokens == 1 + len(it.draft_token_ids)]
+        prefills = [it for it in batch.items if it.num_new_tokens > 1 + len(it.draft_token_ids)]
         ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
         sampled: list[ScheduledRequest] = []
-        # Decodes: one token each, attended in one batched pass.
+        # Decode rows (a token each, its own context length), attended in one batched pass.
         dec_tables: list[list[int]] = []
         dec_lens: list[int] = []
         for it in decodes:
-            r = it.request
-            p = r.num_computed_tokens
-            ids.append(r.token_at(p))
-            positions.append(p)
-            dec_lens.append(p + 1)
-            dec_tables.append(it.block_ids[: p // bs + 1])
+            for p, token in enumerate(it.input_token_ids(), it.request.num_computed_tokens):
+                ids.append(token)
+                positions.append(p)
+                dec_lens.append(p + 1)
+                dec_tables.append(it.block_ids[: p // bs + 1])
+                if it.samples:
+                    sample_rows.append(len(ids) - 1)
             if it.samples:
-                sample_rows.append(len(ids) - 1)
                 sampled.append(it)
         slot_blocks = [t[-1] for t in dec_tables]
         slot_offsets = [p % bs for p in positions]
@@ -162,10 +158,7 @@ class TorchModelRunner:
             r = it.request
             start, n = r.num_computed_tokens, it.num_new_tokens
             end = start + n
-            if end <= r.num_prompt_tokens:
-                ids.extend(r.prompt_token_ids[start:end])
-            else:
-                ids.extend(r.all_token_ids[start:end])
+            ids.extend(it.input_token_ids())
             row0 = len(positions)
             positions.extend(range(start, end))
             table = it.block_ids[: -(-end // bs)]
@@ -188,12 +181,12 @@ class TorchModelRunner:
             dec_rows = decode_row_index(dec_table_t, bs, layout.num_layers, layout.num_kv_heads)
             lens = dec_lens_t
             cols = torch.arange(width * bs, device=dev)
-            dec_mask = torch.zeros((len(decodes), width * bs), dtype=self.model.dtype, device=dev)
+            dec_mask = torch.zeros((len(dec_lens), width * bs), dtype=self.model.dtype, device=dev)
             dec_mask.masked_fill_(cols[None, :] >= lens[:, None], float("-inf"))
         meta = AttentionMetadata(
             slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=dev),
             slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=dev),
-            num_decodes=len(decodes),
+            num_decodes=len(dec_lens),
             decode_rows=dec_rows,
             decode_mask=dec_mask,
             prefills=pref,
@@ -216,20 +209,4 @@ class ForwardInputs:
     positions: torch.Tensor  # [N]
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # [S]: rows whose logits are sampled
-    sampled: list[ScheduledRequest]  # the requests of those rows, same order
-
-
-def _sample_request(it: ScheduledRequest) -> SampleRequest:
-    r = it.request
-    p = r.params
-    suppress: tuple[int, ...] = ()
-    if r.num_output_tokens < p.min_tokens:
-        suppress = tuple(set(r.eos_token_ids) | set(p.stop_token_ids))
-    return SampleRequest(
-        params=p,
-        seed=r.seed,
-        output_index=r.num_output_tokens,
-        prompt_token_ids=r.prompt_token_ids,
-        output_token_ids=r.output_token_ids,
-        suppress_token_ids=suppress,
-    )
+    sampled: list[ScheduledRequest]  # the requests of those rows, same order (num_sampled_rows)

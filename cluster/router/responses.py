@@ -53,6 +53,8 @@ def grpc_usage(usage: Usage) -> pb.Usage:
         cached_tokens=usage.cached_tokens,
         prefill_mode=usage.prefill_mode,
         phases=pb.PhaseTimes(**{k: float(v) for k, v in usage.phases.items()}),
+        draft_tokens=usage.draft_tokens,
+        accepted_draft_tokens=usage.accepted_draft_tokens,
     )
 
 
@@ -112,7 +114,14 @@ def openai_usage(usage: Usage | None) -> dict[str, Any]:
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-        "pdserve": {"prefill_mode": u.prefill_mode, "phases": dict(u.phases)},
+        "pdserve": {
+            "prefill_mode": u.prefill_mode,
+            "phases": dict(u.phases),
+            "speculative": {
+                "draft_tokens": u.draft_tokens,
+                "accepted_draft_tokens": u.accepted_draft_tokens,
+            },
+        },
     }
 
 

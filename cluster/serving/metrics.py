@@ -60,6 +60,8 @@ METRIC_NAMES = (
     "ray_pdserve_kv_transfer_failures_total",
     "ray_pdserve_kv_lease_expired_total",
     "ray_pdserve_kv_leases_active",
+    "ray_pdserve_spec_draft_tokens_total",
+    "ray_pdserve_spec_accepted_tokens_total",
     "ray_pdserve_autoscaling_decisions_total",  # recorded by serving.autoscaling on the controller
 )
 
@@ -143,6 +145,12 @@ class PoolMetrics:
         )
         self.expired = rm.Counter("pdserve_kv_lease_expired", "Leases that expired.", tags)
         self.leases = rm.Gauge("pdserve_kv_leases_active", "Leases held.", tags)
+        self.spec_drafted = rm.Counter(
+            "pdserve_spec_draft_tokens", "Speculative draft tokens verified.", tags
+        )
+        self.spec_accepted = rm.Counter(
+            "pdserve_spec_accepted_tokens", "Speculative draft tokens accepted.", tags
+        )
         self._last: dict[str, float] = {}
 
     def _delta(self, key: str, value: float) -> float:
@@ -160,6 +168,12 @@ class PoolMetrics:
             (self.queried, "queried", eng.get("num_prompt_tokens", 0)),
             (self.hits, "hits", eng.get("num_cached_prompt_tokens", 0)),
             (self.preemptions, "preemptions", eng.get("num_preemptions", 0)),
+            (self.spec_drafted, "spec_drafted", eng.get("spec", {}).get("num_draft_tokens", 0)),
+            (
+                self.spec_accepted,
+                "spec_accepted",
+                eng.get("spec", {}).get("num_accepted_tokens", 0),
+            ),
         ):
             d = self._delta(key, value)
             if d:

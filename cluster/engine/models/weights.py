@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from cluster.config import ClusterConfig
 from cluster.engine.kernels.quant import QuantKernels, load_quant_kernels
+from cluster.engine.kernels.rows import rows_linear
 from cluster.engine.models.default_model import ModelSource
 from cluster.engine.models.gguf_loader import load_gguf_llama
 from cluster.engine.models.layer_ops import LayerOps, NativeOps, TorchOps
@@ -49,6 +50,8 @@ class LoadSpec:
 
 def _dense(spec: LoadSpec) -> LlamaModel:
     linear = (onednn_linear() if spec.native else None) or F.linear
+    if spec.native:  # steps of 1-32 rows: the rows kernel (one summation order per output)
+        linear = rows_linear(spec.cache_dir, torch.get_num_threads(), linear) or linear
     model, _ = load_llama(
         spec.source.model_dir, spec.dtype, spec.device, spec.max_model_len, linear
     )

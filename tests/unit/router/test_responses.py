@@ -38,7 +38,7 @@ def parsed(kind: str, **body):  # type: ignore[no-untyped-def]
 
 
 def chunks(logprobs: bool = False) -> list[StreamChunk]:
-    usage = Usage(3, 3, 0, "remote")
+    usage = Usage(3, 3, 0, "remote", draft_tokens=4, accepted_draft_tokens=1)
     usage.phases["prefill_ms"] = 5.0
     lp = [-0.5] if logprobs else None
     top = [[(7, -0.5), (8, -1.5)]] if logprobs else None
@@ -66,6 +66,8 @@ def test_completion_non_streaming_parses_with_openai_types() -> None:
     assert lp.text_offset == [0, 3, 6] and lp.token_logprobs == [-0.5, -0.25, -0.1]
     assert body["usage"]["pdserve"]["prefill_mode"] == "remote"
     assert body["usage"]["pdserve"]["phases"]["prefill_ms"] == 5.0
+    spec = body["usage"]["pdserve"]["speculative"]
+    assert spec == {"draft_tokens": 4, "accepted_draft_tokens": 1}
 
 
 def test_chat_non_streaming_parses_with_openai_types() -> None:
@@ -127,6 +129,7 @@ def test_grpc_chunk_carries_tokens_logprobs_usage() -> None:
     assert msgs[0].logprobs[0].top[1].token_id == 8
     assert msgs[-1].usage.prefill_mode == "remote"
     assert msgs[-1].usage.phases.prefill_ms == 5.0
+    assert (msgs[-1].usage.draft_tokens, msgs[-1].usage.accepted_draft_tokens) == (4, 1)
     assert not msgs[0].HasField("usage")
 
 

@@ -1,0 +1,233 @@
+"""P9 ``spec``: speculative decoding (prompt-lookup drafts) vs none.
+
+How (BENCHMARKS.md, P9):
+  1. One runner (the real model), two engines on it: speculation off, and
+     ``decode.speculative.method: ngram`` with the config's other ``decode.speculative`` knobs
+     (the defaults unless ``--set`` says otherwise). Same weights, same memory, same threads.
+  2. Workloads (``spec_workloads``, shipped with the bench): ``copy`` (16 edits and summaries
+     of a given passage, prose and code; quick 8) and ``no_copy`` (16 open questions; quick 8);
+     chat template applied, greedy, each request's own EOS ends it, at most 128 new tokens
+     (quick 64).
+  3. Cells: (workload, batch) for batch 1 (requests one at a time) and 8 (the prompts in
+     groups of 8 sent together). Each cell runs both arms as a pair, interleaved (off on, then
+     on off in the next pair); a pair in which an arm got < 93% of its cores is run again, at
+     most twice.
+  4. Decode tok/s of an arm = its tokens after each request's first / the time after the first
+     token (first to last token of each request at batch 1; of each group at batch 8): what
+     speculation speeds up. End-to-end tok/s (all tokens / arrival to last token) is reported
+     beside it. Greedy outputs are compared token for token between the arms.
+
+Keys: ``speedup_b1`` / ``speedup_b8`` (copy workload, decode tok/s on / off; median over pairs),
+``no_copy_ratio`` (no-copy workload, on / off, the lower of batch 1 and 8), ``acceptance``
+(accepted / drafted tokens, copy workload, batch 1), ``greedy_identical`` (1 when every request
+produced the same tokens in both arms).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from cluster.bench.harness import BenchContext, BenchReport
+from cluster.bench.spec_workloads import copy_heavy, no_copy
+from cluster.bench.workloads import CpuMeter, bench_threads, make_engine, make_runner, run_pair
+from cluster.common.sampling_params import SamplingParams
+from cluster.engine.engine import LLMEngine
+
+ARMS = ("off", "on")
+BATCHES = (1, 8)
+
+
+@dataclass
+class ArmRun:
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    decode_tokens: int = 0  # tokens after each request's first
+    decode_s: float = 0.0
+    total_tokens: int = 0
+    total_s: float = 0.0
+    drafted: int = 0
+    accepted: int = 0
+    cpu_util: float = 1.0  # < MIN_CPU_UTIL: other work on the machine took cores during this arm
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s else float("nan")
+
+    @property
+    def e2e_tok_s(self) -> float:
+        return self.total_tokens / self.total_s if self.total_s else float("nan")
+
+
+def _run_group(
+    engine: LLMEngine, prompts: dict[str, list[int]], params: SamplingParams, run: ArmRun
+) -> None:
+    """Send ``prompts`` together and step until they finish, timing tokens as they come."""
+    spec0 = engine.speculator.stats()
+    t0 = time.perf_counter()
+    for rid, p in prompts.items():
+        engine.add(rid, p, params)
+    first: float | None = None  # the group's first token (batch 1: the request's)
+    last = t0
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            if not out.new_token_ids:
+                continue
+            run.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            last = now
+        if first is None and all(rid in run.tokens for rid in prompts):
+            first = now  # every request of the group decodes from here on
+    assert first is not None
+    n = sum(len(run.tokens[rid]) for rid in prompts)
+    run.total_tokens += n
+    run.total_s += last - t0
+    run.decode_tokens += n - len(prompts)
+    run.decode_s += last - first
+    spec1 = engine.speculator.stats()
+    run.drafted += spec1["num_draft_tokens"] - spec0["num_draft_tokens"]
+    run.accepted += spec1["num_accepted_tokens"] - spec0["num_accepted_tokens"]
+
+
+def run_arm(
+    ctx: BenchContext,
+    engine: LLMEngine,
+    prompts: dict[str, list[int]],
+    batch: int,
+    params: SamplingParams,
+) -> ArmRun:
+    run = ArmRun()
+    # The arms share one runner, so one KV pool: a block the other engine's prefix cache
+    # names may hold this one's KV by now. Each arm starts with its prefix cache empty.
+    engine.block_manager.reset_prefix_cache()
+    meter = CpuMeter(bench_threads(ctx))
+    ids = list(prompts)
+    for i in range(0, len(ids), batch):
+        _run_group(engine, {rid: prompts[rid] for rid in ids[i : i + batch]}, params, run)
+    run.cpu_util = meter.utilisation()
+    engine.check_integrity()
+    assert engine.block_manager.num_used_blocks == 0
+    return run
+
+
+def run(ctx: BenchContext) -> BenchReport:
+    num_prompts = ctx.pick(16, 8, 2)
+    max_tokens = ctx.pick(128, 64, 8)
+    num_pairs = ctx.pick(2, 1, 1)
+    ctx.progress("loading the runner")
+    runner = make_runner(ctx)
+    spec_cfg = ctx.config.decode.speculative
+    on_overrides = {"decode.speculative.method": "ngram"}
+    engines = {
+        "off": make_engine(ctx, {"decode.speculative.method": "none"}, runner=runner),
+        "on": make_engine(ctx, on_overrides, runner=runner),
+    }
+    tok = engines["off"].tokenizer
+    workloads = {
+        "copy": {f"copy{i}": tok.encode_chat(c) for i, c in enumerate(copy_heavy()[:num_prompts])},
+        "no_copy": {f"free{i}": tok.encode_chat(c) for i, c in enumerate(no_copy()[:num_prompts])},
+    }
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    for name, eng in engines.items():  # first-call allocations and lazy inits off the clock
+        run_arm(ctx, eng, {f"warm-{name}": workloads["copy"]["copy0"]}, 1, params)
+    cells: dict[tuple[str, int], list[dict[str, ArmRun]]] = {}
+    disturbed: list[dict[str, float]] = []
+
+    def arm_runner(prompts: dict[str, list[int]], batch: int, pair: int) -> Callable[[str], ArmRun]:
+        def run_one(arm: str) -> ArmRun:
+            ids = {f"{rid}-{arm}-{pair}": p for rid, p in prompts.items()}
+            return run_arm(ctx, engines[arm], ids, batch, params)
+
+        return run_one
+
+    def describer(tag: str) -> Callable[[ArmRun], str]:
+        def describe(r: ArmRun) -> str:
+            return (
+                f"{tag}: decode {r.decode_tok_s:.1f} tok/s, e2e {r.e2e_tok_s:.1f} tok/s, "
+                f"accepted {r.accepted}/{r.drafted}, cpu util {r.cpu_util:.2f}"
+            )
+
+        return describe
+
+    for pair in range(num_pairs):
+        for wl, prompts in workloads.items():
+            for batch in BATCHES:
+                done = run_pair(
+                    ctx,
+                    pair,
+                    num_pairs,
+                    ARMS,
+                    arm_runner(prompts, batch, pair),
+                    describer(f"{wl} b{batch}"),
+                    disturbed,
+                )
+                cells.setdefault((wl, batch), []).append(done)
+
+    def ratios(wl: str, batch: int, attr: str) -> list[float]:
+        return [getattr(d["on"], attr) / getattr(d["off"], attr) for d in cells[(wl, batch)]]
+
+    def speedup(wl: str, batch: int) -> float:
+        return statistics.median(ratios(wl, batch, "decode_tok_s"))
+
+    mismatches = []
+    for (wl, batch), pairs in cells.items():
+        for d in pairs:
+            for rid, toks in d["off"].tokens.items():
+                if d["on"].tokens[rid.replace("-off-", "-on-")] != toks:
+                    mismatches.append(f"{wl} b{batch} {rid}")
+    copy_b1 = cells[("copy", 1)]
+    drafted = sum(d["on"].drafted for d in copy_b1)
+    table = []
+    for (wl, batch), pairs in cells.items():
+        for arm in ARMS:
+            runs = [d[arm] for d in pairs]
+            table.append(
+                {
+                    "workload": wl,
+                    "batch": batch,
+                    "arm": arm,
+                    "decode_tok_s": statistics.median(r.decode_tok_s for r in runs),
+                    "e2e_tok_s": statistics.median(r.e2e_tok_s for r in runs),
+                    "tokens": runs[0].total_tokens,
+                    "accepted/drafted": f"{runs[0].accepted}/{runs[0].drafted}",
+                }
+            )
+    return BenchReport(
+        keys={
+            "speedup_b1": speedup("copy", 1),
+            "speedup_b8": speedup("copy", 8),
+            "no_copy_ratio": min(speedup("no_copy", 1), speedup("no_copy", 8)),
+            "acceptance": sum(d["on"].accepted for d in copy_b1) / drafted if drafted else 0.0,
+            "greedy_identical": float(not mismatches),
+        },
+        table=table,
+        targets={
+            "speedup_b1": ">= 2.0",
+            "speedup_b8": ">= 1.3",
+            "no_copy_ratio": ">= 0.95",
+            "greedy_identical": "== 1",
+        },
+        details={
+            "threads": bench_threads(ctx),
+            "num_prompts": num_prompts,
+            "max_tokens": max_tokens,
+            "speculative": {
+                "num_speculative_tokens": spec_cfg.num_speculative_tokens,
+                "min_ngram": spec_cfg.min_ngram,
+                "max_ngram": spec_cfg.max_ngram,
+                "max_batch_size": spec_cfg.max_batch_size,
+                "max_num_draft_tokens": spec_cfg.max_num_draft_tokens,
+                "draft_row_cost": spec_cfg.draft_row_cost,
+                "min_acceptance_rate": spec_cfg.min_acceptance_rate,
+                "max_pause_steps": spec_cfg.max_pause_steps,
+            },
+            "decode_ratios_per_pair": {
+                f"{wl}_b{b}": ratios(wl, b, "decode_tok_s") for (wl, b) in cells
+            },
+            "e2e_ratios_per_pair": {f"{wl}_b{b}": ratios(wl, b, "e2e_tok_s") for (wl, b) in cells},
+            "mismatched_requests": mismatches,
+            "disturbed_pairs": disturbed,
+        },
+    )

@@ -1,0 +1,83 @@
+"""``decode.speculative``: speculative decoding, a decode-pool feature (the offline engine, which
+decodes too, reads the same section: ``LLM(**{"decode.speculative.method": "ngram"})``).
+
+Each step, a proposer guesses up to ``num_speculative_tokens`` next tokens of each decoding
+request (``ngram``: prompt lookup, the longest suffix of the request's tokens of
+``min_ngram``..``max_ngram`` tokens found earlier in them, and what followed it there); the
+model verifies them all in that step's forward, exactly (greedy output is token-identical to no
+speculation). Adaptive: a request drafts as many tokens as its recent acceptance says will pay
+for their rows (``draft_row_cost``: one more row's share of a one-row step; at most
+``num_speculative_tokens``), none under ``min_acceptance_rate``; one that may draft none probes
+with one draft after 2, 4, ... steps (at most ``max_pause_steps``); a step drafts at most
+``max_num_draft_tokens`` in all, shared out over its decoding requests, and none with more than
+``max_batch_size`` of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cluster.config.validation import check, check_choice
+
+# The proposer registry's names (cluster.engine.spec.PROPOSERS), plus "none".
+SPECULATIVE_METHODS = ("none", "ngram")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "none"  # none | ngram
+    num_speculative_tokens: int = 8  # k: draft tokens verified per request per step, at most
+    min_ngram: int = 2  # the shortest suffix a lookup may match
+    max_ngram: int = 4  # the longest suffix tried (longer matches are preferred)
+    max_batch_size: int = 16  # no drafts in a step with more decoding requests than this
+    # Draft tokens per step across the batch, shared out evenly: 24 keeps 8 decoding requests
+    # (8 + 24 rows) within the CPU rows kernel's 32 (more rows cost much more per row).
+    max_num_draft_tokens: int = 24
+    # One more row in a step costs this share of a one-row decode step (CPU fp32 with the rows
+    # kernel: ~0.1); with it the engine drafts only what it expects to pay (speculator.py).
+    draft_row_cost: float = 0.1
+    min_acceptance_rate: float = 0.05  # a per-draft acceptance under this never drafts
+    max_pause_steps: int = 64  # a paused request drafts again after at most this many steps
+
+    def _validate(self, name: str) -> None:
+        check_choice(self.method, f"{name}.method", SPECULATIVE_METHODS)
+        check(
+            1 <= self.num_speculative_tokens <= 64,
+            f"{name}.num_speculative_tokens",
+            f"must be in [1, 64], got {self.num_speculative_tokens}",
+        )
+        check(self.min_ngram >= 1, f"{name}.min_ngram", f"must be >= 1, got {self.min_ngram}")
+        check(
+            self.max_ngram >= self.min_ngram,
+            f"{name}.max_ngram",
+            f"must be >= min_ngram ({self.min_ngram}), got {self.max_ngram}",
+        )
+        check(
+            self.max_batch_size >= 1,
+            f"{name}.max_batch_size",
+            f"must be >= 1, got {self.max_batch_size}",
+        )
+        check(
+            self.max_num_draft_tokens >= 1,
+            f"{name}.max_num_draft_tokens",
+            f"must be >= 1, got {self.max_num_draft_tokens}",
+        )
+        check(
+            0.0 <= self.draft_row_cost <= 10.0,
+            f"{name}.draft_row_cost",
+            f"must be in [0, 10], got {self.draft_row_cost}",
+        )
+        check(
+            0.0 <= self.min_acceptance_rate < 1.0,
+            f"{name}.min_acceptance_rate",
+            f"must be in [0, 1), got {self.min_acceptance_rate}",
+        )
+        check(
+            self.max_pause_steps >= 1,
+            f"{name}.max_pause_steps",
+            f"must be >= 1, got {self.max_pause_steps}",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"

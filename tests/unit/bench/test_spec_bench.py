@@ -1,0 +1,54 @@
+"""P9's arms share one runner, so one KV pool, with an engine (a block manager) each.
+
+An arm's prefix cache must not outlive the other arm's use of the pool: a block it names may
+hold the other engine's KV by then, and a prefix hit on it emits other tokens. That is what
+made an early ``pdserve bench spec --quick`` report ``greedy_identical=0`` (no-copy prompts,
+speculation off vs on); ``run_arm`` empties the arm's prefix cache first.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cluster.bench.harness import BenchContext
+from cluster.bench.spec import run_arm
+from cluster.bench.workloads import make_engine, make_runner
+from cluster.common.sampling_params import SamplingParams
+from cluster.engine.engine import LLMEngine
+from tests.helpers import make_config
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8, ignore_eos=True)
+
+
+def _context(model_dir: Path) -> BenchContext:
+    config = make_config(**{"model.path": str(model_dir), "model.num_threads": 1})
+    return BenchContext("spec", "smoke", config)
+
+
+def _generate(engine: LLMEngine, rid: str, prompt: list[int]) -> list[int]:
+    engine.add(rid, prompt, PARAMS)
+    out: list[int] = []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out.extend(o.new_token_ids)
+    return out
+
+
+def test_an_arm_never_reads_kv_the_other_arm_overwrote(tiny_model_dir: Path) -> None:
+    ctx = _context(tiny_model_dir)
+    runner = make_runner(ctx)
+    off = make_engine(ctx, {"decode.speculative.method": "none"}, runner=runner)
+    on = make_engine(ctx, {"decode.speculative.method": "ngram"}, runner=runner)
+    block = off.block_manager.block_size
+    shared = [20 + i % 50 for i in range(3 * block)]  # three full blocks both prompts start with
+    mine, other = [*shared, 101, 102, 103], [7 + i % 40 for i in range(4 * block)]
+    ref = run_arm(ctx, off, {"a": mine}, 1, PARAMS).tokens["a"]
+    # The other engine writes its KV into the same physical blocks (its allocator is its own).
+    run_arm(ctx, on, {"b": other}, 1, PARAMS)
+    again = run_arm(ctx, off, {"a2": mine}, 1, PARAMS).tokens["a2"]
+    assert again == ref
+    # Without the reset, the same sequence hits the stale prefix: the test can tell.
+    assert _generate(off, "warm", mine) == ref  # off caches its prefix blocks again
+    run_arm(ctx, on, {"b2": other}, 1, PARAMS)
+    assert _generate(off, "stale", mine) != ref
+    assert off.stats()["num_cached_prompt_tokens"] > 0

@@ -1,0 +1,349 @@
+"""Speculative decoding in the engine: prompt lookup, exact verification, rollback, adaptivity.
+
+Greedy with drafts must be token-identical to greedy without, whatever the proposer proposes
+(right, wrong, half right, prompt lookup), through chunked prefill, prefix-cache hits and
+forced preemption; sampled runs reproduce with the seed, and stop conditions apply per accepted
+token. Every lifecycle test ends idle, with the integrity check and no block held.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from cluster.common.sampling_params import SamplingParams
+from cluster.config import SPECULATIVE_METHODS, load_config
+from cluster.engine.engine import LLMEngine
+from cluster.engine.spec import PROPOSERS, NgramProposer
+from cluster.engine.spec.proposer import lookup
+from tests.helpers import fake_config, greedy, make_config, run_until_done
+from tests.spec_helpers import FakeModeProposer, ScriptedProposer, use_proposer
+
+SPEC = {"decode.speculative.method": "ngram", "decode.speculative.num_speculative_tokens": 5}
+
+
+def _finish_clean(eng: LLMEngine) -> None:
+    eng.check_integrity()
+    assert eng.block_manager.num_used_blocks == 0
+    assert not eng.speculator._tracks  # per-request state forgotten with the request
+
+
+def _run(eng: LLMEngine, prompts: dict[str, list[int]], params: Any) -> dict[str, list[int]]:
+    for rid, p in prompts.items():
+        eng.add(rid, p, params(rid) if callable(params) else params)
+    out = run_until_done(eng)
+    _finish_clean(eng)
+    return out
+
+
+# -- the proposer ---------------------------------------------------------------------------------
+
+
+def test_lookup_takes_the_longest_suffix_then_the_most_recent_occurrence() -> None:
+    # "2 3" occurs twice before the suffix; the later one (followed by 7) wins.
+    assert lookup(np.array([1, 2, 3, 9, 5, 2, 3, 7, 8, 2, 3]), 2, 4, 3) == [7, 8, 2]
+    # "1 2 3" (3 long) beats the more recent "2 3".
+    assert lookup(np.array([1, 2, 3, 9, 5, 2, 3, 7, 8, 1, 2, 3]), 2, 4, 2) == [9, 5]
+    # At most max_ngram is compared: with max 2 the most recent "2 3" wins again.
+    assert lookup(np.array([1, 2, 3, 9, 5, 2, 3, 7, 8, 1, 2, 3]), 2, 2, 2) == [7, 8]
+    # Nothing shorter than min_ngram; a continuation may run into the suffix itself.
+    assert lookup(np.array([4, 5, 6, 4]), 2, 4, 3) == []
+    assert lookup(np.array([4, 5, 6, 4]), 1, 4, 3) == [5, 6, 4]
+    assert lookup(np.array([7, 7, 7]), 2, 4, 5) == [7]
+    assert lookup(np.array([1, 2]), 2, 4, 3) == []
+    assert lookup(np.array([1, 2, 3, 4]), 1, 4, 3) == []
+
+
+def test_the_ngram_proposer_reads_only_the_tokens() -> None:
+    eng = LLMEngine(fake_config())
+    eng.add("a", [10, 11, 12, 13, 10, 11], greedy(4))
+    req = eng.requests["a"]
+    proposer = NgramProposer(load_config(overrides=SPEC).decode.speculative)
+    assert proposer.propose([req], [3]) == [[12, 13, 10]]
+    assert proposer.propose([req], [0]) == [[]]
+    eng.abort_request("a")
+    eng.step()
+    _finish_clean(eng)
+
+
+# -- greedy: token-identical ----------------------------------------------------------------------
+
+
+COPY_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Paris is the capital of France. "
+    "def add(a, b): return a + b. The rain in Spain stays mainly in the plain. "
+)
+
+
+def _tiny(model_dir: Path, spec: bool, **overrides: Any) -> LLMEngine:
+    base = {
+        "model.path": str(model_dir),
+        "model.num_threads": 1,
+        "scheduler.chunk_size": 16,
+        "scheduler.max_num_batched_tokens": 64,
+        "cache.num_blocks": 256,
+        "testing.enabled": True,
+    }
+    base.update(SPEC if spec else {})
+    base.update(overrides)
+    return LLMEngine(make_config(**base))
+
+
+@pytest.fixture(scope="module")
+def tiny_workload(tiny_model_dir: Path) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    eng = _tiny(tiny_model_dir, spec=False)
+    tok = eng.tokenizer
+    words = COPY_TEXT.split()
+    prompts = {f"q{i}": tok.encode(" ".join(words[i : i + 6 + 5 * i])) for i in range(5)}
+    copy = tok.encode(COPY_TEXT)
+    prompts.update({f"c{i}": copy + copy[: 8 + 9 * i] for i in range(3)})  # copy-heavy
+    shared = tok.encode(COPY_TEXT * 2)[:48]  # three full blocks shared: prefix-cache hits
+    prompts.update({f"s{i}": shared + tok.encode(f" number {i}") for i in range(2)})
+    assert len(prompts) >= 8
+    return prompts, _run(eng, prompts, greedy(24))
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "right", "wrong", "half"])
+def test_greedy_with_drafts_equals_greedy_without(
+    tiny_model_dir: Path, tiny_workload: Any, proposer: str
+) -> None:
+    prompts, expected = tiny_workload
+    eng = _tiny(tiny_model_dir, spec=True)
+    if proposer != "ngram":
+        wrong = {"right": 0.0, "wrong": 1.0, "half": 0.5}[proposer]
+        use_proposer(eng, ScriptedProposer(expected, eng.vocab_size, wrong))
+    # Twice: the second round hits the prefix cache the first one filled (drafts never land in
+    # it: only verified tokens' blocks are published).
+    for round_ in ("a", "b"):
+        got = _run(eng, {f"{rid}#{round_}": p for rid, p in prompts.items()}, greedy(24))
+        assert {rid.split("#")[0]: toks for rid, toks in got.items()} == expected
+    spec = eng.stats()["spec"]
+    assert spec["num_verifications"] > 0
+    if proposer == "right":
+        assert spec["acceptance_rate"] == 1.0  # every draft accepted, then a bonus token
+        assert eng.stats()["num_steps"] < 24 * 2
+    if proposer == "wrong":
+        assert spec["num_accepted_tokens"] == 0
+    assert eng.stats()["num_cached_prompt_tokens"] > 0
+
+
+def test_greedy_with_drafts_under_forced_preemption(
+    tiny_model_dir: Path, tiny_workload: Any
+) -> None:
+    prompts, expected = tiny_workload
+    eng = _tiny(tiny_model_dir, spec=True, **{"testing.force_preempt_interval": 3})
+    use_proposer(eng, ScriptedProposer(expected, eng.vocab_size, wrong_share=0.3))
+    assert _run(eng, prompts, greedy(24)) == expected
+    assert eng.stats()["num_preemptions"] > 0
+    assert eng.stats()["spec"]["num_accepted_tokens"] > 0
+
+
+def test_drafts_never_cause_a_preemption() -> None:
+    # A pool just big enough for the requests' own tokens: drafts take only spare slots.
+    prompts = {f"r{i}": [1 + (i * 7 + j * 3) % 500 for j in range(30)] for i in range(3)}
+    cfg = fake_config(**{"cache.num_blocks": 9, **SPEC})
+    expected = _run(LLMEngine(fake_config(**{"cache.num_blocks": 9})), prompts, greedy(17))
+    eng = LLMEngine(cfg)
+    use_proposer(eng, ScriptedProposer(expected, eng.vocab_size))
+    assert _run(eng, prompts, greedy(17)) == expected
+    assert eng.stats()["num_preemptions"] == 0
+    assert eng.stats()["spec"]["num_accepted_tokens"] > 0
+
+
+# -- stop conditions and logprobs, per accepted token -------------------------------------------
+
+
+def _outputs(eng: LLMEngine) -> dict[str, list[Any]]:
+    outs: dict[str, list[Any]] = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).append(o)
+    _finish_clean(eng)
+    return outs
+
+
+def test_stops_apply_to_each_accepted_token() -> None:
+    prompt = [5, 6, 7, 8]
+    ref = LLMEngine(fake_config())
+    ref.add("x", prompt, greedy(30))
+    tokens = run_until_done(ref)["x"]
+    cases = {
+        "stop_id": SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[tokens[9]]),
+        "max_tokens": SamplingParams(temperature=0, max_tokens=7),
+        "min_tokens": SamplingParams(
+            temperature=0, max_tokens=30, min_tokens=12, stop_token_ids=[tokens[4]]
+        ),
+        "stop_str": SamplingParams(temperature=0, max_tokens=30, stop=[f"t{tokens[11]}"]),
+        "logprobs": SamplingParams(temperature=0, max_tokens=20, logprobs=2),
+    }
+    results = {}
+    for spec in (False, True):
+        eng = LLMEngine(fake_config(**(SPEC if spec else {})))
+        if spec:
+            use_proposer(eng, ScriptedProposer({"x": tokens}, eng.vocab_size))
+        for name, params in cases.items():
+            eng.add(f"x#{name}", prompt, params)
+        results[spec] = _outputs(eng)
+        if spec:
+            assert eng.stats()["spec"]["num_accepted_tokens"] > 10
+    for name in cases:
+        rid = f"x#{name}"
+        off, on = results[False][rid], results[True][rid]
+        assert [t for o in on for t in o.new_token_ids] == [t for o in off for t in o.new_token_ids]
+        assert "".join(o.new_text for o in on) == "".join(o.new_text for o in off), name
+        assert on[-1].finish_reason == off[-1].finish_reason, name
+        assert [lp for o in on for lp in o.new_logprobs or []] == [
+            lp for o in off for lp in o.new_logprobs or []
+        ]
+        assert [t for o in on for t in o.new_top_logprobs or []] == [
+            t for o in off for t in o.new_top_logprobs or []
+        ]
+        assert len(on) < len(off) or name == "max_tokens"  # several tokens per step
+    on = results[True]
+    assert len([t for o in on["x#stop_id"] for t in o.new_token_ids]) == 10
+    assert len([t for o in on["x#max_tokens"] for t in o.new_token_ids]) == 7
+    assert on["x#logprobs"][-1].num_accepted_tokens > 0
+
+
+# -- sampled: reproducible with the seed --------------------------------------------------------
+
+
+SAMPLED = [
+    SamplingParams(temperature=1.0, max_tokens=40, seed=11, ignore_eos=True),
+    SamplingParams(temperature=0.7, top_k=3, max_tokens=40, seed=12, ignore_eos=True),
+    SamplingParams(temperature=1.3, top_p=0.8, min_p=0.05, max_tokens=40, seed=13, ignore_eos=True),
+    SamplingParams(
+        temperature=1.0,
+        repetition_penalty=1.3,
+        presence_penalty=0.5,
+        frequency_penalty=0.4,
+        max_tokens=40,
+        min_tokens=20,
+        seed=14,
+    ),
+]
+
+
+@pytest.mark.parametrize("mode", ["right", "half", "wrong"])
+def test_sampled_runs_reproduce_with_the_seed(mode: str) -> None:
+    prompts = {f"r{i}": [3 + (i * 13 + j * 5) % 500 for j in range(12 + 7 * i)] for i in range(4)}
+    params = {rid: SAMPLED[i] for i, rid in enumerate(prompts)}
+    expected = _run(LLMEngine(fake_config()), prompts, params.__getitem__)
+    eng = LLMEngine(fake_config(**SPEC))
+    use_proposer(eng, FakeModeProposer(eng.runner, mode, k=4))  # type: ignore[arg-type]
+    assert _run(eng, prompts, params.__getitem__) == expected
+    spec = eng.stats()["spec"]
+    assert spec["num_verifications"] > 0
+    assert (spec["num_accepted_tokens"] > 0) == (mode != "wrong")
+
+
+# -- adaptivity and accounting ------------------------------------------------------------------
+
+
+def test_low_acceptance_pauses_drafting_and_a_big_batch_drafts_nothing() -> None:
+    prompts = {f"r{i}": [2 + (i * 17 + j) % 500 for j in range(10)] for i in range(4)}
+    ref = _run(LLMEngine(fake_config()), prompts, greedy(60))
+    eng = LLMEngine(fake_config(**SPEC))
+    use_proposer(eng, ScriptedProposer(ref, eng.vocab_size, wrong_share=1.0))
+    assert _run(eng, prompts, greedy(60)) == ref
+    # Without the pauses every decode step of every request would verify (~60 each).
+    assert eng.stats()["spec"]["num_verifications"] < 4 * 60 / 3
+    eng = LLMEngine(fake_config(**SPEC, **{"decode.speculative.max_batch_size": 3}))
+    scripted = ScriptedProposer(ref, eng.vocab_size)
+    use_proposer(eng, scripted)
+    assert _run(eng, prompts, greedy(60)) == ref
+    # Four decoding together: no drafts until one finished... they all finish together.
+    assert eng.stats()["spec"]["num_verifications"] == 0 and scripted.num_calls == 0
+
+
+def test_a_step_drafts_at_most_its_budget_shared_out_and_less_where_acceptance_is_low() -> None:
+    prompts = {f"r{i}": [2 + (i * 17 + j) % 500 for j in range(10)] for i in range(4)}
+    ref = _run(LLMEngine(fake_config()), prompts, greedy(40))
+    budget = {
+        "decode.speculative.max_num_draft_tokens": 7,
+        "decode.speculative.min_acceptance_rate": 0.0,
+    }
+    eng = LLMEngine(fake_config(**SPEC, **budget))
+    scripted = ScriptedProposer(ref, eng.vocab_size, wrong_share=0.0)
+    asked: list[list[int]] = []
+    propose = scripted.propose
+
+    def recording(requests: Any, max_drafts: Any) -> list[list[int]]:
+        asked.append(list(max_drafts))
+        return propose(requests, max_drafts)
+
+    scripted.propose = recording  # type: ignore[method-assign]
+    use_proposer(eng, scripted)
+    assert _run(eng, prompts, greedy(40)) == ref
+    four = [a for a in asked if len(a) == 4]
+    assert four and all(sum(a) <= 7 and max(a) == 1 for a in four)  # 7 // 4 each
+    eng = LLMEngine(fake_config(**SPEC, **{"decode.speculative.min_acceptance_rate": 0.0}))
+    wrong = ScriptedProposer(ref, eng.vocab_size, wrong_share=1.0)
+    asked.clear()
+    propose = wrong.propose
+    wrong.propose = recording  # type: ignore[method-assign]
+    use_proposer(eng, wrong)
+    assert _run(eng, {"r0": prompts["r0"]}, greedy(40)) == {"r0": ref["r0"]}
+    assert asked[0] == [5] and asked[-1] == [1]  # all rejected: down to one draft a step
+
+
+def test_usage_counts_drafted_and_accepted_tokens_per_request() -> None:
+    prompt = [9, 8, 7, 6, 5]
+    ref = _run(LLMEngine(fake_config()), {"a": prompt}, greedy(30))
+    eng = LLMEngine(fake_config(**SPEC))
+    use_proposer(eng, ScriptedProposer(ref, eng.vocab_size, wrong_share=0.2))
+    eng.add("a", prompt, greedy(30))
+    last = [o for o in _outputs(eng)["a"]][-1]
+    spec = eng.stats()["spec"]
+    assert last.num_draft_tokens == spec["num_draft_tokens"] > 0
+    assert last.num_accepted_tokens == spec["num_accepted_tokens"] > 0
+    assert spec["acceptance_rate"] == pytest.approx(
+        last.num_accepted_tokens / last.num_draft_tokens
+    )
+
+
+def test_abort_with_drafts_verified_frees_everything() -> None:
+    prompts = {f"r{i}": [4 + (i * 3 + j * 11) % 500 for j in range(20)] for i in range(3)}
+    ref = _run(LLMEngine(fake_config()), prompts, greedy(40))
+    eng = LLMEngine(fake_config(**SPEC))
+    use_proposer(eng, ScriptedProposer(ref, eng.vocab_size, wrong_share=0.5))
+    for rid, p in prompts.items():
+        eng.add(rid, p, greedy(40))
+    for _ in range(6):
+        eng.step()
+    assert eng.stats()["spec"]["num_verifications"] > 0
+    for rid in prompts:
+        eng.abort_request(rid)
+    run_until_done(eng)
+    _finish_clean(eng)
+
+
+# -- config ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("method", "eagle"),
+        ("num_speculative_tokens", 0),
+        ("min_ngram", 0),
+        ("max_ngram", 1),
+        ("max_batch_size", 0),
+        ("max_num_draft_tokens", 0),
+        ("min_acceptance_rate", 1.0),
+        ("draft_row_cost", -0.1),
+        ("max_pause_steps", 0),
+        ("num_speculative_tokens", "4"),
+    ],
+)
+def test_bad_speculative_config_names_the_field(key: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=rf"^decode\.speculative\.{key}"):
+        load_config(overrides={f"decode.speculative.{key}": value})
+
+
+def test_the_methods_config_accepts_are_the_registry() -> None:
+    assert set(SPECULATIVE_METHODS) == {"none", *PROPOSERS}
+    assert load_config().decode.speculative.method == "none"
