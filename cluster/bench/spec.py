@@ -101,14 +101,14 @@ def run_arm(
     run = ArmRun()
     # The arms share one runner, so one KV pool: a block the other engine's prefix cache
     # names may hold this one's KV by now. Each arm starts with its prefix cache empty.
-    engine.block_manager.reset_prefix_cache()
+    engine.reset_prefix_cache()
     meter = CpuMeter(bench_threads(ctx))
     ids = list(prompts)
     for i in range(0, len(ids), batch):
         _run_group(engine, {rid: prompts[rid] for rid in ids[i : i + batch]}, params, run)
     run.cpu_util = meter.utilisation()
     engine.check_integrity()
-    assert engine.block_manager.num_used_blocks == 0
+    assert engine.stats()["kv"]["num_used_blocks"] == 0
     return run
 
 

@@ -260,6 +260,9 @@ class LLMEngine:
 
     # -- introspection ------------------------------------------------------------------------
 
+    def reset_prefix_cache(self) -> None:
+        self.block_manager.reset_prefix_cache()
+
     def check_integrity(self) -> None:
         self.block_manager.check_integrity()
         tracked = {r.request_id for r in self.scheduler.all_requests()}
