@@ -67,3 +67,9 @@ class PDServeError(Exception):
 
 def invalid(message: str) -> PDServeError:
     return PDServeError(ErrorCode.INVALID_ARGUMENT, message)
+
+
+def internal_error(request_id: str) -> PDServeError:
+    """What a client sees of a bug: a code, a fixed message and the request id (the details
+    are logged where it happened, never sent)."""
+    return PDServeError(ErrorCode.INTERNAL, "internal error", request_id)

@@ -31,6 +31,7 @@ from cluster.config import ClusterConfig
 from cluster.engine.client import Added, EngineClient
 from cluster.engine.engine import RequestOutput
 from cluster.engine.handoff import KVReservation
+from cluster.engine.step_loop import EngineDeadError
 from cluster.kv_transfer import KVReceiver, KVTransferError, KVTransferParams
 from cluster.serving.signals import RecentWindow
 
@@ -72,6 +73,7 @@ class RequestHandoff:
         self.kv: KVTransferParams | None = None  # the lease to pull, once the reply named it
         self.kv_done = False
         self.remote_cached_tokens: int | None = None
+        self.failure: str | None = None  # why the hand-off failed the request, in client words
 
     async def stream(self) -> AsyncIterator[StreamChunk]:
         ctx = self.ctx
@@ -116,6 +118,10 @@ class RequestHandoff:
         except ValueError as e:
             code = ErrorCode.ALREADY_EXISTS if "already exists" in str(e) else None
             raise PDServeError(code or ErrorCode.INVALID_ARGUMENT, str(e), self.rid) from None
+        except EngineDeadError:  # its step failed: Serve replaces this replica; retry elsewhere
+            raise PDServeError(
+                ErrorCode.UNAVAILABLE, "the decode replica is unavailable", self.rid
+            ) from None
         self.in_engine = True
         return added
 
@@ -149,11 +155,11 @@ class RequestHandoff:
         except PDServeError as e:
             if e.code in (ErrorCode.INVALID_ARGUMENT, ErrorCode.DEADLINE_EXCEEDED):
                 raise
-            await self._fail_or_recompute(f"prefill call failed: {e.message}")
+            await self._fail_or_recompute("prefill call failed", f"{e.code.value}: {e.message}")
             return
         except (StopAsyncIteration, Exception) as e:  # a dead or unreachable prefill replica
             ctx.counters["prefill_call_failures"] += 1
-            await self._fail_or_recompute(f"prefill call failed: {type(e).__name__}: {e}")
+            await self._fail_or_recompute("prefill call failed", f"{type(e).__name__}: {e}")
             return
         self.usage.phases["prefill_queue_ms"] = reply.prefill_queue_ms
         self.usage.phases["prefill_ms"] = reply.prefill_ms
@@ -188,21 +194,29 @@ class RequestHandoff:
         except KVTransferError as e:
             self.kv_done = True  # the receiver already told the sender (or the sender is gone)
             ctx.counters["transfer_failures"] += 1
-            await self._fail_or_recompute(f"KV transfer failed: {e.reason}: {e}")
+            await self._fail_or_recompute(f"KV transfer failed ({e.reason})", str(e))
             return
         self.usage.phases["transfer_ms"] = (time.monotonic() - t0) * 1000
         await ctx.engine.kv_arrived(self.rid)
 
-    async def _fail_or_recompute(self, why: str) -> None:
+    async def _fail_or_recompute(self, what: str, detail: str) -> None:
+        """``what`` is all a client may see (no exception text, address or path: S8); the
+        ``detail`` stays in this replica's log."""
         ctx = self.ctx
         recompute = ctx.config.transfer.on_failure == "recompute"
         logger.warning(
-            "request %s: %s; %s", self.rid, why, "prefilling locally" if recompute else "failing it"
+            "request %s: %s: %s; %s",
+            self.rid,
+            what,
+            detail,
+            "prefilling locally" if recompute else "failing it",
         )
         if recompute:
             ctx.counters["recomputed_after_failure"] += 1
             self.usage.prefill_mode = "local"
-        await ctx.engine.kv_failed(self.rid, recompute=recompute, error=why)
+        else:
+            self.failure = what
+        await ctx.engine.kv_failed(self.rid, recompute=recompute, error=what)
 
     async def _decode(self) -> AsyncIterator[StreamChunk]:
         while True:
@@ -210,7 +224,9 @@ class RequestHandoff:
             if out.error is not None:
                 self.finished = True
                 code = ErrorCode.ABORTED if self.first_token_at else ErrorCode.UNAVAILABLE
-                raise PDServeError(code, out.error, self.rid)
+                if self.failure is None:  # the engine itself failed: its text stays here
+                    logger.error("request %s: %s", self.rid, out.error)
+                raise PDServeError(code, self.failure or "the decode replica failed", self.rid)
             for _ in out.new_token_ids:
                 await self.ctx.faults.hit_async("d.mid_decode_token_k")
             chunk = self._chunk(out)

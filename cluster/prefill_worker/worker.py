@@ -37,6 +37,7 @@ from cluster.config import ClusterConfig
 from cluster.engine.client import EngineClient
 from cluster.engine.engine import LLMEngine, RequestOutput
 from cluster.engine.runner_registry import create_runner
+from cluster.engine.step_loop import EngineDeadError
 from cluster.kv_transfer import KVPool, KVSender
 from cluster.serving.signals import RecentWindow
 
@@ -123,9 +124,17 @@ class PrefillWorker:
             except ValueError as e:
                 in_engine = False
                 raise PDServeError(ErrorCode.INVALID_ARGUMENT, str(e), call.request_id) from None
+            except EngineDeadError:  # its step failed: Serve replaces this replica
+                in_engine = False
+                raise PDServeError(
+                    ErrorCode.UNAVAILABLE, "the prefill replica is unavailable", call.request_id
+                ) from None
             out = await first
-            if out.error is not None:
-                raise PDServeError(ErrorCode.UNAVAILABLE, out.error, call.request_id)
+            if out.error is not None:  # the engine failed: its text stays in this log
+                logger.error("request %s: %s", call.request_id, out.error)
+                raise PDServeError(
+                    ErrorCode.UNAVAILABLE, "the prefill replica failed", call.request_id
+                )
             self.num_prefills += 1
             reply = self._reply(call, out, arrival)
             if out.held_block_ids is None:  # the first token finished it: nothing to pull

@@ -26,7 +26,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from grpc_health.v1 import health_pb2
 from ray import serve
 
-from cluster.common.errors import ErrorCode, PDServeError
+from cluster.common.errors import ErrorCode, PDServeError, internal_error, invalid
+from cluster.common.faults import FaultPoints
 from cluster.common.protocol import StreamChunk
 from cluster.common.tokenizer import load_tokenizer
 from cluster.config import config_from_dict
@@ -84,6 +85,7 @@ class Router:
         self.relay = DecodeRelay(decode_handle, r)
         self.decode_handle = decode_handle
         self.metrics = RouterMetrics()
+        self.faults = FaultPoints.from_config(self.config.testing)  # inert outside test mode
         self.counts = {"requests": 0, "errors": 0}
 
     # -- the shared path ----------------------------------------------------------------------
@@ -102,6 +104,7 @@ class Router:
             len(parsed.prompt_token_ids),
         )
         try:
+            await self.faults.hit_async("router.before_relay")
             async for chunk in self.relay.stream(parsed.to_call((time.monotonic() - t0) * 1000)):
                 if first is None and (chunk.token_ids or chunk.text):
                     first = time.monotonic()
@@ -113,6 +116,12 @@ class Router:
             self.counts["errors"] += 1
             logger.warning("request %s: %s", parsed.request_id, e)
             raise
+        except Exception:
+            # A bug: the details go to the log, the client gets a code and the request id.
+            status = "internal"
+            self.counts["errors"] += 1
+            logger.exception("request %s failed", parsed.request_id)
+            raise internal_error(parsed.request_id) from None
         except BaseException:
             status = "cancelled"
             raise
@@ -146,7 +155,7 @@ class Router:
             _grpc_fail(grpc_context, grpc_status(e), e.message, e.request_id)
         except Exception:
             logger.exception("gRPC Generate failed")
-            _grpc_fail(grpc_context, grpc.StatusCode.INTERNAL, "internal error", "")
+            _grpc_fail(grpc_context, grpc.StatusCode.INTERNAL, "internal error", request.request_id)
 
     async def GetModelInfo(
         self, request: "pb.ModelInfoRequest", grpc_context: Any
@@ -184,11 +193,15 @@ class Router:
         if len(raw) > limit:
             raise PDServeError(ErrorCode.RESOURCE_EXHAUSTED, f"request body exceeds {limit} bytes")
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            raise PDServeError(ErrorCode.INVALID_ARGUMENT, "body: not valid JSON") from None
+            text = raw.decode("utf-8")  # strict: json.loads(bytes) would let surrogates through
+        except UnicodeDecodeError as e:
+            raise invalid(f"body: not valid UTF-8 (at byte {e.start})") from None
+        try:
+            body = json.loads(text)
+        except ValueError:
+            raise invalid("body: not valid JSON") from None
         if not isinstance(body, dict):
-            raise PDServeError(ErrorCode.INVALID_ARGUMENT, "body: must be a JSON object")
+            raise invalid("body: must be a JSON object")
         return body
 
     async def _http(self, request: Request, kind: str) -> Response:
@@ -199,6 +212,10 @@ class Router:
             )
         except PDServeError as e:
             status, payload = openai_error(e)
+            return JSONResponse(payload, status_code=status)
+        except Exception:
+            logger.exception("HTTP %s request failed before it was parsed", kind)
+            status, payload = openai_error(internal_error(""))
             return JSONResponse(payload, status_code=status)
         route = "chat" if kind == "chat" else "completions"
         if parsed.stream:
@@ -232,6 +249,9 @@ class Router:
         except PDServeError as e:
             # Headers are gone: the error travels as a final SSE event (never a silent cut).
             yield error_event(e)
+        except Exception:
+            logger.exception("request %s: rendering the stream failed", parsed.request_id)
+            yield error_event(internal_error(parsed.request_id))
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
@@ -271,3 +291,8 @@ class Router:
 
     def stats(self) -> dict[str, Any]:
         return {**self.counts, "retries": self.relay.num_retries}
+
+    def arm_fault(self, spec: str) -> str:
+        """Test mode only (``testing.enabled``): arm a router fault point (``common.faults``)."""
+        self.faults.arm(spec)
+        return "ok"

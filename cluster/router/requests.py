@@ -21,7 +21,7 @@ from cluster.common.sampling_params import MAX_LOGPROBS, SamplingParams, validat
 from cluster.config import RouterConfig
 from cluster.config.model_paths import ModelLimits
 
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 MAX_PROMPT_CHARS = 4 << 20  # raw text, before tokenization (the body limit applies first)
 
 # OpenAI fields, per endpoint: accepted (and mapped), or refused with a message naming them.
@@ -130,10 +130,22 @@ def _bool(body: Mapping[str, Any], key: str) -> bool | None:
     return value
 
 
+def utf8_text(text: str, where: str) -> str:
+    """``text``, if it is valid Unicode: a JSON string may hold a lone surrogate (``"\\ud800"``),
+    which no tokenizer can take and no reply can echo (INVALID_ARGUMENT naming the field)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise invalid(
+            f"{where}: not valid Unicode (a lone surrogate at character {e.start})"
+        ) from None
+    return text
+
+
 def _text_parts(content: Any, where: str) -> str:
     """Chat content: a string, or a list of ``{"type": "text", "text": ...}`` parts."""
     if isinstance(content, str):
-        return content
+        return utf8_text(content, where)
     if isinstance(content, list):
         texts = []
         for i, part in enumerate(content):
@@ -143,7 +155,7 @@ def _text_parts(content: Any, where: str) -> str:
             text = part.get("text")
             if not isinstance(text, str):
                 raise invalid(f"{where}[{i}].text: must be a string")
-            texts.append(text)
+            texts.append(utf8_text(text, f"{where}[{i}].text"))
         return "".join(texts)
     raise invalid(f"{where}: must be a string or a list of text parts")
 
@@ -170,7 +182,7 @@ class RequestParser:
     def request_id(self, given: str | None, prefix: str) -> str:
         if not given:
             return f"{prefix}-{uuid.uuid4().hex}"
-        if not isinstance(given, str) or not _REQUEST_ID.match(given):
+        if not isinstance(given, str) or not _REQUEST_ID.fullmatch(given):
             raise invalid(
                 "request_id: at most 128 letters, digits, '-', '_', '.' or ':' characters"
             )
@@ -188,7 +200,7 @@ class RequestParser:
             raise invalid(f"{field_name}: longer than {MAX_PROMPT_CHARS} characters")
         if not text:
             raise invalid("prompt: prompt cannot be empty")
-        return list(self.tokenizer.encode(text))
+        return list(self.tokenizer.encode(utf8_text(text, field_name)))
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         try:
@@ -275,6 +287,7 @@ class RequestParser:
 
     def _check_fields(self, body: Mapping[str, Any], allowed: frozenset[str]) -> None:
         for key in body:
+            utf8_text(key, "body: a field name")
             if key in _UNSUPPORTED and body[key] not in (None, [], {}):
                 raise invalid(f"{key}: {_UNSUPPORTED[key]}")
             if key not in allowed and key not in _UNSUPPORTED:
@@ -315,9 +328,9 @@ class RequestParser:
         if stop is None:
             return ()
         if isinstance(stop, str):
-            return (stop,)
+            return (utf8_text(stop, "stop"),)
         if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-            return tuple(stop)
+            return tuple(utf8_text(s, f"stop[{i}]") for i, s in enumerate(stop))
         raise invalid("stop: must be a string or a list of strings")
 
     def _common_params(
@@ -332,6 +345,8 @@ class RequestParser:
         user = body.get("user")
         if user is not None and not isinstance(user, str):
             raise invalid("user: must be a string")
+        if user is not None:
+            utf8_text(user, "user")
         return self.params(
             max_tokens=max_tokens,
             min_tokens=_int(body, "min_tokens"),
@@ -396,12 +411,18 @@ class RequestParser:
         for i, m in enumerate(messages):
             if not isinstance(m, Mapping):
                 raise invalid(f"messages[{i}]: must be an object with role and content")
+            for key in m:
+                utf8_text(key, f"messages[{i}]: a field name")
             extra = sorted(set(m) - {"role", "content", "name"})
             if extra:
                 raise invalid(f"messages[{i}].{extra[0]}: unsupported message field")
+            role = m.get("role")
+            for key in ("role", "name"):
+                if isinstance(m.get(key), str):
+                    utf8_text(m[key], f"messages[{i}].{key}")
             flat.append(
                 {
-                    "role": m.get("role"),
+                    "role": role,
                     "content": _text_parts(m.get("content"), f"messages[{i}].content"),
                 }
             )

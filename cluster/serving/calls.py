@@ -10,14 +10,16 @@ decode replica's call to the prefill pool both use it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
-from cluster.common.errors import ErrorCode, PDServeError
+from cluster.common.errors import ErrorCode, PDServeError, internal_error
 from cluster.common.protocol import Accepted, within_deadline
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 class PoolResponse(Protocol):
@@ -58,7 +60,8 @@ def as_pdserve_error(e: BaseException, request_id: str = "") -> PDServeError:
         return PDServeError(ErrorCode.UNAVAILABLE, "a replica became unavailable", request_id)
     if isinstance(e, sex.RequestCancelledError | asyncio.CancelledError):
         return PDServeError(ErrorCode.CANCELLED, "the request was cancelled", request_id)
-    return PDServeError(ErrorCode.INTERNAL, f"internal error (request {request_id})", request_id)
+    logger.warning("request %s: a pool call failed: %r", request_id, e)  # the details stay here
+    return internal_error(request_id)
 
 
 def is_retryable(err: PDServeError) -> bool:

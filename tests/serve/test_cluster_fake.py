@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -22,6 +23,7 @@ import grpc
 import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from ray import serve
 
 from cluster.engine.engine import LLMEngine
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
@@ -239,6 +241,89 @@ def test_auth_on_every_method_but_health(app: App) -> None:
         status, err = http(app, path, body, key=None)
         assert status == 401 and err["error"]["type"] == "authentication_error", path
     assert http(app, "/health", key=None)[0] == 200
+    app.assert_clean()
+
+
+# -- text that is not Unicode (B6); errors say what, not how (S8) ---------------------------------
+
+
+def test_text_that_is_not_unicode_is_a_client_error(app: App) -> None:
+    """B6: lone surrogates in JSON strings and invalid UTF-8 bodies are 4xx naming the field,
+    before any worker is touched; a valid surrogate pair is ordinary text."""
+    before = worker_calls(app)
+    chat = "/v1/chat/completions"
+    cases = [  # json.dumps escapes each lone surrogate as \udXXX, as a client would send it
+        ("/v1/completions", {"prompt": "a\ud800b", "max_tokens": 2}, "prompt"),
+        (chat, {"messages": [{"role": "user", "content": "x\udfff"}]}, "messages[0].content"),
+        (
+            chat,
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud83d"}]}]},
+            "messages[0].content[0].text",
+        ),
+        (chat, {"messages": [{"role": "us\udc00er", "content": "x"}]}, "messages[0].role"),
+        ("/v1/completions", {"prompt": "x", "stop": ["ok", "\udc00"]}, "stop[1]"),
+        ("/v1/completions", {"prompt": "x", "\ud800": 1}, "body"),
+    ]
+    for path, body, field in cases:
+        status, err = http(app, path, body)
+        assert status == 400, (body, status, err)
+        assert err["error"]["message"].startswith(field), err
+        assert err["error"]["type"] == "invalid_request_error"
+    for raw in (b'{"prompt": "\xff\xfe"}', b'{"prompt": "\xed\xa0\x80"}'):  # UTF-8 broken
+        status, err = http(app, "/v1/completions", raw=raw)
+        assert status == 400 and err["error"]["message"].startswith("body: not valid UTF-8"), err
+    assert worker_calls(app) == before
+    # an escaped surrogate *pair* is an ordinary character (here an emoji)
+    status, body = http(app, "/v1/completions", {"prompt": "hi \ud83d\ude00", "max_tokens": 2})
+    assert status == 200, body
+    app.assert_clean()
+
+
+def assert_says_what_not_how(text: str) -> None:
+    for leak in ("Traceback", "FaultInjected", "Error", ".py", 'File "', "ray.", "tcp://"):
+        assert leak not in text, text
+    assert not re.search(r"/[\w.-]+/", text), text  # no paths
+
+
+def test_internal_errors_show_a_code_and_the_request_id_only(app: App) -> None:
+    """S8: a bug in the router (forced with a fault point) reaches each API as a code, a fixed
+    message and the request id; the stack trace stays in the router's log."""
+    point = "router.before_relay=raise"
+    router = serve.get_deployment_handle("Router", APP)
+    router.arm_fault.remote(point).result(timeout_s=30)
+    with pytest.raises(grpc.RpcError) as info:
+        app.generate(greedy_req(prompt(1, 8), 4, "s8-grpc"), KEY)
+    assert info.value.code() == grpc.StatusCode.INTERNAL
+    assert info.value.details() == "internal error (request s8-grpc)"
+    router.arm_fault.remote(point).result(timeout_s=30)
+    body = {"prompt": [1, 2, 3], "max_tokens": 2, "request_id": "s8-http"}
+    status, err = http(app, "/v1/completions", body)
+    assert status == 500, err
+    assert err == {
+        "error": {
+            "message": "internal error",
+            "type": "server_error",
+            "param": None,
+            "code": "internal",
+            "request_id": "s8-http",
+        }
+    }
+    router.arm_fault.remote(point).result(timeout_s=30)
+    req = urllib.request.Request(
+        app.cluster.http_url + "/v1/completions",
+        data=json.dumps({**body, "stream": True, "request_id": "s8-sse"}).encode(),
+        headers={"content-type": "application/json", "authorization": f"Bearer {KEY}"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        events = [line for line in r.read().decode().splitlines() if line.startswith("data: ")]
+    last = json.loads(events[-1][len("data: ") :])
+    assert last["error"]["message"] == "internal error", events
+    assert last["error"]["request_id"] == "s8-sse"
+    for text in (info.value.details(), json.dumps(err), *events):
+        assert_says_what_not_how(text)
+    # the router keeps serving
+    p = prompt(2, 8)
+    assert tokens(app.generate(greedy_req(p, 4), KEY)) == reference(app, {"x": p}, 4)["x"]
     app.assert_clean()
 
 

@@ -796,8 +796,8 @@ def test_podmonitor_scrapes_every_ray_pod(variant: tuple[str, list[dict[str, Any
 def _metric_kinds() -> dict[str, tuple[str, tuple[str, ...]]]:
     """Exported name -> (Counter|Gauge|Histogram, tag keys), read from the sources that declare
     metrics: serving/metrics.py and the autoscaling policies (recorded on the Serve controller)."""
-    from cluster.serving import metrics
     from cluster.serving import autoscaling as policies
+    from cluster.serving import metrics
 
     tree = ast.Module(
         body=[
