@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cluster.config.validation import check
 
@@ -13,11 +13,18 @@ class RouterConfig:
 
     host: str = "127.0.0.1"  # public listeners; 0.0.0.0 only when configured (Kubernetes)
     http_port: int = 8000
-    grpc_port: int = 9000
+    grpc_port: int = 9000  # each router replica's own gRPC server (SO_REUSEPORT on one node)
+    # A host that is not loopback without API keys is refused unless this is set (a warning).
+    allow_unauthenticated: bool = False
     num_replicas: int = 1
     num_cpus: float = 0.25
-    max_ongoing_requests: int = 1024
+    # Custom Ray resources per replica (multi-node: pin the replicas, whose gRPC servers the
+    # clients dial, to the nodes a Service or load balancer points at).
+    resources: dict[str, float] = field(default_factory=dict)
+    max_ongoing_requests: int = 1024  # per router replica (HTTP and gRPC each)
     max_queued_requests: int = 256  # beyond this: RESOURCE_EXHAUSTED / HTTP 429 at once
+    max_streams_per_connection: int = 100  # gRPC calls open at once on one client connection
+    graceful_shutdown_timeout_s: float = 20.0  # a router replica going away lets calls finish
     request_timeout_s: float = 600.0  # default deadline of a request that brings none
     max_request_bytes: int = 4 << 20  # gRPC message and HTTP body limit
     retries: int = 3  # attempts before the first token reaches the client (never after)
@@ -26,6 +33,11 @@ class RouterConfig:
     api_keys: tuple[str, ...] = ()
     api_keys_file: str = ""  # one key per line, added to the keys above
     model_name: str = ""  # the OpenAI `model` name; "" -> the model directory's name
+    # TLS on the public listeners (PEM files): both or neither; a client CA makes the gRPC
+    # listener require client certificates (mTLS; HTTP clients are not asked for one).
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port"):
@@ -39,5 +51,22 @@ class RouterConfig:
         check(self.max_request_bytes >= 1024, "router.max_request_bytes", "must be >= 1024")
         check(self.retries >= 0, "router.retries", "must be >= 0")
         check(self.assignment_timeout_s > 0, "router.assignment_timeout_s", "must be > 0")
+        streams = self.max_streams_per_connection
+        check(streams >= 1, "router.max_streams_per_connection", "must be >= 1")
+        check(
+            self.graceful_shutdown_timeout_s > 0,
+            "router.graceful_shutdown_timeout_s",
+            "must be > 0",
+        )
+        check(
+            bool(self.tls_cert_file) == bool(self.tls_key_file),
+            "router.tls_key_file",
+            "TLS needs both router.tls_cert_file and router.tls_key_file",
+        )
+        check(
+            not self.tls_client_ca_file or bool(self.tls_cert_file),
+            "router.tls_client_ca_file",
+            "client certificates need TLS: set router.tls_cert_file and router.tls_key_file",
+        )
         for key in self.api_keys:
             check(len(key) >= 8, "router.api_keys", "keys must be at least 8 characters")

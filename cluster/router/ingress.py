@@ -1,4 +1,7 @@
-"""The Router: Ray Serve ingress for gRPC (port 9000) and OpenAI-compatible HTTP (port 8000).
+"""The Router: the Ray Serve ingress for OpenAI-compatible HTTP (port 8000, through Serve's HTTP
+proxy) and gRPC (port 9000, on each router replica's own server: ``grpc_server``), both on
+``router.host`` only; public listeners without API keys are refused unless
+``router.allow_unauthenticated`` (``auth.check_exposure``).
 
 Torch-free (a test imports it in a fresh interpreter and checks). Each request:
   1. is authenticated (API keys, when configured: every route and method but health);
@@ -16,14 +19,13 @@ The request id travels through every pool and appears in every log line about it
 # descriptors do not pickle.
 import json
 import logging
+import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from grpc_health.v1 import health_pb2
 from ray import serve
 
 from cluster.common.errors import ErrorCode, PDServeError, internal_error, invalid
@@ -33,7 +35,8 @@ from cluster.common.tokenizer import load_tokenizer
 from cluster.config import config_from_dict
 from cluster.config.model_paths import model_limits, model_name
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
-from cluster.router.auth import ApiKeyAuth
+from cluster.router.auth import ApiKeyAuth, check_exposure
+from cluster.router.grpc_server import GrpcListener, deadline_within
 from cluster.router.relay import DecodeRelay
 from cluster.router.requests import ParsedRequest, RequestParser
 from cluster.router.responses import (
@@ -43,24 +46,11 @@ from cluster.router.responses import (
     aggregate_completion,
     error_event,
     grpc_chunk,
-    grpc_status,
     openai_error,
 )
 from cluster.serving.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
-
-
-class _GrpcStatus(Exception):
-    """Ends a gRPC call with the status already set on its context (Serve keeps that code)."""
-
-
-def _grpc_fail(grpc_context: Any, code: grpc.StatusCode, details: str, request_id: str) -> None:
-    # Ray Serve's proxy applies a context's code only with a yielded message or a raised
-    # exception; raising keeps a stream that failed before any message from ending with OK.
-    grpc_context.set_code(code)
-    grpc_context.set_details(f"{details} (request {request_id})" if request_id else details)
-    raise _GrpcStatus(details)
 
 
 app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
@@ -69,9 +59,12 @@ app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
 @serve.deployment(name="Router")
 @serve.ingress(app)
 class Router:
-    def __init__(self, config: dict[str, Any], decode_handle: Any) -> None:
+    async def __init__(self, config: dict[str, Any], decode_handle: Any) -> None:  # type: ignore[misc]
         self.config = config_from_dict(config)
         r = self.config.router
+        warning = check_exposure(r)  # ValueError: public listeners without API keys
+        if warning:
+            logger.warning(warning)
         self.model = r.model_name or model_name(self.config)
         self.limits = model_limits(self.config)
         self.parser = RequestParser(
@@ -87,6 +80,16 @@ class Router:
         self.metrics = RouterMetrics()
         self.faults = FaultPoints.from_config(self.config.testing)  # inert outside test mode
         self.counts = {"requests": 0, "errors": 0}
+        self.grpc = GrpcListener(
+            r, generate=self._grpc_generate, model_info=self._model_info, ready=lambda: True
+        )
+        await self.grpc.start()
+
+    async def __del__(self) -> None:
+        # Graceful shutdown (Serve calls it): open gRPC streams get the grace period.
+        listener = getattr(self, "grpc", None)
+        if listener is not None:
+            await listener.stop(self.config.router.graceful_shutdown_timeout_s)
 
     # -- the shared path ----------------------------------------------------------------------
 
@@ -136,50 +139,25 @@ class Router:
                 usage.phases if usage else None,
             )
 
-    # -- gRPC (through Ray Serve's gRPC proxy) ------------------------------------------------
+    # -- gRPC (the replica's own server: router/grpc_server.py) ------------------------------
 
-    def _grpc_auth(self, grpc_context: Any) -> None:
-        if self.auth.enabled:
-            md = dict(grpc_context.invocation_metadata())
-            self.auth.check(md.get("authorization"))
-
-    async def Generate(
-        self, request: "pb.GenerateRequest", grpc_context: Any
+    async def _grpc_generate(
+        self, request: "pb.GenerateRequest", metadata: Mapping[str, str], remaining_s: float | None
     ) -> "AsyncIterator[pb.GenerateResponse]":
-        try:
-            self._grpc_auth(grpc_context)
-            parsed = self.parser.from_grpc(request)
-            async for chunk in self._run(parsed, "grpc"):
-                yield grpc_chunk(chunk)
-        except PDServeError as e:
-            _grpc_fail(grpc_context, grpc_status(e), e.message, e.request_id)
-        except Exception:
-            logger.exception("gRPC Generate failed")
-            _grpc_fail(grpc_context, grpc.StatusCode.INTERNAL, "internal error", request.request_id)
+        self.auth.check(metadata.get("authorization"))
+        parsed = self.parser.from_grpc(request)
+        parsed.deadline = deadline_within(parsed.deadline, remaining_s)
+        async for chunk in self._run(parsed, "grpc"):
+            yield grpc_chunk(chunk)
 
-    async def GetModelInfo(
-        self, request: "pb.ModelInfoRequest", grpc_context: Any
-    ) -> "pb.ModelInfo":
-        try:
-            self._grpc_auth(grpc_context)
-        except PDServeError as e:
-            _grpc_fail(grpc_context, grpc_status(e), e.message, "")
+    def _model_info(self, metadata: Mapping[str, str]) -> "pb.ModelInfo":
+        self.auth.check(metadata.get("authorization"))
         return pb.ModelInfo(
             model=self.model,
             max_model_len=self.limits.max_model_len,
             vocab_size=self.limits.vocab_size,
             block_size=self.config.cache.block_size,
         )
-
-    async def Check(
-        self, request: "health_pb2.HealthCheckRequest", grpc_context: Any
-    ) -> "health_pb2.HealthCheckResponse":
-        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
-
-    async def Watch(
-        self, request: "health_pb2.HealthCheckRequest", grpc_context: Any
-    ) -> "AsyncIterator[health_pb2.HealthCheckResponse]":
-        yield health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
 
     # -- OpenAI-compatible HTTP ---------------------------------------------------------------
 
@@ -291,6 +269,9 @@ class Router:
 
     def stats(self) -> dict[str, Any]:
         return {**self.counts, "retries": self.relay.num_retries}
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def arm_fault(self, spec: str) -> str:
         """Test mode only (``testing.enabled``): arm a router fault point (``common.faults``)."""

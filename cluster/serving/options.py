@@ -57,7 +57,11 @@ def deployment_options(config: ClusterConfig) -> dict[str, dict[str, Any]]:
             "num_replicas": r.num_replicas,
             "max_ongoing_requests": r.max_ongoing_requests,
             "max_queued_requests": r.max_queued_requests,
-            "ray_actor_options": {"num_cpus": r.num_cpus},
+            "graceful_shutdown_timeout_s": r.graceful_shutdown_timeout_s,
+            "ray_actor_options": {
+                "num_cpus": r.num_cpus,
+                **({"resources": dict(r.resources)} if r.resources else {}),
+            },
         },
     }
 

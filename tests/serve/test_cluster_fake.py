@@ -23,7 +23,6 @@ import grpc
 import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from ray import serve
 
 from cluster.engine.engine import LLMEngine
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
@@ -248,8 +247,8 @@ def test_auth_on_every_method_but_health(app: App) -> None:
 
 
 def test_text_that_is_not_unicode_is_a_client_error(app: App) -> None:
-    """B6: lone surrogates in JSON strings and invalid UTF-8 bodies are 4xx naming the field,
-    before any worker is touched; a valid surrogate pair is ordinary text."""
+    """B6: lone surrogates in JSON strings, invalid UTF-8 bodies and protobuf strings are 4xx
+    naming the field, before any worker is touched; a valid surrogate pair is ordinary text."""
     before = worker_calls(app)
     chat = "/v1/chat/completions"
     cases = [  # json.dumps escapes each lone surrogate as \udXXX, as a client would send it
@@ -273,6 +272,18 @@ def test_text_that_is_not_unicode_is_a_client_error(app: App) -> None:
         status, err = http(app, "/v1/completions", raw=raw)
         assert status == 400 and err["error"]["message"].startswith("body: not valid UTF-8"), err
     assert worker_calls(app) == before
+    # gRPC: a prompt string whose bytes are not UTF-8 (the server parses it: INVALID_ARGUMENT)
+    data = pb.GenerateRequest(prompt="ab").SerializeToString().replace(b"ab", b"a\xff")
+    generate = app.channel.unary_stream(
+        "/pdserve.v1.Generation/Generate",
+        request_serializer=None,
+        response_deserializer=pb.GenerateResponse.FromString,
+    )
+    with pytest.raises(grpc.RpcError) as info:
+        list(generate(data, metadata=app.auth(KEY), timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+    assert info.value.details().startswith("request: not a valid GenerateRequest")
+    assert worker_calls(app) == before
     # an escaped surrogate *pair* is an ordinary character (here an emoji)
     status, body = http(app, "/v1/completions", {"prompt": "hi \ud83d\ude00", "max_tokens": 2})
     assert status == 200, body
@@ -289,13 +300,12 @@ def test_internal_errors_show_a_code_and_the_request_id_only(app: App) -> None:
     """S8: a bug in the router (forced with a fault point) reaches each API as a code, a fixed
     message and the request id; the stack trace stays in the router's log."""
     point = "router.before_relay=raise"
-    router = serve.get_deployment_handle("Router", APP)
-    router.arm_fault.remote(point).result(timeout_s=30)
+    app.router.arm_fault.remote(point).result(timeout_s=30)
     with pytest.raises(grpc.RpcError) as info:
         app.generate(greedy_req(prompt(1, 8), 4, "s8-grpc"), KEY)
     assert info.value.code() == grpc.StatusCode.INTERNAL
     assert info.value.details() == "internal error (request s8-grpc)"
-    router.arm_fault.remote(point).result(timeout_s=30)
+    app.router.arm_fault.remote(point).result(timeout_s=30)
     body = {"prompt": [1, 2, 3], "max_tokens": 2, "request_id": "s8-http"}
     status, err = http(app, "/v1/completions", body)
     assert status == 500, err
@@ -308,7 +318,7 @@ def test_internal_errors_show_a_code_and_the_request_id_only(app: App) -> None:
             "request_id": "s8-http",
         }
     }
-    router.arm_fault.remote(point).result(timeout_s=30)
+    app.router.arm_fault.remote(point).result(timeout_s=30)
     req = urllib.request.Request(
         app.cluster.http_url + "/v1/completions",
         data=json.dumps({**body, "stream": True, "request_id": "s8-sse"}).encode(),
