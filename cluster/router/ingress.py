@@ -102,13 +102,14 @@ class Router:
         self.counts["requests"] += 1
         logger.info(
             "request %s: %s, %d prompt tokens",
-            parsed.request_id,
+            parsed.call_id,
             route,
             len(parsed.prompt_token_ids),
         )
         try:
             await self.faults.hit_async("router.before_relay")
             async for chunk in self.relay.stream(parsed.to_call((time.monotonic() - t0) * 1000)):
+                chunk.request_id = parsed.request_id  # the client's id, not the cluster's
                 if first is None and (chunk.token_ids or chunk.text):
                     first = time.monotonic()
                 if chunk.usage is not None:
@@ -117,13 +118,14 @@ class Router:
         except PDServeError as e:
             status = e.code.value.lower()
             self.counts["errors"] += 1
-            logger.warning("request %s: %s", parsed.request_id, e)
+            logger.warning("request %s: %s", parsed.call_id, e)
+            e.request_id = parsed.request_id
             raise
         except Exception:
             # A bug: the details go to the log, the client gets a code and the request id.
             status = "internal"
             self.counts["errors"] += 1
-            logger.exception("request %s failed", parsed.request_id)
+            logger.exception("request %s failed", parsed.call_id)
             raise internal_error(parsed.request_id) from None
         except BaseException:
             status = "cancelled"

@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from cluster.common.errors import ErrorCode, PDServeError, invalid
 from cluster.common.hashing import hash_block_tokens
@@ -74,11 +74,17 @@ _UNSUPPORTED = {
 }
 
 
+class RequestIds(NamedTuple):
+    label: str  # what the client sent (or what was made for it): every reply carries it
+    unique: str  # the cluster's id of this request, in every pool and every log line
+
+
 @dataclass(slots=True)
 class ParsedRequest:
     """A validated request, ready to send to the decode pool."""
 
-    request_id: str
+    request_id: str  # the client's id (a label, maybe shared with other requests)
+    call_id: str  # unique: the id the pools know the request by
     prompt_token_ids: list[int]
     block_hashes: list[int]
     params: SamplingParams
@@ -90,7 +96,7 @@ class ParsedRequest:
 
     def to_call(self, router_queue_ms: float) -> GenerateCall:
         return GenerateCall(
-            request_id=self.request_id,
+            request_id=self.call_id,
             prompt_token_ids=self.prompt_token_ids,
             block_hashes=self.block_hashes,
             params=self.params,
@@ -179,14 +185,17 @@ class RequestParser:
 
     # -- shared --------------------------------------------------------------------------------
 
-    def request_id(self, given: str | None, prefix: str) -> str:
+    def request_id(self, given: str | None, prefix: str) -> RequestIds:
+        """A client's id is a label (two requests may carry the same one); the cluster's own
+        id of the request is unique: the label plus a random suffix ('@' is never in a label)."""
         if not given:
-            return f"{prefix}-{uuid.uuid4().hex}"
+            generated = f"{prefix}-{uuid.uuid4().hex}"
+            return RequestIds(generated, generated)
         if not isinstance(given, str) or not _REQUEST_ID.fullmatch(given):
             raise invalid(
                 "request_id: at most 128 letters, digits, '-', '_', '.' or ':' characters"
             )
-        return given
+        return RequestIds(given, f"{given}@{uuid.uuid4().hex[:16]}")
 
     def deadline(self, timeout_ms: int | None) -> float:
         if timeout_ms is None:
@@ -210,7 +219,7 @@ class RequestParser:
 
     def finish(
         self,
-        request_id: str,
+        ids: RequestIds,
         prompt: list[int],
         params: SamplingParams,
         deadline: float | None,
@@ -228,7 +237,8 @@ class RequestParser:
         except ValueError as e:
             raise invalid(str(e)) from None
         return ParsedRequest(
-            request_id=request_id,
+            request_id=ids.label,
+            call_id=ids.unique,
             prompt_token_ids=prompt,
             block_hashes=hash_block_tokens(prompt, self.block_size),
             params=params,

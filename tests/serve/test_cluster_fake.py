@@ -243,6 +243,63 @@ def test_auth_on_every_method_but_health(app: App) -> None:
     app.assert_clean()
 
 
+# -- a reused client request id (K10) -------------------------------------------------------------
+
+
+def test_a_reused_request_id_leaves_the_running_request_alone(app: App) -> None:
+    """K10: a second request with the id of one still running (in the decode engine, its blocks
+    reserved, paused before its pull) is served on its own; the first then finishes normally.
+    Both oracle-identical."""
+    point = "d.after_alloc_before_pull"
+    first_p, second_p = prompt(21, 40), prompt(22, 40)  # remote prefill: leases, reservations
+    expected = reference(app, {"a": first_p, "b": second_p}, 12)
+    app.arm("decode", f"{point}=pause")
+    _call, got, t = start_stream(app, greedy_req(first_p, 12, "k10-same"))
+    try:
+        app.wait_paused("decode", point)
+        second = app.generate(greedy_req(second_p, 12, "k10-same"), KEY)
+        assert tokens(second) == expected["b"]
+        assert all(m.request_id == "k10-same" for m in second)
+    finally:
+        app.release("decode", point)
+    t.join(60)
+    assert got and not isinstance(got[-1], grpc.RpcError), got[-1]
+    assert tokens(got) == expected["a"]
+    assert got[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    app.assert_clean()
+
+
+def test_fifty_requests_sharing_ids_in_pairs_all_finish(app: App) -> None:
+    """K10, 50 tries: 25 ids, each used by two concurrent requests (gRPC and HTTP)."""
+    prompts = {f"k{i}": prompt(30 + i, 20 + 3 * i) for i in range(50)}
+    expected = reference(app, prompts, 8)
+    results: dict[str, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def call(i: int) -> None:
+        key, rid = f"k{i}", f"pair-{i // 2}"
+        try:
+            if i % 2:
+                body = {"prompt": prompts[key], "max_tokens": 8, "temperature": 0.0}
+                body.update(min_tokens=8, ignore_eos=True, request_id=rid)
+                status, out = http(app, "/v1/completions", body)
+                assert status == 200 and out["id"] == rid, out
+                results[key] = [int(w[1:]) for w in out["choices"][0]["text"].split()]
+            else:
+                results[key] = tokens(app.generate(greedy_req(prompts[key], 8, rid), KEY))
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(50)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[:3]
+    assert results == expected
+    app.assert_clean()
+
+
 # -- text that is not Unicode (B6); errors say what, not how (S8) ---------------------------------
 
 

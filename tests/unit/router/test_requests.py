@@ -254,3 +254,20 @@ def test_chat_bad_input(parser: RequestParser, body: dict, field: str) -> None:
     code, message = code_of(parser.from_chat, body)
     assert code == ErrorCode.INVALID_ARGUMENT
     assert message.startswith(field), message
+
+
+def test_a_client_request_id_is_a_label_the_cluster_id_is_unique(parser: RequestParser) -> None:
+    """K10: two requests with one client id reach the pools under two ids (each with the label
+    in it, for the logs); replies carry the label; a made-up id needs no suffix."""
+    a = parser.from_grpc(grpc_req(prompt="hi", request_id="same"))
+    b = parser.from_completion({"prompt": "hi", "request_id": "same"})
+    assert a.request_id == b.request_id == "same"
+    assert len({a.call_id, b.call_id}) == 2
+    assert all(c.startswith("same@") for c in (a.call_id, b.call_id))
+    assert a.to_call(0.0).request_id == a.call_id
+    made = parser.from_grpc(grpc_req(prompt="hi"))
+    assert made.call_id == made.request_id and made.request_id.startswith("req-")
+    for bad in ("a@b", "x\n", "é"):  # '@' never appears in a label: ids cannot collide
+        assert code_of(parser.from_grpc, grpc_req(prompt="hi", request_id=bad))[0] == (
+            ErrorCode.INVALID_ARGUMENT
+        )
