@@ -17,18 +17,19 @@ The request id travels through every pool and appears in every log line about it
 # (``Request``) on the methods Ray Serve's ingress wraps, or it takes them for query parameters.
 # The gRPC methods' protobuf annotations stay strings: Serve pickles the app, and protobuf
 # descriptors do not pickle.
-import json
+import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
-from cluster.common.errors import ErrorCode, PDServeError, internal_error, invalid
+from cluster.common.errors import ErrorCode, PDServeError, internal_error
 from cluster.common.faults import FaultPoints
 from cluster.common.protocol import StreamChunk
 from cluster.common.tokenizer import load_tokenizer
@@ -38,7 +39,7 @@ from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.router.auth import ApiKeyAuth, check_exposure
 from cluster.router.grpc_server import GrpcListener, deadline_within
 from cluster.router.relay import DecodeRelay
-from cluster.router.requests import ParsedRequest, RequestParser
+from cluster.router.requests import ParsedRequest, RequestParser, json_object
 from cluster.router.responses import (
     ChatStream,
     CompletionStream,
@@ -51,6 +52,9 @@ from cluster.router.responses import (
 from cluster.serving.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
+
+
+INLINE_PARSE_BYTES = 64 << 10  # bigger requests are parsed and tokenized off the event loop
 
 
 app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
@@ -80,6 +84,8 @@ class Router:
         self.metrics = RouterMetrics()
         self.faults = FaultPoints.from_config(self.config.testing)  # inert outside test mode
         self.counts = {"requests": 0, "errors": 0}
+        # One thread: big requests are parsed one at a time, the event loop keeps a core.
+        self._parse_pool = ThreadPoolExecutor(1, thread_name_prefix="router-parse")
         self.grpc = GrpcListener(
             r, generate=self._grpc_generate, model_info=self._model_info, ready=lambda: True
         )
@@ -90,6 +96,7 @@ class Router:
         listener = getattr(self, "grpc", None)
         if listener is not None:
             await listener.stop(self.config.router.graceful_shutdown_timeout_s)
+            self._parse_pool.shutdown(wait=False)
 
     # -- the shared path ----------------------------------------------------------------------
 
@@ -147,7 +154,7 @@ class Router:
         self, request: "pb.GenerateRequest", metadata: Mapping[str, str], remaining_s: float | None
     ) -> "AsyncIterator[pb.GenerateResponse]":
         self.auth.check(metadata.get("authorization"))
-        parsed = self.parser.from_grpc(request)
+        parsed = await self._parse(lambda: self.parser.from_grpc(request), request.ByteSize())
         parsed.deadline = deadline_within(parsed.deadline, remaining_s)
         async for chunk in self._run(parsed, "grpc"):
             yield grpc_chunk(chunk)
@@ -163,33 +170,36 @@ class Router:
 
     # -- OpenAI-compatible HTTP ---------------------------------------------------------------
 
-    async def _body(self, request: Request) -> dict[str, Any]:
+    async def _body(self, request: Request) -> bytes:
+        """The body, read as it arrives and refused as soon as it passes the limit (a chunked
+        body has no Content-Length to check first): never buffered beyond the limit."""
         self.auth.check(request.headers.get("authorization"))
         limit = self.config.router.max_request_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise PDServeError(ErrorCode.RESOURCE_EXHAUSTED, f"request body exceeds {limit} bytes")
-        raw = await request.body()
-        if len(raw) > limit:
-            raise PDServeError(ErrorCode.RESOURCE_EXHAUSTED, f"request body exceeds {limit} bytes")
-        try:
-            text = raw.decode("utf-8")  # strict: json.loads(bytes) would let surrogates through
-        except UnicodeDecodeError as e:
-            raise invalid(f"body: not valid UTF-8 (at byte {e.start})") from None
-        try:
-            body = json.loads(text)
-        except ValueError:
-            raise invalid("body: not valid JSON") from None
-        if not isinstance(body, dict):
-            raise invalid("body: must be a JSON object")
-        return body
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise PDServeError(
+                    ErrorCode.RESOURCE_EXHAUSTED, f"request body exceeds {limit} bytes"
+                )
+            parts.append(part)
+        return b"".join(parts)
+
+    async def _parse(self, parse: Callable[[], ParsedRequest], size: int) -> ParsedRequest:
+        """Validate and tokenize: a small request here, a big one on the parse thread, so that
+        a few MiB of text never stall this event loop (health, other requests: B10)."""
+        if size <= INLINE_PARSE_BYTES:
+            return parse()
+        return await asyncio.get_running_loop().run_in_executor(self._parse_pool, parse)
 
     async def _http(self, request: Request, kind: str) -> Response:
         try:
-            body = await self._body(request)
-            parsed = (
-                self.parser.from_chat(body) if kind == "chat" else self.parser.from_completion(body)
-            )
+            raw = await self._body(request)
+            from_body = self.parser.from_chat if kind == "chat" else self.parser.from_completion
+            parsed = await self._parse(lambda: from_body(json_object(raw)), len(raw))
         except PDServeError as e:
             status, payload = openai_error(e)
             return JSONResponse(payload, status_code=status)

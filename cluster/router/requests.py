@@ -7,6 +7,7 @@ types, ranges, token ids outside the vocabulary, prompt + max_tokens beyond the 
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -103,6 +104,20 @@ class ParsedRequest:
             deadline=self.deadline,
             router_queue_ms=router_queue_ms,
         )
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        text = raw.decode("utf-8")  # strict: json.loads(bytes) would let surrogates through
+    except UnicodeDecodeError as e:
+        raise invalid(f"body: not valid UTF-8 (at byte {e.start})") from None
+    try:
+        body = json.loads(text)
+    except ValueError:
+        raise invalid("body: not valid JSON") from None
+    if not isinstance(body, dict):
+        raise invalid("body: must be a JSON object")
+    return body
 
 
 def _type_name(value: Any) -> str:
@@ -204,14 +219,30 @@ class RequestParser:
             raise PDServeError(ErrorCode.DEADLINE_EXCEEDED, "timeout_ms: the deadline has passed")
         return time.time() + min(timeout_ms / 1000, self.router.request_timeout_s)
 
-    def encode_text(self, text: str, field_name: str) -> list[int]:
-        if len(text) > MAX_PROMPT_CHARS:
+    def _check_chars(self, num_chars: int, field_name: str) -> None:
+        """The cheap bound, before any tokenizing (B10): a text longer than any prompt the
+        context can hold (``max_model_len`` x the longest token) cannot fit."""
+        if num_chars > MAX_PROMPT_CHARS:
             raise invalid(f"{field_name}: longer than {MAX_PROMPT_CHARS} characters")
+        per_token = getattr(self.tokenizer, "max_chars_per_token", None)
+        if per_token and num_chars > self.limits.max_model_len * per_token:
+            raise invalid(
+                f"{field_name}: {num_chars} characters cannot fit in max_model_len="
+                f"{self.limits.max_model_len} tokens (at most "
+                f"{self.limits.max_model_len * per_token} characters)"
+            )
+
+    def encode_text(self, text: str, field_name: str) -> list[int]:
+        self._check_chars(len(text), field_name)
         if not text:
             raise invalid("prompt: prompt cannot be empty")
         return list(self.tokenizer.encode(utf8_text(text, field_name)))
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        self._check_chars(
+            sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, Mapping)),
+            "messages",
+        )
         try:
             return list(self.tokenizer.encode_chat(messages))
         except ValueError as e:  # includes ChatTemplateError, raised by the model's template

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import threading
 import time
 import urllib.error
@@ -21,6 +22,7 @@ from typing import Any
 
 import grpc
 import openai
+import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -213,6 +215,46 @@ def test_bad_input_gets_the_right_status_and_touches_no_worker(app: App) -> None
     status, body = http(app, "/v1/completions", raw=b"x" * (5 << 20))
     assert status == 429 and "exceeds" in body["error"]["message"]
     assert worker_calls(app) == before  # nothing reached a pool
+    app.assert_clean()
+
+
+def test_a_chunked_body_over_the_limit_is_refused_without_being_buffered(app: App) -> None:
+    """B7: no Content-Length to check first; the router stops reading at the limit and answers
+    429 while the client is still sending, its memory untouched by the rest."""
+    limit = app.config.router.max_request_bytes
+    router = psutil.Process(app.router.pid.remote().result(timeout_s=30))
+    rss_before = router.memory_info().rss
+    sent = 0
+    total = 16 * limit
+    with socket.create_connection(("127.0.0.1", app.cluster.http_port), timeout=30) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {KEY}\r\n".encode()
+            + b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        piece = b'{"prompt": "' + b"x" * (64 << 10)
+        chunk = f"{len(piece):x}\r\n".encode() + piece + b"\r\n"
+        sock.settimeout(0.05)
+        reply = b""
+        while sent < total and not reply:
+            try:
+                sock.sendall(chunk)
+                sent += len(piece)
+            except OSError:  # the server closed the connection after answering
+                break
+            with contextlib.suppress(TimeoutError, BlockingIOError):
+                reply = sock.recv(65536)
+        sock.settimeout(30)
+        while b"\r\n\r\n" not in reply:
+            more = sock.recv(65536)
+            if not more:
+                break
+            reply += more
+    status_line = reply.split(b"\r\n", 1)[0]
+    assert b" 429 " in status_line, reply[:300]
+    assert b"exceeds" in reply
+    assert sent < total / 2, (sent, total)  # answered long before the client had sent it all
+    assert router.memory_info().rss - rss_before < 10 << 20
     app.assert_clean()
 
 

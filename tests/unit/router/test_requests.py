@@ -271,3 +271,29 @@ def test_a_client_request_id_is_a_label_the_cluster_id_is_unique(parser: Request
         assert code_of(parser.from_grpc, grpc_req(prompt="hi", request_id=bad))[0] == (
             ErrorCode.INVALID_ARGUMENT
         )
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing() -> None:
+    """B10: the cheap bound: no token covers more than ``max_chars_per_token`` characters, so a
+    longer text than ``max_model_len`` of them is refused without calling the tokenizer."""
+
+    class Bounded(FakeTokenizer):
+        max_chars_per_token = 4
+        calls = 0
+
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            Bounded.calls += 1
+            return super().encode(text, add_special_tokens)
+
+    p = RequestParser(Bounded(VOCAB), ModelLimits(CTX, VOCAB), "m", BLOCK, RouterConfig())
+    for request in (
+        lambda: p.from_completion({"prompt": "x" * (4 * CTX + 1)}),
+        lambda: p.from_grpc(grpc_req(prompt="y" * (4 * CTX + 1))),
+        lambda: p.from_chat({"messages": [{"role": "user", "content": "z" * (4 * CTX + 1)}]}),
+    ):
+        code, message = code_of(request)
+        assert code == ErrorCode.INVALID_ARGUMENT and "cannot fit" in message, message
+    assert Bounded.calls == 0
+    # at the bound itself the tokenizer decides (here: one word, one token)
+    assert p.from_completion({"prompt": "x" * (4 * CTX), "max_tokens": 1}).prompt_token_ids
+    assert Bounded.calls == 1
