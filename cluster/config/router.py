@@ -25,6 +25,8 @@ class RouterConfig:
     max_queued_requests: int = 256  # beyond this: RESOURCE_EXHAUSTED / HTTP 429 at once
     max_streams_per_connection: int = 100  # gRPC calls open at once on one client connection
     graceful_shutdown_timeout_s: float = 20.0  # a router replica going away lets calls finish
+    # Health says SERVING once the pools answer a readiness probe, sent this often.
+    readiness_period_s: float = 0.5
     request_timeout_s: float = 600.0  # default deadline of a request that brings none
     max_request_bytes: int = 4 << 20  # gRPC message and HTTP body limit
     retries: int = 3  # attempts before the first token reaches the client (never after)
@@ -58,6 +60,7 @@ class RouterConfig:
             "router.graceful_shutdown_timeout_s",
             "must be > 0",
         )
+        check(self.readiness_period_s > 0, "router.readiness_period_s", "must be > 0")
         check(
             bool(self.tls_cert_file) == bool(self.tls_key_file),
             "router.tls_key_file",

@@ -38,6 +38,7 @@ from cluster.config.model_paths import model_limits, model_name
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.router.auth import ApiKeyAuth, check_exposure
 from cluster.router.grpc_server import GrpcListener, deadline_within
+from cluster.router.readiness import Readiness
 from cluster.router.relay import DecodeRelay
 from cluster.router.requests import ParsedRequest, RequestParser, json_object
 from cluster.router.responses import (
@@ -86,13 +87,25 @@ class Router:
         self.counts = {"requests": 0, "errors": 0}
         # One thread: big requests are parsed one at a time, the event loop keeps a core.
         self._parse_pool = ThreadPoolExecutor(1, thread_name_prefix="router-parse")
+        self.readiness = Readiness(
+            self._pools_ready,
+            period_s=r.readiness_period_s,
+            timeout_s=max(2.0, 4 * r.readiness_period_s),
+        )
         self.grpc = GrpcListener(
-            r, generate=self._grpc_generate, model_info=self._model_info, ready=lambda: True
+            r,
+            generate=self._grpc_generate,
+            model_info=self._model_info,
+            ready=lambda: self.readiness.ready,
         )
         await self.grpc.start()
+        self.readiness.start()
 
     async def __del__(self) -> None:
         # Graceful shutdown (Serve calls it): open gRPC streams get the grace period.
+        readiness = getattr(self, "readiness", None)
+        if readiness is not None:
+            readiness.stop()
         listener = getattr(self, "grpc", None)
         if listener is not None:
             await listener.stop(self.config.router.graceful_shutdown_timeout_s)
@@ -117,8 +130,10 @@ class Router:
             await self.faults.hit_async("router.before_relay")
             async for chunk in self.relay.stream(parsed.to_call((time.monotonic() - t0) * 1000)):
                 chunk.request_id = parsed.request_id  # the client's id, not the cluster's
-                if first is None and (chunk.token_ids or chunk.text):
-                    first = time.monotonic()
+                if chunk.token_ids or chunk.text:
+                    self.readiness.saw_progress()
+                    if first is None:
+                        first = time.monotonic()
                 if chunk.usage is not None:
                     usage = chunk.usage
                 yield chunk
@@ -275,7 +290,15 @@ class Router:
 
     @app.get("/health")
     async def health(self) -> Response:
-        return JSONResponse({"status": "ok"})
+        """Readiness (no key needed): 200 once both pools can take a request, else 503."""
+        if self.readiness.ready:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse(
+            {"status": "unavailable", "reason": self.readiness.reason}, status_code=503
+        )
+
+    async def _pools_ready(self) -> bool:
+        return bool(await self.decode_handle.ready.remote())
 
     # -- introspection (tests, operators) -----------------------------------------------------
 

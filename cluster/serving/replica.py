@@ -3,7 +3,8 @@
 A pool deployment subclasses it, builds its role's Ray-free worker (``PrefillWorker``,
 ``DecodeWorker``) and adds its one streaming call. The base gives it:
 
-  * health (``check_health``: the engine thread and the KV side are alive);
+  * health (``check_health``: the engine thread and the KV side are alive) and readiness
+    (``ready``: that, and the pools it calls answer too);
   * introspection for operators and tests (``stats``, ``check_integrity``, ``pid``);
   * the metrics loop (``PoolMetrics`` fed from ``stats()`` every second, started with the first
     call so it runs on the replica's event loop);
@@ -104,6 +105,14 @@ class PoolReplica:
     def check_health(self) -> None:
         if not self.worker.is_alive():
             raise RuntimeError(f"{self.role} replica {self.replica_id}: engine or KV side is dead")
+
+    async def ready(self) -> bool:
+        """Readiness (the router's probe): this replica can take a request now, and so can
+        any pool it depends on."""
+        return self.worker.is_alive() and await self.dependencies_ready()
+
+    async def dependencies_ready(self) -> bool:
+        return True
 
     # -- introspection -------------------------------------------------------------------------
 

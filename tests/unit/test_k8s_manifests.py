@@ -226,6 +226,15 @@ def _custom_resources(params: dict[str, str]) -> dict[str, float]:
     return {k: float(v) for k, v in parsed.items()}
 
 
+def _health_routes() -> set[str]:
+    """The router's readiness route(s): the path of its ``health`` handler, from the source."""
+    source = (ROOT / "cluster" / "router" / "ingress.py").read_text()
+    return set(re.findall(r'@app\.get\("([^"]+)"\)\n    async def health\(', source))
+
+
+HEALTH_ROUTES = _health_routes()
+
+
 def _resources_of(loaded: Loaded, deployment: str) -> dict[str, float]:
     return dict(loaded.deployments[deployment].ray_actor_options.get("resources") or {})
 
@@ -694,6 +703,15 @@ def test_ray_cluster_settings(variant: tuple[str, list[dict[str, Any]]], loaded:
         assert ports["grpc"] == loaded.config.router.grpc_port
         for probe in ("readinessProbe", "livenessProbe"):
             assert container[probe]["httpGet"]["port"] in ports, (group_name, probe)
+        # Readiness (F22): a pool pod is ready only while pdserve can take a request: the
+        # router's /health (503 until both pools answer) through the pod's Serve proxy. The
+        # head keeps Ray's own health: KubeRay deploys the app only once the head is ready.
+        ready = container["readinessProbe"]["httpGet"]
+        if group_name == "headgroup":
+            assert ready["port"] == "dashboard-agent", ready
+        else:
+            assert (ready["path"], ready["port"]) == ("/health", "serve"), (group_name, ready)
+            assert ready["path"] in HEALTH_ROUTES
         # gRPC is the Router replicas' own server: no Serve gRPC proxy setting anywhere.
         assert "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE" not in _env(container)
         # The object store lives in a memory-backed /dev/shm at least as large as it.
