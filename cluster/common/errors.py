@@ -70,6 +70,5 @@ def invalid(message: str) -> PDServeError:
 
 
 def internal_error(request_id: str) -> PDServeError:
-    """What a client sees of a bug: a code, a fixed message and the request id (the details
-    are logged where it happened, never sent)."""
+    """A bug as a client sees it: code, fixed message, request id (details stay in the log)."""
     return PDServeError(ErrorCode.INTERNAL, "internal error", request_id)

@@ -63,11 +63,9 @@ class Tokenizer:
                 eos_ids.append(tid)
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_ids))
         self._template: Any = None
-        # No token covers more characters than this, so a text of n characters has at least
-        # n / max_chars_per_token tokens: a prompt that cannot fit is refused without
-        # tokenizing it. A byte-level vocabulary spells each byte as one character, so its
-        # longest entry bounds the characters (of at least one byte each) of any token; a
-        # normalizer may shrink the text first (NFKC joins characters): no bound then.
+        # No token covers more characters than this (a byte-level vocabulary spells a byte as
+        # one character), so a prompt that cannot fit is refused untokenized; a normalizer may
+        # shrink the text first (NFKC joins characters): no bound then.
         self.max_chars_per_token: int | None = None
         if self._tok.normalizer is None:
             vocab = self._tok.get_vocab(with_added_tokens=True)
@@ -77,9 +75,8 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) > LONG_TEXT_CHARS:
-            # ``encode`` holds the GIL for its whole run (seconds for a few MiB: every other
-            # thread of the process stalls, the router's event loop with them);
-            # ``encode_batch`` releases it and gives the same ids.
+            # ``encode`` holds the GIL throughout (seconds for MiB: every thread of the process
+            # stalls); ``encode_batch`` releases it, same ids.
             (enc,) = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)
             return list(enc.ids)
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)

@@ -21,8 +21,11 @@ class RouterConfig:
     # Custom Ray resources per replica (multi-node: pin the replicas, whose gRPC servers the
     # clients dial, to the nodes a Service or load balancer points at).
     resources: dict[str, float] = field(default_factory=dict)
-    max_ongoing_requests: int = 1024  # per router replica (HTTP and gRPC each)
-    max_queued_requests: int = 256  # beyond this: RESOURCE_EXHAUSTED / HTTP 429 at once
+    # Requests in flight at one router replica (both APIs); beyond: RESOURCE_EXHAUSTED / HTTP
+    # 429 at once, before any parsing. None: what the decode pool can hold (its replicas x
+    # their max_ongoing_requests, shared by the router replicas, + its max_queued_requests).
+    max_ongoing_requests: int | None = None
+    max_queued_requests: int = 256  # HTTP requests Serve's proxy queues for a router replica
     max_streams_per_connection: int = 100  # gRPC calls open at once on one client connection
     graceful_shutdown_timeout_s: float = 20.0  # a router replica going away lets calls finish
     # Health says SERVING once the pools answer a readiness probe, sent this often.
@@ -47,7 +50,8 @@ class RouterConfig:
         check(self.http_port != self.grpc_port, "router.grpc_port", "must differ from http_port")
         check(self.num_replicas >= 1, "router.num_replicas", "must be >= 1")
         check(self.num_cpus > 0, "router.num_cpus", "must be > 0")
-        check(self.max_ongoing_requests >= 1, "router.max_ongoing_requests", "must be >= 1")
+        if self.max_ongoing_requests is not None:
+            check(self.max_ongoing_requests >= 1, "router.max_ongoing_requests", "must be >= 1")
         check(self.max_queued_requests >= 0, "router.max_queued_requests", "must be >= 0")
         check(self.request_timeout_s > 0, "router.request_timeout_s", "must be > 0")
         check(self.max_request_bytes >= 1024, "router.max_request_bytes", "must be >= 1024")

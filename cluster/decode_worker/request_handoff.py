@@ -220,21 +220,33 @@ class RequestHandoff:
 
     async def _decode(self) -> AsyncIterator[StreamChunk]:
         while True:
-            out = await self._before_deadline(self.outputs.get())
-            if out.error is not None:
+            outs = await self._next_outputs()
+            error = outs.pop() if outs[-1].error is not None else None
+            if outs:
+                for out in outs:
+                    for _ in out.new_token_ids:
+                        await self.ctx.faults.hit_async("d.mid_decode_token_k")
+                chunk = StreamChunk.merge([self._chunk(out) for out in outs])
+                if outs[-1].finished:
+                    self._record_tpot(outs[-1])
+                yield chunk
+                if outs[-1].finished:
+                    return
+            if error is not None:
                 self.finished = True
                 code = ErrorCode.ABORTED if self.first_token_at else ErrorCode.UNAVAILABLE
                 if self.failure is None:  # the engine itself failed: its text stays here
-                    logger.error("request %s: %s", self.rid, out.error)
+                    logger.error("request %s: %s", self.rid, error.error)
                 raise PDServeError(code, self.failure or "the decode replica failed", self.rid)
-            for _ in out.new_token_ids:
-                await self.ctx.faults.hit_async("d.mid_decode_token_k")
-            chunk = self._chunk(out)
-            if out.finished:
-                self._record_tpot(out)
-            yield chunk
-            if out.finished:
-                return
+
+    async def _next_outputs(self) -> list[RequestOutput]:
+        """The next output, and every one already queued behind it (to its last, or an error):
+        when this replica falls behind its engine, one chunk carries several steps' tokens, so
+        the per-item cost of the streams (here, Ray, the router) does not grow with the load."""
+        outs = [await self._before_deadline(self.outputs.get())]
+        while not outs[-1].finished and not self.outputs.empty():
+            outs.append(self.outputs.get_nowait())
+        return outs
 
     def _record_tpot(self, out: RequestOutput) -> None:
         if self.first_token_at is not None and out.num_output_tokens > 1:

@@ -9,8 +9,9 @@ ours. This server:
   * speaks TLS when ``router.tls_cert_file`` / ``tls_key_file`` are set, and requires client
     certificates signed by ``router.tls_client_ca_file`` when that is set (mTLS);
   * refuses a message over ``router.max_request_bytes`` (RESOURCE_EXHAUSTED, before parsing),
-    more than ``router.max_streams_per_connection`` concurrent calls on one connection and more
-    than ``router.max_ongoing_requests`` in all (RESOURCE_EXHAUSTED at once, nothing queued);
+    more than ``router.max_streams_per_connection`` concurrent calls on one connection and,
+    through the router's admission control (``admit``), more than it lets in at once
+    (RESOURCE_EXHAUSTED at once, before parsing, nothing queued);
   * parses each request itself, so bytes that are not a valid message (invalid UTF-8 in a
     string field, a truncated field) are INVALID_ARGUMENT, not INTERNAL;
   * ends every failed call with a code and a short message naming the request id, never an
@@ -94,13 +95,14 @@ class GrpcListener:
         generate: GenerateFn,
         model_info: ModelInfoFn,
         ready: Callable[[], bool],
+        admit: Callable[[], None],
     ) -> None:
         self.config = config
         self._generate_fn = generate
         self._model_info_fn = model_info
         self._ready = ready
+        self._admit_fn = admit
         self._streams: collections.Counter[str] = collections.Counter()  # per connection
-        self.num_ongoing = 0
         self.num_rejected = 0
         self.port = 0
         limit = config.max_request_bytes
@@ -109,8 +111,10 @@ class GrpcListener:
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", max(limit, 4 << 20)),
                 ("grpc.so_reuseport", 1),
-                # HTTP/2's own cap, above ours: a client cannot open unbounded streams at all.
-                ("grpc.max_concurrent_streams", 2 * config.max_streams_per_connection),
+                # HTTP/2's own cap, well above ours (calls between the two get our
+                # RESOURCE_EXHAUSTED; beyond it the stream is refused, REFUSED_STREAM, which a
+                # client sees as UNAVAILABLE): no client can open unbounded streams at all.
+                ("grpc.max_concurrent_streams", 4 * config.max_streams_per_connection),
             ]
         )
         self._server.add_generic_rpc_handlers((self._generation_handler(), self._health_handler()))
@@ -177,14 +181,10 @@ class GrpcListener:
                 "too many concurrent calls on this connection "
                 f"(router.max_streams_per_connection={self.config.max_streams_per_connection})",
             )
-        if self.num_ongoing >= self.config.max_ongoing_requests:
-            self.num_rejected += 1
-            raise PDServeError(ErrorCode.RESOURCE_EXHAUSTED, "the router is at capacity; retry")
+        self._admit_fn()  # the router's admission control: full raises RESOURCE_EXHAUSTED
         self._streams[peer] += 1
-        self.num_ongoing += 1
 
     def _leave(self, peer: str) -> None:
-        self.num_ongoing -= 1
         self._streams[peer] -= 1
         if self._streams[peer] <= 0:
             del self._streams[peer]

@@ -29,18 +29,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
-from cluster.common.errors import ErrorCode, PDServeError, internal_error
+from cluster.common.errors import PDServeError, internal_error
 from cluster.common.faults import FaultPoints
 from cluster.common.protocol import StreamChunk
 from cluster.common.tokenizer import load_tokenizer
 from cluster.config import config_from_dict
 from cluster.config.model_paths import model_limits, model_name
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
+from cluster.router.admission import Admission
 from cluster.router.auth import ApiKeyAuth, check_exposure
 from cluster.router.grpc_server import GrpcListener, deadline_within
 from cluster.router.readiness import Readiness
 from cluster.router.relay import DecodeRelay
-from cluster.router.requests import ParsedRequest, RequestParser, json_object
+from cluster.router.requests import ParsedRequest, RequestParser, json_object, read_body
 from cluster.router.responses import (
     ChatStream,
     CompletionStream,
@@ -51,6 +52,7 @@ from cluster.router.responses import (
     openai_error,
 )
 from cluster.serving.metrics import RouterMetrics
+from cluster.serving.options import router_admission_limit
 
 logger = logging.getLogger(__name__)
 
@@ -92,11 +94,13 @@ class Router:
             period_s=r.readiness_period_s,
             timeout_s=max(2.0, 4 * r.readiness_period_s),
         )
+        self.admission = Admission(router_admission_limit(self.config))
         self.grpc = GrpcListener(
             r,
             generate=self._grpc_generate,
             model_info=self._model_info,
             ready=lambda: self.readiness.ready,
+            admit=self.admission.check,
         )
         await self.grpc.start()
         self.readiness.start()
@@ -127,16 +131,15 @@ class Router:
             len(parsed.prompt_token_ids),
         )
         try:
-            await self.faults.hit_async("router.before_relay")
-            async for chunk in self.relay.stream(parsed.to_call((time.monotonic() - t0) * 1000)):
-                chunk.request_id = parsed.request_id  # the client's id, not the cluster's
-                if chunk.token_ids or chunk.text:
-                    self.readiness.saw_progress()
-                    if first is None:
-                        first = time.monotonic()
-                if chunk.usage is not None:
-                    usage = chunk.usage
-                yield chunk
+            with self.admission.admitted(parsed.request_id):
+                async for chunk in self._relay(parsed, t0):
+                    if chunk.token_ids or chunk.text:
+                        self.readiness.saw_progress()
+                        if first is None:
+                            first = time.monotonic()
+                    if chunk.usage is not None:
+                        usage = chunk.usage
+                    yield chunk
         except PDServeError as e:
             status = e.code.value.lower()
             self.counts["errors"] += 1
@@ -163,6 +166,16 @@ class Router:
                 usage.phases if usage else None,
             )
 
+    async def _relay(self, parsed: ParsedRequest, t0: float) -> AsyncIterator[StreamChunk]:
+        await self.faults.hit_async("router.before_relay")
+        stream = self.relay.stream(parsed.to_call((time.monotonic() - t0) * 1000))
+        try:
+            async for chunk in stream:
+                chunk.request_id = parsed.request_id  # the client's id, not the cluster's
+                yield chunk
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
     # -- gRPC (the replica's own server: router/grpc_server.py) ------------------------------
 
     async def _grpc_generate(
@@ -186,22 +199,12 @@ class Router:
     # -- OpenAI-compatible HTTP ---------------------------------------------------------------
 
     async def _body(self, request: Request) -> bytes:
-        """The body, read as it arrives and refused as soon as it passes the limit (a chunked
-        body has no Content-Length to check first): never buffered beyond the limit."""
         self.auth.check(request.headers.get("authorization"))
-        limit = self.config.router.max_request_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise PDServeError(ErrorCode.RESOURCE_EXHAUSTED, f"request body exceeds {limit} bytes")
-        parts, size = [], 0
-        async for part in request.stream():
-            size += len(part)
-            if size > limit:
-                raise PDServeError(
-                    ErrorCode.RESOURCE_EXHAUSTED, f"request body exceeds {limit} bytes"
-                )
-            parts.append(part)
-        return b"".join(parts)
+        return await read_body(
+            request.stream(),
+            request.headers.get("content-length"),
+            self.config.router.max_request_bytes,
+        )
 
     async def _parse(self, parse: Callable[[], ParsedRequest], size: int) -> ParsedRequest:
         """Validate and tokenize: a small request here, a big one on the parse thread, so that
@@ -212,6 +215,7 @@ class Router:
 
     async def _http(self, request: Request, kind: str) -> Response:
         try:
+            self.admission.check()  # before reading anything: overload costs nothing
             raw = await self._body(request)
             from_body = self.parser.from_chat if kind == "chat" else self.parser.from_completion
             parsed = await self._parse(lambda: from_body(json_object(raw)), len(raw))
@@ -303,7 +307,13 @@ class Router:
     # -- introspection (tests, operators) -----------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        return {**self.counts, "retries": self.relay.num_retries}
+        return {
+            **self.counts,
+            "retries": self.relay.num_retries,
+            "in_flight": self.admission.num_inflight,
+            "rejected": self.admission.num_rejected,
+            "ready": self.readiness.ready,
+        }
 
     def pid(self) -> int:
         return os.getpid()

@@ -11,7 +11,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -104,6 +104,22 @@ class ParsedRequest:
             deadline=self.deadline,
             router_queue_ms=router_queue_ms,
         )
+
+
+async def read_body(parts: AsyncIterator[bytes], declared: str | None, limit: int) -> bytes:
+    """An HTTP body, read as it arrives and refused (RESOURCE_EXHAUSTED) as soon as it passes
+    ``limit``: a chunked body has no Content-Length to check first, and is never buffered
+    beyond the limit."""
+    too_big = PDServeError(ErrorCode.RESOURCE_EXHAUSTED, f"request body exceeds {limit} bytes")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for part in parts:
+        size += len(part)
+        if size > limit:
+            raise too_big
+        chunks.append(part)
+    return b"".join(chunks)
 
 
 def json_object(raw: bytes) -> dict[str, Any]:
