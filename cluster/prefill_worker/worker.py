@@ -48,7 +48,12 @@ class PrefillWorker:
     role = "prefill"
 
     def __init__(
-        self, config: ClusterConfig, *, instance_id: str | None = None, epoch: int | None = None
+        self,
+        config: ClusterConfig,
+        *,
+        instance_id: str | None = None,
+        epoch: int | None = None,
+        kv_port: int = 0,
     ) -> None:
         self.config = config.for_pool("prefill")
         self.faults = FaultPoints.from_config(self.config.testing)
@@ -68,6 +73,7 @@ class PrefillWorker:
             instance_id=self.instance_id,
             epoch=epoch if epoch is not None else time.time_ns(),
             fault_points=self.faults,
+            port=kv_port,
         )
         # Per call with a lease out: set when the lease ends (the call's stream then ends).
         self._leases: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Event]] = {}
