@@ -34,6 +34,10 @@ class RouterConfig:
     max_request_bytes: int = 4 << 20  # gRPC message and HTTP body limit
     retries: int = 3  # attempts before the first token reaches the client (never after)
     assignment_timeout_s: float = 10.0  # a pool with no healthy replica answers UNAVAILABLE
+    # A pool stream silent this long (a hung or SIGSTOPped replica: no token, no keepalive,
+    # which replicas send every quarter of it) ends UNAVAILABLE: retried before the first token,
+    # ABORTED after. Also every pool call's bound, decode -> prefill included.
+    stall_timeout_s: float = 10.0
     # Empty: $PDSERVE_API_KEYS (comma list), read by the router at start; neither: no auth.
     api_keys: tuple[str, ...] = ()
     api_keys_file: str = ""  # one key per line, added to the keys above
@@ -57,6 +61,7 @@ class RouterConfig:
         check(self.max_request_bytes >= 1024, "router.max_request_bytes", "must be >= 1024")
         check(self.retries >= 0, "router.retries", "must be >= 0")
         check(self.assignment_timeout_s > 0, "router.assignment_timeout_s", "must be > 0")
+        check(self.stall_timeout_s > 0, "router.stall_timeout_s", "must be > 0")
         streams = self.max_streams_per_connection
         check(streams >= 1, "router.max_streams_per_connection", "must be >= 1")
         check(

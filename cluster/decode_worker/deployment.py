@@ -21,7 +21,7 @@ from ray import serve
 from cluster.common.protocol import Accepted, GenerateCall, PrefillCall, PrefillReply, StreamChunk
 from cluster.config import ClusterConfig, config_from_dict
 from cluster.decode_worker.worker import DecodeWorker
-from cluster.serving.calls import retrying_stream
+from cluster.serving.calls import Keepalive, retrying_stream
 from cluster.serving.replica import PoolReplica, current_replica_id
 from cluster.serving.signals import decode_autoscaling_stats
 
@@ -36,6 +36,7 @@ class ServePrefillClient:
         self.handle = handle.options(stream=True)
         self.retries = config.router.retries
         self.assignment_timeout_s = config.router.assignment_timeout_s
+        self.stall_timeout_s = config.router.stall_timeout_s
         self.readiness_window_s = 2 * config.router.readiness_period_s
         self.num_retries = 0
         self.last_reply = float("-inf")  # monotonic: the last prefill reply
@@ -51,6 +52,7 @@ class ServePrefillClient:
             request_id=call.request_id,
             retries=self.retries,
             assignment_timeout_s=self.assignment_timeout_s,
+            stall_timeout_s=self.stall_timeout_s,
             on_retry=self._count_retry,
         )
         try:
@@ -84,10 +86,12 @@ class DecodeServer(PoolReplica):
         worker = DecodeWorker(cfg, self.prefill_client, instance_id=replica_id).start()
         super().__init__(cfg, replica_id, worker)
 
-    async def generate(self, call: GenerateCall) -> AsyncIterator[Accepted | StreamChunk]:
+    async def generate(
+        self, call: GenerateCall
+    ) -> AsyncIterator[Accepted | StreamChunk | Keepalive]:
         self._started()
         yield Accepted(self.replica_id)
-        async for chunk in self.worker.generate(call):
+        async for chunk in self.with_keepalives(self.worker.generate(call)):
             yield chunk
 
     async def dependencies_ready(self) -> bool:

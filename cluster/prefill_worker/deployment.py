@@ -20,6 +20,7 @@ from ray import serve
 from cluster.common.protocol import Accepted, PrefillCall, PrefillReply
 from cluster.config import config_from_dict
 from cluster.prefill_worker.worker import PrefillWorker
+from cluster.serving.calls import Keepalive
 from cluster.serving.replica import PoolReplica, current_replica_id
 from cluster.serving.signals import prefill_autoscaling_stats
 
@@ -38,11 +39,13 @@ class PrefillServer(PoolReplica):
         self.recent_requests: collections.deque[str] = collections.deque(maxlen=1024)
         logger.info("prefill replica %s: KV endpoint %s", replica_id, self.worker.endpoint)
 
-    async def prefill(self, call: PrefillCall) -> AsyncIterator[Accepted | PrefillReply]:
+    async def prefill(
+        self, call: PrefillCall
+    ) -> AsyncIterator[Accepted | PrefillReply | Keepalive]:
         self._started()
         self.recent_requests.append(call.request_id)  # where requests went (routing tests)
         yield Accepted(self.replica_id)
-        async for reply in self.worker.prefill(call):
+        async for reply in self.with_keepalives(self.worker.prefill(call)):
             yield reply
 
     def autoscaling_signals(self, stats: dict[str, Any]) -> dict[str, float]:

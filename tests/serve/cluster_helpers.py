@@ -38,13 +38,15 @@ class App:
         )
         self.router = serve.get_deployment_handle("Router", name)
         self.grpc_target = f"127.0.0.1:{config.router.grpc_port}"
-        self.channel = grpc.insecure_channel(self.grpc_target)
+        self.channel: Any = grpc.insecure_channel(self.grpc_target)
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.metadata = [("application", name)]
 
     def close(self) -> None:
-        self.channel.close()
-        serve.delete(self.name)
+        if self.channel is not None:  # once
+            self.channel.close()
+            self.channel = None
+            serve.delete(self.name)
 
     # -- calling -----------------------------------------------------------------------------
 
