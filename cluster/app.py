@@ -14,7 +14,6 @@ from typing import Any
 
 from cluster.config import ClusterConfig, load_config
 from cluster.decode_worker.deployment import DecodeServer
-from cluster.pb import GRPC_SERVICER_FUNCTIONS  # noqa: F401 (re-exported for callers)
 from cluster.prefill_worker.deployment import PrefillServer
 from cluster.router.ingress import Router
 from cluster.serving.options import deployment_options

@@ -115,6 +115,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         extra["prefill.num_replicas"] = args.prefill_replicas
     if args.decode_replicas is not None:
         extra["decode.num_replicas"] = args.decode_replicas
+    if args.allow_unauthenticated:
+        extra["router.allow_unauthenticated"] = True
     return serve_forever(
         _config(args, extra),
         address=args.address,
@@ -219,6 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="Prometheus metrics of this node (local Ray only)",
     )
     srv.add_argument("--dashboard", action="store_true", help="Ray dashboard on 127.0.0.1:8265")
+    srv.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="serve on a non-loopback router.host without API keys (prints a warning)",
+    )
     _add_config_args(srv)
     srv.set_defaults(func=cmd_serve)
 

@@ -3,13 +3,13 @@ down cleanly on Ctrl-C (or SIGTERM)."""
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
 from typing import Any
 
-from cluster.config import ClusterConfig, cpu_count
+from cluster.config import ClusterConfig, RouterConfig, cpu_count, ray_auth_disabled
+from cluster.router.auth import check_exposure
 
 CALL_HELP = """\
 pdserve is up: {model}
@@ -44,33 +44,50 @@ def start(
     metrics_port: int | None = None,
     dashboard: bool = False,
     deploy_app: bool = True,
+    checked: bool = False,
 ) -> Any:
     """Start Ray (or join ``address``) and Serve, deploy (unless ``deploy_app`` is False: the
-    caller deploys applications of its own); returns the app handle."""
+    caller deploys applications of its own); returns the app handle. Public listeners without
+    API keys are refused first (``checked``: the caller did it)."""
     import ray
     from ray import serve
-    from ray.serve.config import HTTPOptions, gRPCOptions
 
-    from cluster.pb import GRPC_SERVICER_FUNCTIONS
-
-    # Read by Serve's gRPC proxy when it starts (its processes inherit this environment).
-    os.environ["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] = str(config.router.max_request_bytes)
+    if not checked:
+        warning = check_exposure(config.router)  # before anything starts: ValueError
+        if warning:
+            print(f"pdserve: {warning}", file=sys.stderr, flush=True)
     if address:
         ray.init(address=address)
     else:
         config = local_threads(config)
+        # Ray's own control plane (GCS, raylets, the job API on the dashboard agent) refuses
+        # callers without the cluster's token (S7): Ray's default since 2.52.
+        if ray_auth_disabled():
+            print(
+                "pdserve: WARNING: RAY_AUTH_MODE=disabled: Ray's job API takes jobs from anyone "
+                "who can reach this machine",
+                file=sys.stderr,
+            )
         kwargs: dict[str, Any] = {"include_dashboard": dashboard}
         if dashboard:
             kwargs["dashboard_host"] = "127.0.0.1"  # never exposed by default (S7)
         if metrics_port:
             kwargs["_metrics_export_port"] = metrics_port
         ray.init(**kwargs)
-    r = config.router
-    serve.start(
-        http_options=HTTPOptions(host=r.host, port=r.http_port),
-        grpc_options=gRPCOptions(port=r.grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS),
-    )
+    # HTTP through Serve's proxy, on router.host only; gRPC is each Router replica's own server
+    # (router/grpc_server.py): Serve's gRPC proxy would listen on every interface.
+    serve.start(http_options=http_options(config.router))
     return deploy(config) if deploy_app else None
+
+
+def http_options(r: RouterConfig) -> Any:
+    """Serve's HTTP proxy on ``router.host``; HTTPS when ``router.tls_*`` name a certificate."""
+    from ray.serve.config import HTTPOptions
+
+    tls: dict[str, Any] = {}
+    if r.tls_cert_file:
+        tls = {"ssl_certfile": r.tls_cert_file, "ssl_keyfile": r.tls_key_file}
+    return HTTPOptions(host=r.host, port=r.http_port, **tls)
 
 
 def deploy(config: ClusterConfig) -> Any:
@@ -93,8 +110,15 @@ def serve_forever(
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    warning = check_exposure(config.router)  # refused: nothing starts (ValueError)
+    if warning:
+        print(f"pdserve: {warning}", file=sys.stderr, flush=True)
+    if not address:  # a Ray of our own: a SIGKILLed launcher must not leave it running (F13)
+        from cluster import launcher_guard
+
+        launcher_guard.start()
     try:
-        start(config, address=address, metrics_port=metrics_port, dashboard=dashboard)
+        start(config, address=address, metrics_port=metrics_port, dashboard=dashboard, checked=True)
         r = config.router
         host = "127.0.0.1" if r.host in ("0.0.0.0", "::") else r.host
         print(
@@ -114,8 +138,9 @@ def serve_forever(
         pass
     finally:
         print("pdserve: shutting down", file=sys.stderr, flush=True)
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
+        if ray.is_initialized():  # serve.shutdown() alone would start a Ray to shut down
+            try:
+                serve.shutdown()
+            finally:
+                ray.shutdown()
     return 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from collections.abc import Iterator
@@ -20,41 +19,30 @@ def free_port() -> int:
 
 @dataclass
 class ServeCluster:
+    """The session's Ray + Serve: the HTTP proxy's port (each app's router replicas serve gRPC
+    on their own ``router.grpc_port``)."""
+
     http_port: int
-    grpc_port: int
 
     @property
     def http_url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
-
-    @property
-    def grpc_target(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
 
 
 @pytest.fixture(scope="session")
 def serve_cluster() -> Iterator[ServeCluster]:
     import ray
     from ray import serve
-    from ray.serve.config import HTTPOptions, gRPCOptions
+    from ray.serve.config import HTTPOptions
 
-    from cluster.pb import GRPC_SERVICER_FUNCTIONS
-
-    # Must be set before Serve starts its proxies (they inherit the environment).
-    os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(1 << 20))
-    cluster = ServeCluster(free_port(), free_port())
+    cluster = ServeCluster(free_port())
     ray.init(
         num_cpus=4,
         include_dashboard=False,
         log_to_driver=False,
         runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
     )
-    serve.start(
-        http_options=HTTPOptions(host="127.0.0.1", port=cluster.http_port),
-        grpc_options=gRPCOptions(
-            port=cluster.grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS
-        ),
-    )
+    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=cluster.http_port))
     try:
         yield cluster
     finally:

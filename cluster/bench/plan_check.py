@@ -73,7 +73,6 @@ def run_check(config: ClusterConfig, mode: str, profile_path: Path | None, out: 
         for arm, cfg in configs.items()
     }
     vocab = model_limits(configs["disagg"]).vocab_size
-    target = f"127.0.0.1:{configs['disagg'].router.grpc_port}"
     per_rate = ctx.pick(40, 24, 6)
     scale = ctx.pick(1.0, 1.0, 0.05)
     mixes = list(MIXES.items()) if mode != "smoke" else list(MIXES.items())[:1]
@@ -85,7 +84,6 @@ def run_check(config: ClusterConfig, mode: str, profile_path: Path | None, out: 
             runs = measure(
                 put,
                 configs,
-                target,
                 workload,
                 [rate],
                 per_rate,

@@ -286,12 +286,10 @@ def measure_serving(
         "remote": arm_config(config, "disagg", 1400, model),
     }
     vocab = model_limits(configs["local"]).vocab_size
-    target = f"127.0.0.1:{configs['local'].router.grpc_port}"
     with local_apps() as put:
         runs = measure(
             put,
             configs,
-            target,
             MIXED_LONG,
             rates=[],
             per_rate=0,

@@ -1,8 +1,8 @@
 """P1 ``serve``: disaggregation under load, against the running cluster over gRPC.
 
 How (BENCHMARKS.md, P1; the README's benchmarks section has the notes):
-  * Arms, deployed side by side as applications of one local Ray/Serve instance (reached by
-    the gRPC ``application`` metadata; an idle arm's replicas only poll): ``disagg`` (1 prefill
+  * Arms, deployed side by side as applications of one local Ray/Serve instance (each arm's
+    router on its own gRPC port; an idle arm's replicas only poll): ``disagg`` (1 prefill
     + 1 decode replica, 1 torch thread each, every prefill remote), ``colocated`` (one replica
     doing both, 2 threads, no chunking) and ``colocated_chunked`` (the same with 128-token
     chunks). Equal total KV bytes per arm: ``disagg``'s two replicas get half the blocks each.
@@ -33,6 +33,7 @@ from typing import Any
 from cluster.bench.harness import BenchContext, BenchReport
 from cluster.bench.serve_load import (
     RequestRecord,
+    arm_ports,
     compute_metrics,
     local_apps,
     poisson_offsets,
@@ -115,7 +116,6 @@ def unloaded_items(
 def measure(
     put: Callable[[str, Any], None],
     configs: dict[str, Any],
-    target: str,
     workload: Workload,
     rates: Sequence[float],
     per_rate: int,
@@ -126,6 +126,8 @@ def measure(
     deploy: bool = True,
 ) -> ArmRuns:
     """Deploy the arms side by side, warm each up, then unloaded and loaded runs, interleaved."""
+    configs = arm_ports(configs)
+    targets = {arm: f"127.0.0.1:{cfg.router.grpc_port}" for arm, cfg in configs.items()}
     arms = list(configs)
     if deploy:
         for arm, cfg in configs.items():
@@ -134,14 +136,14 @@ def measure(
     warm = unloaded_items(workload, 1, vocab, scale, seed=7)
     for arm in arms:  # first calls, lazy inits: not measured (prompts used nowhere else)
         for item in warm:
-            asyncio.run(run_load(target, [item], [0.0], app=arm))
+            asyncio.run(run_load(targets[arm], [item], [0.0]))
     runs = ArmRuns(list(rates))
     items = unloaded_items(workload, per_class, vocab, scale)
     for arm in arms:
         runs.unloaded[arm] = []
     for item in items:  # one at a time: no queueing, no batching; arms interleaved
         for arm in arms:
-            recs, _ = asyncio.run(run_load(target, [item], [0.0], app=arm))
+            recs, _ = asyncio.run(run_load(targets[arm], [item], [0.0]))
             runs.unloaded[arm].extend(recs)
     progress("unloaded baseline done")
     for i, rate in enumerate(rates):
@@ -150,7 +152,7 @@ def measure(
         for arm in arms[i % len(arms) :] + arms[: i % len(arms)]:
             progress(f"{arm}: {per_rate} requests at {rate} req/s")
             runs.loaded.setdefault(arm, {})[rate] = asyncio.run(
-                run_load(target, load, offsets, app=arm)
+                run_load(targets[arm], load, offsets)
             )
     return runs
 
@@ -177,12 +179,10 @@ def run(ctx: BenchContext) -> BenchReport:
     configs = {arm: arm_config(ctx.config, arm, total_blocks, model) for arm in ARMS}
     first = configs["disagg"]
     vocab = model_limits(first).vocab_size
-    target = f"127.0.0.1:{first.router.grpc_port}"
     with local_apps() as put:
         runs = measure(
             put,
             configs,
-            target,
             MIXED_LONG,
             rates,
             per_rate=ctx.pick(200, 20, 6),

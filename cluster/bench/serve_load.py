@@ -23,7 +23,14 @@ from cluster.common.protocol import PHASES
 from cluster.planner.metrics import slo_metrics, summary
 from cluster.planner.workload import MIXED_LONG, SLOs, WorkItem, poisson_offsets
 
-__all__ = ["RequestRecord", "WorkItem", "compute_metrics", "local_apps", "poisson_offsets"]
+__all__ = [
+    "RequestRecord",
+    "WorkItem",
+    "arm_ports",
+    "compute_metrics",
+    "local_apps",
+    "poisson_offsets",
+]
 
 
 @dataclass
@@ -74,10 +81,9 @@ async def run_load(
     items: Sequence[WorkItem],
     offsets: Sequence[float],
     timeout_s: float = 600.0,
-    app: str | None = None,
 ) -> tuple[list[RequestRecord], float]:
-    """Send each item at its offset over gRPC (to Serve application ``app``, when several are
-    deployed); returns the records and the run's duration."""
+    """Send each item at its offset over gRPC to ``target`` (one arm's router); returns the
+    records and the run's duration."""
     import grpc
 
     from cluster.pb.pdserve.v1 import generation_pb2 as pb
@@ -85,7 +91,6 @@ async def run_load(
 
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.GenerationStub(channel)
-        metadata = (("application", app),) if app else None
         start = time.perf_counter()
 
         async def one(item: WorkItem, offset: float) -> RequestRecord:
@@ -102,7 +107,7 @@ async def run_load(
             )
             rec.send = time.perf_counter()
             try:
-                async for msg in stub.Generate(req, timeout=timeout_s, metadata=metadata):
+                async for msg in stub.Generate(req, timeout=timeout_s):
                     if msg.token_ids or msg.text:
                         rec.chunk_times.append(time.perf_counter())
                         rec.output_tokens += len(msg.token_ids)
@@ -137,11 +142,21 @@ def compute_metrics(
     return out
 
 
+def arm_ports(configs: dict[str, Any]) -> dict[str, Any]:
+    """Each arm its own gRPC port (the first arm's, then the next ones up): every Router
+    replica serves gRPC itself on ``router.grpc_port``, so arms side by side cannot share one."""
+    base = next(iter(configs.values())).router.grpc_port
+    return {
+        arm: cfg.replace({"router.grpc_port": base + i})
+        for i, (arm, cfg) in enumerate(configs.items())
+    }
+
+
 @contextlib.contextmanager
 def local_apps() -> Iterator[Callable[[str, Any], None]]:
     """Benchmark arms as Serve applications of one local Ray/Serve instance: ``put(name, cfg)``
-    deploys (or redeploys) arm ``name`` beside the others (reach it with ``run_load(...,
-    app=name)``); the first call starts Ray and Serve (the router ports of its config), leaving
+    deploys (or redeploys) arm ``name`` beside the others (each on its own gRPC port:
+    ``arm_ports``); the first call starts Ray and Serve (the router ports of its config), leaving
     the block shuts everything down."""
     import ray
     from ray import serve

@@ -67,3 +67,8 @@ class PDServeError(Exception):
 
 def invalid(message: str) -> PDServeError:
     return PDServeError(ErrorCode.INVALID_ARGUMENT, message)
+
+
+def internal_error(request_id: str) -> PDServeError:
+    """A bug as a client sees it: code, fixed message, request id (details stay in the log)."""
+    return PDServeError(ErrorCode.INTERNAL, "internal error", request_id)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
+MAX_STOP_TOKEN_IDS = 64  # each is checked against every new token
 
 
 def _bad(name: str, message: str) -> ValueError:
@@ -94,6 +95,9 @@ class SamplingParams:
                 raise _bad("stop", f"stop strings must be non-empty strings, got {s!r}")
             if len(s) > MAX_STOP_STRING_LEN:
                 raise _bad("stop", f"a stop string is at most {MAX_STOP_STRING_LEN} characters")
+        ids = self.stop_token_ids
+        if not isinstance(ids, tuple | list) or len(ids) > MAX_STOP_TOKEN_IDS:
+            raise _bad("stop_token_ids", f"must be a list of at most {MAX_STOP_TOKEN_IDS} ids")
         for t in self.stop_token_ids:
             _integer("stop_token_ids", t)
             if t < 0:

@@ -19,6 +19,8 @@ from tokenizers import Tokenizer as _HFTokenizer
 from cluster.config import ClusterConfig
 from cluster.config.model_paths import require_model_dir
 
+LONG_TEXT_CHARS = 16 << 10  # longer texts are tokenized without holding the GIL
+
 
 class ChatTemplateError(ValueError):
     pass
@@ -61,10 +63,22 @@ class Tokenizer:
                 eos_ids.append(tid)
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_ids))
         self._template: Any = None
+        # No token covers more characters than this (a byte-level vocabulary spells a byte as
+        # one character), so a prompt that cannot fit is refused untokenized; a normalizer may
+        # shrink the text first (NFKC joins characters): no bound then.
+        self.max_chars_per_token: int | None = None
+        if self._tok.normalizer is None:
+            vocab = self._tok.get_vocab(with_added_tokens=True)
+            self.max_chars_per_token = max(len(k) for k in vocab) if vocab else None
 
     # -- encoding ------------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > LONG_TEXT_CHARS:
+            # ``encode`` holds the GIL throughout (seconds for MiB: every thread of the process
+            # stalls); ``encode_batch`` releases it, same ids.
+            (enc,) = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)
+            return list(enc.ids)
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def apply_chat_template(
@@ -178,6 +192,7 @@ class FakeTokenizer:
     """Tokenizer of the ``fake`` runner's model: token ``t`` reads `` t<t>``; id 0 is EOS."""
 
     chat_template = "fake"
+    max_chars_per_token: int | None = None  # a word is one token, however long
 
     def __init__(self, vocab_size: int, eos_token_id: int = 0) -> None:
         self.vocab_size = vocab_size

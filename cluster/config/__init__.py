@@ -20,6 +20,7 @@ from cluster.config.environment import (
     api_keys,
     cpu_count,
     curve_keys,
+    ray_auth_disabled,
     transfer_hmac_secret,
 )
 from cluster.config.loading import config_from_dict, flat_key_index, load_config, parse_override
@@ -66,5 +67,6 @@ __all__ = [
     "flat_key_index",
     "load_config",
     "parse_override",
+    "ray_auth_disabled",
     "transfer_hmac_secret",
 ]

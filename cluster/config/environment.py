@@ -10,7 +10,8 @@ returns the config's value when it is set, else the environment's.
   * ``$PDSERVE_TRANSFER_SECRET``: ``transfer.hmac_secret``;
   * ``$PDSERVE_CURVE_SECRET_KEY`` / ``$PDSERVE_CURVE_PUBLIC_KEY``: the transfer CURVE keypair;
   * ``$PDSERVE_API_KEYS`` (comma list): ``router.api_keys``;
-  * ``$PDSERVE_ADVERTISE_HOST``: ``transfer.advertise_host`` (Kubernetes: the pod IP).
+  * ``$PDSERVE_ADVERTISE_HOST``: ``transfer.advertise_host`` (Kubernetes: the pod IP);
+  * ``$RAY_AUTH_MODE``: whether Ray's own token authentication was turned off (S7).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ CURVE_SECRET_KEY_ENV = "PDSERVE_CURVE_SECRET_KEY"
 CURVE_PUBLIC_KEY_ENV = "PDSERVE_CURVE_PUBLIC_KEY"
 API_KEYS_ENV = "PDSERVE_API_KEYS"
 ADVERTISE_HOST_ENV = "PDSERVE_ADVERTISE_HOST"
+RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
 
 MIN_API_KEY_LEN = 8
 
@@ -108,3 +110,9 @@ def cpu_count() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
         return os.cpu_count() or 1
+
+
+def ray_auth_disabled() -> bool:
+    """Ray's token authentication (on by default since Ray 2.52: GCS, raylets and the job API
+    refuse callers without the cluster's token) turned off by ``$RAY_AUTH_MODE=disabled``."""
+    return os.environ.get(RAY_AUTH_MODE_ENV, "").strip().lower() == "disabled"

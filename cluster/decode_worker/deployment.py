@@ -10,7 +10,9 @@ fault hooks come from ``serving.replica.PoolReplica``.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,34 +28,56 @@ from cluster.common.protocol import (
 )
 from cluster.config import ClusterConfig, config_from_dict
 from cluster.decode_worker.worker import DecodeWorker
-from cluster.serving.calls import retrying_stream
+from cluster.serving.calls import Keepalive, retrying_stream
 from cluster.serving.replica import PoolReplica, current_replica_id
 from cluster.serving.routers import recent_ranking_ms
 from cluster.serving.signals import decode_autoscaling_stats
+
+PREFILL_READY_TIMEOUT_S = 1.5  # within the router's readiness probe timeout (>= 2 s)
 
 
 class ServePrefillClient:
     """The prefill pool through its Serve handle (the pool's request router picks a replica)."""
 
     def __init__(self, handle: Any, config: ClusterConfig) -> None:
+        self.plain_handle = handle
         self.handle = handle.options(stream=True)
         self.retries = config.router.retries
         self.assignment_timeout_s = config.router.assignment_timeout_s
+        self.stall_timeout_s = config.router.stall_timeout_s
+        self.readiness_window_s = 2 * config.router.readiness_period_s
         self.num_retries = 0
+        self.last_reply = float("-inf")  # monotonic: the last prefill reply
 
     def _count_retry(self) -> None:
         self.num_retries += 1
 
-    def prefill(self, call: PrefillCall) -> AsyncIterator[PrefillProgress | PrefillReply]:
-        return retrying_stream(
+    async def prefill(self, call: PrefillCall) -> AsyncIterator[PrefillProgress | PrefillReply]:
+        replies = retrying_stream(
             lambda excluded: self.handle.prefill.remote(
                 dataclasses.replace(call, exclude_replicas=excluded)
             ),
             request_id=call.request_id,
             retries=self.retries,
             assignment_timeout_s=self.assignment_timeout_s,
+            stall_timeout_s=self.stall_timeout_s,
             on_retry=self._count_retry,
         )
+        try:
+            async for reply in replies:
+                self.last_reply = time.monotonic()
+                yield reply
+        finally:
+            await replies.aclose()  # closing this stream cancels the call on its replica
+
+    async def ready(self, timeout_s: float) -> bool:
+        """The prefill pool can take a request: it just replied to one, or a replica says so."""
+        if time.monotonic() - self.last_reply < self.readiness_window_s:
+            return True
+        try:
+            return bool(await asyncio.wait_for(self.plain_handle.ready.remote(), timeout_s))
+        except Exception:  # timed out, no replica, a dead one
+            return False
 
 
 @serve.deployment(name="DecodeServer")
@@ -70,11 +94,18 @@ class DecodeServer(PoolReplica):
         worker = DecodeWorker(cfg, self.prefill_client, instance_id=replica_id).start()
         super().__init__(cfg, replica_id, worker)
 
-    async def generate(self, call: GenerateCall) -> AsyncIterator[Accepted | StreamChunk]:
+    async def generate(
+        self, call: GenerateCall
+    ) -> AsyncIterator[Accepted | StreamChunk | Keepalive]:
         self._started()
         yield Accepted(self.replica_id)
-        async for chunk in self.worker.generate(call):
+        async for chunk in self.with_keepalives(self.worker.generate(call)):
             yield chunk
+
+    async def dependencies_ready(self) -> bool:
+        if self.prefill_client is None:  # a colocated cluster: no prefill pool to ask
+            return True
+        return await self.prefill_client.ready(PREFILL_READY_TIMEOUT_S)
 
     def autoscaling_signals(self, stats: dict[str, Any]) -> dict[str, float]:
         return decode_autoscaling_stats(stats, self.worker.config.scheduler.max_num_seqs)

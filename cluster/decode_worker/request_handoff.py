@@ -33,6 +33,7 @@ from cluster.decode_worker.kv_pull import KVPull
 from cluster.engine.client import Added, EngineClient
 from cluster.engine.engine import RequestOutput
 from cluster.engine.handoff import KVReservation
+from cluster.engine.step_loop import EngineDeadError
 from cluster.kv_transfer import KVReceiver, KVTransferError, KVTransferParams
 from cluster.serving.signals import RecentWindow
 
@@ -73,6 +74,7 @@ class RequestHandoff:
         self.in_engine = False
         self.pull: KVPull | None = None  # the prompt's KV, pulled into its reservation
         self.remote_cached_tokens: int | None = None
+        self.failure: str | None = None  # why the hand-off failed the request, in client words
 
     async def stream(self) -> AsyncIterator[StreamChunk]:
         ctx = self.ctx
@@ -119,6 +121,10 @@ class RequestHandoff:
         except ValueError as e:
             code = ErrorCode.ALREADY_EXISTS if "already exists" in str(e) else None
             raise PDServeError(code or ErrorCode.INVALID_ARGUMENT, str(e), self.rid) from None
+        except EngineDeadError:  # its step failed: Serve replaces this replica; retry elsewhere
+            raise PDServeError(
+                ErrorCode.UNAVAILABLE, "the decode replica is unavailable", self.rid
+            ) from None
         self.in_engine = True
         return added
 
@@ -156,12 +162,12 @@ class RequestHandoff:
             await pull.cancel()  # a streamed part may be landing in the reserved blocks
             if e.code in (ErrorCode.INVALID_ARGUMENT, ErrorCode.DEADLINE_EXCEEDED):
                 raise
-            await self._fail_or_recompute(f"prefill call failed: {e.message}")
+            await self._fail_or_recompute("prefill call failed", f"{e.code.value}: {e.message}")
             return
         except (StopAsyncIteration, Exception) as e:  # a dead or unreachable prefill replica
             await pull.cancel()
             ctx.counters["prefill_call_failures"] += 1
-            await self._fail_or_recompute(f"prefill call failed: {type(e).__name__}: {e}")
+            await self._fail_or_recompute("prefill call failed", f"{type(e).__name__}: {e}")
             return
         self.usage.phases["prefill_queue_ms"] = reply.prefill_queue_ms
         self.usage.phases["prefill_ms"] = reply.prefill_ms
@@ -200,7 +206,7 @@ class RequestHandoff:
         except KVTransferError as e:
             await pull.cancel()
             ctx.counters["transfer_failures"] += 1
-            await self._fail_or_recompute(f"KV transfer failed: {e.reason}: {e}")
+            await self._fail_or_recompute(f"KV transfer failed ({e.reason})", str(e))
             return
         ctx.counters["pulled_blocks"] += pull.num_pulled
         ctx.counters["streamed_parts"] += pull.num_parts
@@ -208,32 +214,54 @@ class RequestHandoff:
         self.usage.phases["transfer_ms"] = (time.monotonic() - t0) * 1000
         await ctx.engine.kv_arrived(self.rid)
 
-    async def _fail_or_recompute(self, why: str) -> None:
+    async def _fail_or_recompute(self, what: str, detail: str) -> None:
+        """``what`` is all a client may see (no exception text, address or path: S8); the
+        ``detail`` stays in this replica's log."""
         ctx = self.ctx
         recompute = ctx.config.transfer.on_failure == "recompute"
         logger.warning(
-            "request %s: %s; %s", self.rid, why, "prefilling locally" if recompute else "failing it"
+            "request %s: %s: %s; %s",
+            self.rid,
+            what,
+            detail,
+            "prefilling locally" if recompute else "failing it",
         )
         if recompute:
             ctx.counters["recomputed_after_failure"] += 1
             self.usage.prefill_mode = "local"
-        await ctx.engine.kv_failed(self.rid, recompute=recompute, error=why)
+        else:
+            self.failure = what
+        await ctx.engine.kv_failed(self.rid, recompute=recompute, error=what)
 
     async def _decode(self) -> AsyncIterator[StreamChunk]:
         while True:
-            out = await self._before_deadline(self.outputs.get())
-            if out.error is not None:
+            outs = await self._next_outputs()
+            error = outs.pop() if outs[-1].error is not None else None
+            if outs:
+                for out in outs:
+                    for _ in out.new_token_ids:
+                        await self.ctx.faults.hit_async("d.mid_decode_token_k")
+                chunk = StreamChunk.merge([self._chunk(out) for out in outs])
+                if outs[-1].finished:
+                    self._record_tpot(outs[-1])
+                yield chunk
+                if outs[-1].finished:
+                    return
+            if error is not None:
                 self.finished = True
                 code = ErrorCode.ABORTED if self.first_token_at else ErrorCode.UNAVAILABLE
-                raise PDServeError(code, out.error, self.rid)
-            for _ in out.new_token_ids:
-                await self.ctx.faults.hit_async("d.mid_decode_token_k")
-            chunk = self._chunk(out)
-            if out.finished:
-                self._record_tpot(out)
-            yield chunk
-            if out.finished:
-                return
+                if self.failure is None:  # the engine itself failed: its text stays here
+                    logger.error("request %s: %s", self.rid, error.error)
+                raise PDServeError(code, self.failure or "the decode replica failed", self.rid)
+
+    async def _next_outputs(self) -> list[RequestOutput]:
+        """The next output, and every one already queued behind it (to its last, or an error):
+        when this replica falls behind its engine, one chunk carries several steps' tokens, so
+        the per-item cost of the streams (here, Ray, the router) does not grow with the load."""
+        outs = [await self._before_deadline(self.outputs.get())]
+        while not outs[-1].finished and not self.outputs.empty():
+            outs.append(self.outputs.get_nowait())
+        return outs
 
     def _record_tpot(self, out: RequestOutput) -> None:
         if self.first_token_at is not None and out.num_output_tokens > 1:

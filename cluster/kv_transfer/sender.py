@@ -84,9 +84,11 @@ class KVSender:
         clock: Callable[[], float] = time.monotonic,
         fault_points: FaultPoints | None = None,
         faults: WireFaults | None = None,
+        port: int = 0,  # 0: any free one; a fixed one only to restart at the same address
     ) -> None:
         check_auth_config(config)
         self.config = config
+        self._port = port
         self.pool = pool
         self.instance_id = instance_id or uuid.uuid4().hex
         self.epoch = epoch
@@ -122,7 +124,7 @@ class KVSender:
     def start(self) -> str:
         sock, cfg = self._sock, self.config
         self._auth = start_server_auth(self._zmq, cfg)  # before the socket's CURVE handshakes
-        sock.bind(f"tcp://{cfg.bind_host}:0")
+        sock.bind(f"tcp://{cfg.bind_host}:{self._port}")
         port = sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
         self.endpoint = f"tcp://{_advertise_host(cfg)}:{port}"
         if cfg.ipc:

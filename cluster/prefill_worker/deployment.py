@@ -21,6 +21,7 @@ from ray import serve
 from cluster.common.protocol import Accepted, PrefillCall, PrefillProgress, PrefillReply
 from cluster.config import config_from_dict
 from cluster.prefill_worker.worker import PrefillWorker
+from cluster.serving.calls import Keepalive
 from cluster.serving.replica import PoolReplica, current_replica_id
 from cluster.serving.signals import prefill_autoscaling_stats
 
@@ -41,11 +42,11 @@ class PrefillServer(PoolReplica):
 
     async def prefill(
         self, call: PrefillCall
-    ) -> AsyncIterator[Accepted | PrefillProgress | PrefillReply]:
+    ) -> AsyncIterator[Accepted | PrefillProgress | PrefillReply | Keepalive]:
         self._started()
         self.recent_requests.append(call.request_id)  # where requests went (routing tests)
         yield Accepted(self.replica_id)
-        async for reply in self.worker.prefill(call):
+        async for reply in self.with_keepalives(self.worker.prefill(call)):
             yield reply
 
     def autoscaling_signals(self, stats: dict[str, Any]) -> dict[str, float]:

@@ -43,6 +43,7 @@ from cluster.config import ClusterConfig
 from cluster.engine.client import EngineClient
 from cluster.engine.engine import LLMEngine, RequestOutput
 from cluster.engine.runner_registry import create_runner
+from cluster.engine.step_loop import EngineDeadError
 from cluster.kv_transfer import KVPool, KVSender, KVTransferParams
 from cluster.serving.signals import RecentWindow
 
@@ -56,7 +57,12 @@ class PrefillWorker:
     role = "prefill"
 
     def __init__(
-        self, config: ClusterConfig, *, instance_id: str | None = None, epoch: int | None = None
+        self,
+        config: ClusterConfig,
+        *,
+        instance_id: str | None = None,
+        epoch: int | None = None,
+        kv_port: int = 0,
     ) -> None:
         self.config = config.for_pool("prefill")
         self.faults = FaultPoints.from_config(self.config.testing)
@@ -76,6 +82,7 @@ class PrefillWorker:
             instance_id=self.instance_id,
             epoch=epoch if epoch is not None else time.time_ns(),
             fault_points=self.faults,
+            port=kv_port,
         )
         # Per call: the event set when its lease ends (the call's stream then ends) and its
         # output queue (told None then, in case the prompt was still prefilling).
@@ -155,6 +162,11 @@ class PrefillWorker:
             except ValueError as e:
                 in_engine = False
                 raise PDServeError(ErrorCode.INVALID_ARGUMENT, str(e), call.request_id) from None
+            except EngineDeadError:  # its step failed: Serve replaces this replica
+                in_engine = False
+                raise PDServeError(
+                    ErrorCode.UNAVAILABLE, "the prefill replica is unavailable", call.request_id
+                ) from None
             while True:
                 out = await outputs.get()
                 if out is None or out.streamed_block_ids is None:
@@ -162,15 +174,17 @@ class PrefillWorker:
                 progress = self._stream(rid, call, out.streamed_block_ids, leased)
                 in_engine, leased = False, True
                 yield progress
+            if out is not None and out.error is not None:  # its text stays in this log
+                logger.error("request %s: %s", call.request_id, out.error)
+                raise PDServeError(
+                    ErrorCode.UNAVAILABLE, "the prefill replica failed", call.request_id
+                )
             if out is None or (out.finished and not out.new_token_ids):
-                error = out.error if out is not None else None
                 raise PDServeError(
                     ErrorCode.UNAVAILABLE,
-                    error or "the KV lease ended while the prompt was prefilling",
+                    "the KV lease ended while the prompt was prefilling",
                     call.request_id,
                 )
-            if out.error is not None:
-                raise PDServeError(ErrorCode.UNAVAILABLE, out.error, call.request_id)
             self.num_prefills += 1
             reply = self._reply(call, out, arrival)
             if out.held_block_ids is None:  # the first token finished it: nothing to pull

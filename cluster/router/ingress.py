@@ -1,4 +1,7 @@
-"""The Router: Ray Serve ingress for gRPC (port 9000) and OpenAI-compatible HTTP (port 8000).
+"""The Router: the Ray Serve ingress for OpenAI-compatible HTTP (port 8000, through Serve's HTTP
+proxy) and gRPC (port 9000, on each router replica's own server: ``grpc_server``), both on
+``router.host`` only; public listeners without API keys are refused unless
+``router.allow_unauthenticated`` (``auth.check_exposure``).
 
 Torch-free (a test imports it in a fresh interpreter and checks). Each request:
   1. is authenticated (API keys, when configured: every route and method but health);
@@ -14,29 +17,33 @@ The request id travels through every pool and appears in every log line about it
 # (``Request``) on the methods Ray Serve's ingress wraps, or it takes them for query parameters.
 # The gRPC methods' protobuf annotations stay strings: Serve pickles the app, and protobuf
 # descriptors do not pickle.
+import asyncio
 import collections
-import json
 import logging
+import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from grpc_health.v1 import health_pb2
 from ray import serve
 
-from cluster.common.errors import ErrorCode, PDServeError
+from cluster.common.errors import PDServeError, internal_error
+from cluster.common.faults import FaultPoints
 from cluster.common.protocol import StreamChunk
 from cluster.common.tokenizer import load_tokenizer
 from cluster.config import config_from_dict
 from cluster.config.model import declared_formats
 from cluster.config.model_paths import model_limits, model_name
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
-from cluster.router.auth import ApiKeyAuth
+from cluster.router.admission import Admission
+from cluster.router.auth import ApiKeyAuth, check_exposure
+from cluster.router.grpc_server import GrpcListener, deadline_within
+from cluster.router.readiness import Readiness
 from cluster.router.relay import DecodeRelay
-from cluster.router.requests import ParsedRequest, RequestParser
+from cluster.router.requests import ParsedRequest, RequestParser, json_object, read_body
 from cluster.router.responses import (
     ChatStream,
     CompletionStream,
@@ -44,25 +51,16 @@ from cluster.router.responses import (
     aggregate_completion,
     error_event,
     grpc_chunk,
-    grpc_status,
     openai_error,
 )
 from cluster.serving.metrics import RouterMetrics
+from cluster.serving.options import router_admission_limit
 from cluster.serving.routers import recent_ranking_ms
 
 logger = logging.getLogger(__name__)
 
 
-class _GrpcStatus(Exception):
-    """Ends a gRPC call with the status already set on its context (Serve keeps that code)."""
-
-
-def _grpc_fail(grpc_context: Any, code: grpc.StatusCode, details: str, request_id: str) -> None:
-    # Ray Serve's proxy applies a context's code only with a yielded message or a raised
-    # exception; raising keeps a stream that failed before any message from ending with OK.
-    grpc_context.set_code(code)
-    grpc_context.set_details(f"{details} (request {request_id})" if request_id else details)
-    raise _GrpcStatus(details)
+INLINE_PARSE_BYTES = 64 << 10  # bigger requests are parsed and tokenized off the event loop
 
 
 app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
@@ -71,9 +69,12 @@ app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
 @serve.deployment(name="Router")
 @serve.ingress(app)
 class Router:
-    def __init__(self, config: dict[str, Any], decode_handle: Any) -> None:
+    async def __init__(self, config: dict[str, Any], decode_handle: Any) -> None:  # type: ignore[misc]
         self.config = config_from_dict(config)
         r = self.config.router
+        warning = check_exposure(r)  # ValueError: public listeners without API keys
+        if warning:
+            logger.warning(warning)
         self.model = r.model_name or model_name(self.config)
         self.limits = model_limits(self.config)
         self.parser = RequestParser(
@@ -87,11 +88,39 @@ class Router:
         self.relay = DecodeRelay(decode_handle, r)
         self.decode_handle = decode_handle
         self.metrics = RouterMetrics()
+        self.faults = FaultPoints.from_config(self.config.testing)  # inert outside test mode
         self.counts = {"requests": 0, "errors": 0}
         # Milliseconds from receipt to a parsed, tokenized, hashed request, per API (latest).
         self.parse_ms: dict[str, collections.deque[float]] = collections.defaultdict(
             lambda: collections.deque(maxlen=4096)
         )
+        # One thread: big requests are parsed one at a time, the event loop keeps a core.
+        self._parse_pool = ThreadPoolExecutor(1, thread_name_prefix="router-parse")
+        self.readiness = Readiness(
+            self._pools_ready,
+            period_s=r.readiness_period_s,
+            timeout_s=max(2.0, 4 * r.readiness_period_s),
+        )
+        self.admission = Admission(router_admission_limit(self.config))
+        self.grpc = GrpcListener(
+            r,
+            generate=self._grpc_generate,
+            model_info=self._model_info,
+            ready=lambda: self.readiness.ready,
+            admit=self.admission.check,
+        )
+        await self.grpc.start()
+        self.readiness.start()
+
+    async def __del__(self) -> None:
+        # Graceful shutdown (Serve calls it): open gRPC streams get the grace period.
+        readiness = getattr(self, "readiness", None)
+        if readiness is not None:
+            readiness.stop()
+        listener = getattr(self, "grpc", None)
+        if listener is not None:
+            await listener.stop(self.config.router.graceful_shutdown_timeout_s)
+            self._parse_pool.shutdown(wait=False)
 
     # -- the shared path ----------------------------------------------------------------------
 
@@ -104,22 +133,32 @@ class Router:
         self.counts["requests"] += 1
         logger.info(
             "request %s: %s, %d prompt tokens",
-            parsed.request_id,
+            parsed.call_id,
             route,
             len(parsed.prompt_token_ids),
         )
         try:
-            async for chunk in self.relay.stream(parsed.to_call((time.monotonic() - t0) * 1000)):
-                if first is None and (chunk.token_ids or chunk.text):
-                    first = time.monotonic()
-                if chunk.usage is not None:
-                    usage = chunk.usage
-                yield chunk
+            with self.admission.admitted(parsed.request_id):
+                async for chunk in self._relay(parsed, t0):
+                    if chunk.token_ids or chunk.text:
+                        self.readiness.saw_progress()
+                        if first is None:
+                            first = time.monotonic()
+                    if chunk.usage is not None:
+                        usage = chunk.usage
+                    yield chunk
         except PDServeError as e:
             status = e.code.value.lower()
             self.counts["errors"] += 1
-            logger.warning("request %s: %s", parsed.request_id, e)
+            logger.warning("request %s: %s", parsed.call_id, e)
+            e.request_id = parsed.request_id
             raise
+        except Exception:
+            # A bug: the details go to the log, the client gets a code and the request id.
+            status = "internal"
+            self.counts["errors"] += 1
+            logger.exception("request %s failed", parsed.call_id)
+            raise internal_error(parsed.request_id) from None
         except BaseException:
             status = "cancelled"
             raise
@@ -134,36 +173,31 @@ class Router:
                 usage.phases if usage else None,
             )
 
-    # -- gRPC (through Ray Serve's gRPC proxy) ------------------------------------------------
+    async def _relay(self, parsed: ParsedRequest, t0: float) -> AsyncIterator[StreamChunk]:
+        await self.faults.hit_async("router.before_relay")
+        stream = self.relay.stream(parsed.to_call((time.monotonic() - t0) * 1000))
+        try:
+            async for chunk in stream:
+                chunk.request_id = parsed.request_id  # the client's id, not the cluster's
+                yield chunk
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
 
-    def _grpc_auth(self, grpc_context: Any) -> None:
-        if self.auth.enabled:
-            md = dict(grpc_context.invocation_metadata())
-            self.auth.check(md.get("authorization"))
+    # -- gRPC (the replica's own server: router/grpc_server.py) ------------------------------
 
-    async def Generate(
-        self, request: "pb.GenerateRequest", grpc_context: Any
+    async def _grpc_generate(
+        self, request: "pb.GenerateRequest", metadata: Mapping[str, str], remaining_s: float | None
     ) -> "AsyncIterator[pb.GenerateResponse]":
-        try:
-            t0 = time.perf_counter()
-            self._grpc_auth(grpc_context)
-            parsed = self.parser.from_grpc(request)
-            self.parse_ms["grpc"].append((time.perf_counter() - t0) * 1000)
-            async for chunk in self._run(parsed, "grpc"):
-                yield grpc_chunk(chunk)
-        except PDServeError as e:
-            _grpc_fail(grpc_context, grpc_status(e), e.message, e.request_id)
-        except Exception:
-            logger.exception("gRPC Generate failed")
-            _grpc_fail(grpc_context, grpc.StatusCode.INTERNAL, "internal error", "")
+        t0 = time.perf_counter()
+        self.auth.check(metadata.get("authorization"))
+        parsed = await self._parse(lambda: self.parser.from_grpc(request), request.ByteSize())
+        self.parse_ms["grpc"].append((time.perf_counter() - t0) * 1000)
+        parsed.deadline = deadline_within(parsed.deadline, remaining_s)
+        async for chunk in self._run(parsed, "grpc"):
+            yield grpc_chunk(chunk)
 
-    async def GetModelInfo(
-        self, request: "pb.ModelInfoRequest", grpc_context: Any
-    ) -> "pb.ModelInfo":
-        try:
-            self._grpc_auth(grpc_context)
-        except PDServeError as e:
-            _grpc_fail(grpc_context, grpc_status(e), e.message, "")
+    def _model_info(self, metadata: Mapping[str, str]) -> "pb.ModelInfo":
+        self.auth.check(metadata.get("authorization"))
         return pb.ModelInfo(
             model=self.model,
             max_model_len=self.limits.max_model_len,
@@ -171,45 +205,37 @@ class Router:
             block_size=self.config.cache.block_size,
         )
 
-    async def Check(
-        self, request: "health_pb2.HealthCheckRequest", grpc_context: Any
-    ) -> "health_pb2.HealthCheckResponse":
-        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
-
-    async def Watch(
-        self, request: "health_pb2.HealthCheckRequest", grpc_context: Any
-    ) -> "AsyncIterator[health_pb2.HealthCheckResponse]":
-        yield health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
-
     # -- OpenAI-compatible HTTP ---------------------------------------------------------------
 
-    async def _body(self, request: Request) -> dict[str, Any]:
+    async def _body(self, request: Request) -> bytes:
         self.auth.check(request.headers.get("authorization"))
-        limit = self.config.router.max_request_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise PDServeError(ErrorCode.RESOURCE_EXHAUSTED, f"request body exceeds {limit} bytes")
-        raw = await request.body()
-        if len(raw) > limit:
-            raise PDServeError(ErrorCode.RESOURCE_EXHAUSTED, f"request body exceeds {limit} bytes")
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            raise PDServeError(ErrorCode.INVALID_ARGUMENT, "body: not valid JSON") from None
-        if not isinstance(body, dict):
-            raise PDServeError(ErrorCode.INVALID_ARGUMENT, "body: must be a JSON object")
-        return body
+        return await read_body(
+            request.stream(),
+            request.headers.get("content-length"),
+            self.config.router.max_request_bytes,
+        )
+
+    async def _parse(self, parse: Callable[[], ParsedRequest], size: int) -> ParsedRequest:
+        """Validate and tokenize: a small request here, a big one on the parse thread, so that
+        a few MiB of text never stall this event loop (health, other requests: B10)."""
+        if size <= INLINE_PARSE_BYTES:
+            return parse()
+        return await asyncio.get_running_loop().run_in_executor(self._parse_pool, parse)
 
     async def _http(self, request: Request, kind: str) -> Response:
         try:
+            self.admission.check()  # before reading anything: overload costs nothing
             t0 = time.perf_counter()
-            body = await self._body(request)
-            parsed = (
-                self.parser.from_chat(body) if kind == "chat" else self.parser.from_completion(body)
-            )
+            raw = await self._body(request)
+            from_body = self.parser.from_chat if kind == "chat" else self.parser.from_completion
+            parsed = await self._parse(lambda: from_body(json_object(raw)), len(raw))
             self.parse_ms[kind].append((time.perf_counter() - t0) * 1000)
         except PDServeError as e:
             status, payload = openai_error(e)
+            return JSONResponse(payload, status_code=status)
+        except Exception:
+            logger.exception("HTTP %s request failed before it was parsed", kind)
+            status, payload = openai_error(internal_error(""))
             return JSONResponse(payload, status_code=status)
         route = "chat" if kind == "chat" else "completions"
         if parsed.stream:
@@ -243,6 +269,9 @@ class Router:
         except PDServeError as e:
             # Headers are gone: the error travels as a final SSE event (never a silent cut).
             yield error_event(e)
+        except Exception:
+            logger.exception("request %s: rendering the stream failed", parsed.request_id)
+            yield error_event(internal_error(parsed.request_id))
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
@@ -277,7 +306,15 @@ class Router:
 
     @app.get("/health")
     async def health(self) -> Response:
-        return JSONResponse({"status": "ok"})
+        """Readiness (no key needed): 200 once both pools can take a request, else 503."""
+        if self.readiness.ready:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse(
+            {"status": "unavailable", "reason": self.readiness.reason}, status_code=503
+        )
+
+    async def _pools_ready(self) -> bool:
+        return bool(await self.decode_handle.ready.remote())
 
     # -- introspection (tests, operators) -----------------------------------------------------
 
@@ -287,4 +324,15 @@ class Router:
             "retries": self.relay.num_retries,
             "parse_ms": {k: list(v) for k, v in self.parse_ms.items()},
             "ranking_ms": recent_ranking_ms(),  # the decode pool's routing, in this process
+            "in_flight": self.admission.num_inflight,
+            "rejected": self.admission.num_rejected,
+            "ready": self.readiness.ready,
         }
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def arm_fault(self, spec: str) -> str:
+        """Test mode only (``testing.enabled``): arm a router fault point (``common.faults``)."""
+        self.faults.arm(spec)
+        return "ok"

@@ -40,6 +40,7 @@ class DecodeRelay:
             request_id=call.request_id,
             retries=self.config.retries,
             assignment_timeout_s=self.config.assignment_timeout_s,
+            stall_timeout_s=self.config.stall_timeout_s,
             deadline=call.deadline,
             is_progress=_streams_output,
             on_retry=self._count_retry,

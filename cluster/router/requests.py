@@ -7,12 +7,13 @@ types, ranges, token ids outside the vocabulary, prompt + max_tokens beyond the 
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from cluster.common.errors import ErrorCode, PDServeError, invalid
 from cluster.common.hashing import hash_block_tokens
@@ -21,7 +22,7 @@ from cluster.common.sampling_params import MAX_LOGPROBS, SamplingParams, validat
 from cluster.config import RouterConfig
 from cluster.config.model_paths import ModelLimits
 
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 MAX_PROMPT_CHARS = 4 << 20  # raw text, before tokenization (the body limit applies first)
 
 # OpenAI fields, per endpoint: accepted (and mapped), or refused with a message naming them.
@@ -74,11 +75,17 @@ _UNSUPPORTED = {
 }
 
 
+class RequestIds(NamedTuple):
+    label: str  # what the client sent (or what was made for it): every reply carries it
+    unique: str  # the cluster's id of this request, in every pool and every log line
+
+
 @dataclass(slots=True)
 class ParsedRequest:
     """A validated request, ready to send to the decode pool."""
 
-    request_id: str
+    request_id: str  # the client's id (a label, maybe shared with other requests)
+    call_id: str  # unique: the id the pools know the request by
     prompt_token_ids: list[int]
     block_hashes: list[int]
     params: SamplingParams
@@ -90,13 +97,43 @@ class ParsedRequest:
 
     def to_call(self, router_queue_ms: float) -> GenerateCall:
         return GenerateCall(
-            request_id=self.request_id,
+            request_id=self.call_id,
             prompt_token_ids=self.prompt_token_ids,
             block_hashes=self.block_hashes,
             params=self.params,
             deadline=self.deadline,
             router_queue_ms=router_queue_ms,
         )
+
+
+async def read_body(parts: AsyncIterator[bytes], declared: str | None, limit: int) -> bytes:
+    """An HTTP body, read as it arrives and refused (RESOURCE_EXHAUSTED) as soon as it passes
+    ``limit``: a chunked body has no Content-Length to check first, and is never buffered
+    beyond the limit."""
+    too_big = PDServeError(ErrorCode.RESOURCE_EXHAUSTED, f"request body exceeds {limit} bytes")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for part in parts:
+        size += len(part)
+        if size > limit:
+            raise too_big
+        chunks.append(part)
+    return b"".join(chunks)
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        text = raw.decode("utf-8")  # strict: json.loads(bytes) would let surrogates through
+    except UnicodeDecodeError as e:
+        raise invalid(f"body: not valid UTF-8 (at byte {e.start})") from None
+    try:
+        body = json.loads(text)
+    except ValueError:
+        raise invalid("body: not valid JSON") from None
+    if not isinstance(body, dict):
+        raise invalid("body: must be a JSON object")
+    return body
 
 
 def _type_name(value: Any) -> str:
@@ -130,10 +167,22 @@ def _bool(body: Mapping[str, Any], key: str) -> bool | None:
     return value
 
 
+def utf8_text(text: str, where: str) -> str:
+    """``text``, if it is valid Unicode: a JSON string may hold a lone surrogate (``"\\ud800"``),
+    which no tokenizer can take and no reply can echo (INVALID_ARGUMENT naming the field)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise invalid(
+            f"{where}: not valid Unicode (a lone surrogate at character {e.start})"
+        ) from None
+    return text
+
+
 def _text_parts(content: Any, where: str) -> str:
     """Chat content: a string, or a list of ``{"type": "text", "text": ...}`` parts."""
     if isinstance(content, str):
-        return content
+        return utf8_text(content, where)
     if isinstance(content, list):
         texts = []
         for i, part in enumerate(content):
@@ -143,7 +192,7 @@ def _text_parts(content: Any, where: str) -> str:
             text = part.get("text")
             if not isinstance(text, str):
                 raise invalid(f"{where}[{i}].text: must be a string")
-            texts.append(text)
+            texts.append(utf8_text(text, f"{where}[{i}].text"))
         return "".join(texts)
     raise invalid(f"{where}: must be a string or a list of text parts")
 
@@ -167,14 +216,17 @@ class RequestParser:
 
     # -- shared --------------------------------------------------------------------------------
 
-    def request_id(self, given: str | None, prefix: str) -> str:
+    def request_id(self, given: str | None, prefix: str) -> RequestIds:
+        """A client's id is a label (two requests may carry the same one); the cluster's own
+        id of the request is unique: the label plus a random suffix ('@' is never in a label)."""
         if not given:
-            return f"{prefix}-{uuid.uuid4().hex}"
-        if not isinstance(given, str) or not _REQUEST_ID.match(given):
+            generated = f"{prefix}-{uuid.uuid4().hex}"
+            return RequestIds(generated, generated)
+        if not isinstance(given, str) or not _REQUEST_ID.fullmatch(given):
             raise invalid(
                 "request_id: at most 128 letters, digits, '-', '_', '.' or ':' characters"
             )
-        return given
+        return RequestIds(given, f"{given}@{uuid.uuid4().hex[:16]}")
 
     def deadline(self, timeout_ms: int | None) -> float:
         if timeout_ms is None:
@@ -183,14 +235,30 @@ class RequestParser:
             raise PDServeError(ErrorCode.DEADLINE_EXCEEDED, "timeout_ms: the deadline has passed")
         return time.time() + min(timeout_ms / 1000, self.router.request_timeout_s)
 
-    def encode_text(self, text: str, field_name: str) -> list[int]:
-        if len(text) > MAX_PROMPT_CHARS:
+    def _check_chars(self, num_chars: int, field_name: str) -> None:
+        """The cheap bound, before any tokenizing (B10): a text longer than any prompt the
+        context can hold (``max_model_len`` x the longest token) cannot fit."""
+        if num_chars > MAX_PROMPT_CHARS:
             raise invalid(f"{field_name}: longer than {MAX_PROMPT_CHARS} characters")
+        per_token = getattr(self.tokenizer, "max_chars_per_token", None)
+        if per_token and num_chars > self.limits.max_model_len * per_token:
+            raise invalid(
+                f"{field_name}: {num_chars} characters cannot fit in max_model_len="
+                f"{self.limits.max_model_len} tokens (at most "
+                f"{self.limits.max_model_len * per_token} characters)"
+            )
+
+    def encode_text(self, text: str, field_name: str) -> list[int]:
+        self._check_chars(len(text), field_name)
         if not text:
             raise invalid("prompt: prompt cannot be empty")
-        return list(self.tokenizer.encode(text))
+        return list(self.tokenizer.encode(utf8_text(text, field_name)))
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        self._check_chars(
+            sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, Mapping)),
+            "messages",
+        )
         try:
             return list(self.tokenizer.encode_chat(messages))
         except ValueError as e:  # includes ChatTemplateError, raised by the model's template
@@ -198,7 +266,7 @@ class RequestParser:
 
     def finish(
         self,
-        request_id: str,
+        ids: RequestIds,
         prompt: list[int],
         params: SamplingParams,
         deadline: float | None,
@@ -216,7 +284,8 @@ class RequestParser:
         except ValueError as e:
             raise invalid(str(e)) from None
         return ParsedRequest(
-            request_id=request_id,
+            request_id=ids.label,
+            call_id=ids.unique,
             prompt_token_ids=prompt,
             block_hashes=hash_block_tokens(prompt, self.block_size),
             params=params,
@@ -275,6 +344,7 @@ class RequestParser:
 
     def _check_fields(self, body: Mapping[str, Any], allowed: frozenset[str]) -> None:
         for key in body:
+            utf8_text(key, "body: a field name")
             if key in _UNSUPPORTED and body[key] not in (None, [], {}):
                 raise invalid(f"{key}: {_UNSUPPORTED[key]}")
             if key not in allowed and key not in _UNSUPPORTED:
@@ -315,9 +385,9 @@ class RequestParser:
         if stop is None:
             return ()
         if isinstance(stop, str):
-            return (stop,)
+            return (utf8_text(stop, "stop"),)
         if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-            return tuple(stop)
+            return tuple(utf8_text(s, f"stop[{i}]") for i, s in enumerate(stop))
         raise invalid("stop: must be a string or a list of strings")
 
     def _common_params(
@@ -332,6 +402,8 @@ class RequestParser:
         user = body.get("user")
         if user is not None and not isinstance(user, str):
             raise invalid("user: must be a string")
+        if user is not None:
+            utf8_text(user, "user")
         return self.params(
             max_tokens=max_tokens,
             min_tokens=_int(body, "min_tokens"),
@@ -396,12 +468,18 @@ class RequestParser:
         for i, m in enumerate(messages):
             if not isinstance(m, Mapping):
                 raise invalid(f"messages[{i}]: must be an object with role and content")
+            for key in m:
+                utf8_text(key, f"messages[{i}]: a field name")
             extra = sorted(set(m) - {"role", "content", "name"})
             if extra:
                 raise invalid(f"messages[{i}].{extra[0]}: unsupported message field")
+            role = m.get("role")
+            for key in ("role", "name"):
+                if isinstance(m.get(key), str):
+                    utf8_text(m[key], f"messages[{i}].{key}")
             flat.append(
                 {
-                    "role": m.get("role"),
+                    "role": role,
                     "content": _text_parts(m.get("content"), f"messages[{i}].content"),
                 }
             )

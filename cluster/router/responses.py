@@ -83,7 +83,8 @@ def grpc_chunk(chunk: StreamChunk) -> pb.GenerateResponse:
 
 def openai_error(error: PDServeError) -> tuple[int, dict[str, Any]]:
     """(HTTP status, body) in OpenAI's error shape; ``param`` is the field the message names."""
-    message = error.message
+    # A message may quote client input: never let a lone surrogate break the rendering.
+    message = error.message.encode("utf-8", "backslashreplace").decode("utf-8")
     param = None
     if error.code == ErrorCode.INVALID_ARGUMENT and ":" in message:
         head = message.split(":", 1)[0]

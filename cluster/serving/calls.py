@@ -10,14 +10,26 @@ decode replica's call to the prefill pool both use it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from cluster.common.errors import ErrorCode, PDServeError
+from cluster.common.errors import ErrorCode, PDServeError, internal_error
 from cluster.common.protocol import Accepted, within_deadline
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Keepalive:
+    """A pool stream's sign of life while it has nothing to say (``retrying_stream`` drops it:
+    never shown to a caller)."""
+
+
+KEEPALIVE = Keepalive()
 
 
 class PoolResponse(Protocol):
@@ -58,7 +70,8 @@ def as_pdserve_error(e: BaseException, request_id: str = "") -> PDServeError:
         return PDServeError(ErrorCode.UNAVAILABLE, "a replica became unavailable", request_id)
     if isinstance(e, sex.RequestCancelledError | asyncio.CancelledError):
         return PDServeError(ErrorCode.CANCELLED, "the request was cancelled", request_id)
-    return PDServeError(ErrorCode.INTERNAL, f"internal error (request {request_id})", request_id)
+    logger.warning("request %s: a pool call failed: %r", request_id, e)  # the details stay here
+    return internal_error(request_id)
 
 
 def is_retryable(err: PDServeError) -> bool:
@@ -72,6 +85,7 @@ async def retrying_stream(
     retries: int,
     assignment_timeout_s: float,
     deadline: float | None = None,
+    stall_timeout_s: float | None = None,
     is_progress: Callable[[Any], bool] = lambda item: True,
     on_retry: Callable[[], None] | None = None,
 ) -> AsyncGenerator[Any, None]:
@@ -83,6 +97,8 @@ async def retrying_stream(
     with that replica excluded, at most ``retries`` times; any other failure, and any failure
     after progress, is raised as a ``PDServeError`` (the caller decides what a failure after
     progress means). Every await is bounded by ``deadline`` (wall clock): DEADLINE_EXCEEDED.
+    Once accepted, a replica silent for ``stall_timeout_s`` (no item, not even a
+    ``Keepalive``, which is never yielded) has failed: UNAVAILABLE (a hung or stopped process).
     Closing the stream early, or cancelling it, cancels the call on its replica.
     """
     excluded: list[str] = []
@@ -97,9 +113,11 @@ async def retrying_stream(
             replica_id = accepted.replica_id
             while True:
                 try:
-                    item = await within_deadline(response.__anext__(), deadline, request_id)
+                    item = await _next(response, deadline, stall_timeout_s, request_id)
                 except StopAsyncIteration:
                     return
+                if isinstance(item, Keepalive):
+                    continue
                 progressed = progressed or is_progress(item)
                 yield item
         except (GeneratorExit, asyncio.CancelledError):
@@ -115,6 +133,21 @@ async def retrying_stream(
         finally:
             response.cancel()
     raise PDServeError(ErrorCode.UNAVAILABLE, "no replica answered", request_id)
+
+
+async def _next(
+    response: PoolResponse, deadline: float | None, stall_s: float | None, request_id: str
+) -> Any:
+    if stall_s is None or (deadline is not None and deadline - time.time() <= stall_s):
+        return await within_deadline(response.__anext__(), deadline, request_id)
+    try:
+        return await asyncio.wait_for(response.__anext__(), stall_s)
+    except asyncio.TimeoutError:
+        raise PDServeError(
+            ErrorCode.UNAVAILABLE,
+            f"the replica stopped responding ({stall_s:g} s without a sign of life)",
+            request_id,
+        ) from None
 
 
 async def _accepted(

@@ -39,11 +39,30 @@ def _pool_options(pool: PoolConfig, max_ongoing: int, role: str, block_size: int
     }
 
 
+def decode_max_ongoing(config: ClusterConfig) -> int:
+    """Requests one decode replica takes at once: its running batch plus as many waiting for
+    blocks or KV (a remote prefill in flight)."""
+    seqs = config.for_pool("decode").scheduler.max_num_seqs
+    return config.decode.max_ongoing_requests or 2 * seqs
+
+
+def router_admission_limit(config: ClusterConfig) -> int:
+    """Requests one router replica lets in at once (``router.max_ongoing_requests``, else what
+    the decode pool can hold: at most this many are ever waiting on it per router replica)."""
+    r = config.router
+    if r.max_ongoing_requests is not None:
+        return r.max_ongoing_requests
+    d = config.decode
+    replicas = d.autoscaling.max_replicas if d.autoscaling.enabled else max(1, d.num_replicas)
+    share = -(-decode_max_ongoing(config) * replicas // r.num_replicas)  # ceil
+    return share + d.max_queued_requests
+
+
 def deployment_options(config: ClusterConfig) -> dict[str, dict[str, Any]]:
     """Options per deployment name (also what serveConfigV2 entries override)."""
     prefill_seqs = config.for_pool("prefill").scheduler.max_num_seqs
-    decode_seqs = config.for_pool("decode").scheduler.max_num_seqs
     r = config.router
+    admitted = router_admission_limit(config)
     return {
         # Prefill streams stay open while their KV is leased: room for a batch plus its leases.
         "PrefillServer": _pool_options(
@@ -51,13 +70,19 @@ def deployment_options(config: ClusterConfig) -> dict[str, dict[str, Any]]:
         ),
         # Decode: the running batch plus requests waiting for blocks or KV.
         "DecodeServer": _pool_options(
-            config.decode, 2 * decode_seqs, "decode", config.cache.block_size
+            config.decode, decode_max_ongoing(config), "decode", config.cache.block_size
         ),
         "Router": {
             "num_replicas": r.num_replicas,
-            "max_ongoing_requests": r.max_ongoing_requests,
+            # Room above the router's own admission limit: the excess reaches the router and
+            # gets its fast 429 instead of waiting in Serve's proxy queue.
+            "max_ongoing_requests": 2 * admitted + 64,
             "max_queued_requests": r.max_queued_requests,
-            "ray_actor_options": {"num_cpus": r.num_cpus},
+            "graceful_shutdown_timeout_s": r.graceful_shutdown_timeout_s,
+            "ray_actor_options": {
+                "num_cpus": r.num_cpus,
+                **({"resources": dict(r.resources)} if r.resources else {}),
+            },
         },
     }
 

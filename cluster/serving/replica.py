@@ -3,8 +3,11 @@
 A pool deployment subclasses it, builds its role's Ray-free worker (``PrefillWorker``,
 ``DecodeWorker``) and adds its one streaming call. The base gives it:
 
-  * health (``check_health``: the engine thread and the KV side are alive);
+  * health (``check_health``: the engine thread and the KV side are alive) and readiness
+    (``ready``: that, and the pools it calls answer too);
   * introspection for operators and tests (``stats``, ``check_integrity``, ``pid``);
+  * keepalives on its streams while they are quiet (``with_keepalives``: hung-replica
+    detection, F10);
   * the metrics loop (``PoolMetrics`` fed from ``stats()`` every second, started with the first
     call so it runs on the replica's event loop);
   * the reports Ray Serve pulls: ``record_routing_stats`` (cached blocks and load, for the
@@ -16,17 +19,21 @@ A pool deployment subclasses it, builds its role's Ray-free worker (``PrefillWor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
-from typing import Any, ClassVar, Protocol
+from collections.abc import AsyncIterator
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from cluster.common.faults import FaultPoints
 from cluster.config import ClusterConfig, PoolConfig
+from cluster.serving.calls import KEEPALIVE, Keepalive
 from cluster.serving.metrics import PoolMetrics
 from cluster.serving.routing_policy import snapshot_from_stats
 
 logger = logging.getLogger(__name__)
 METRICS_PERIOD_S = 1.0
+T = TypeVar("T")
 
 
 class EngineHandle(Protocol):
@@ -88,6 +95,35 @@ class PoolReplica:
                 logger.exception("publishing %s metrics failed", self.role)
             await asyncio.sleep(METRICS_PERIOD_S)
 
+    async def with_keepalives(self, items: AsyncIterator[T]) -> AsyncIterator[T | Keepalive]:
+        """``items``, with a ``Keepalive`` whenever they fall silent for a quarter of
+        ``router.stall_timeout_s`` while this replica is alive: a caller tells a quiet stream
+        (a request queued, a lease held) from a hung or stopped replica, which sends nothing
+        (F10). Closing or cancelling this stream closes ``items`` (the request ends here)."""
+        period = self.config.router.stall_timeout_s / 4
+        pending: asyncio.Future[T] | None = None
+        try:
+            while True:
+                if pending is None:
+                    pending = asyncio.ensure_future(items.__anext__())
+                done, _ = await asyncio.wait((pending,), timeout=period)
+                if not done:
+                    if self.worker.is_alive():
+                        yield KEEPALIVE
+                    continue
+                finished, pending = pending, None
+                try:
+                    item = finished.result()
+                except StopAsyncIteration:
+                    return
+                yield item
+        finally:
+            if pending is not None:
+                pending.cancel()
+                with contextlib.suppress(BaseException):
+                    await pending
+            await items.aclose()  # type: ignore[attr-defined]
+
     # -- what Ray Serve calls ------------------------------------------------------------------
 
     async def record_routing_stats(self) -> dict[str, Any]:
@@ -104,6 +140,14 @@ class PoolReplica:
     def check_health(self) -> None:
         if not self.worker.is_alive():
             raise RuntimeError(f"{self.role} replica {self.replica_id}: engine or KV side is dead")
+
+    async def ready(self) -> bool:
+        """Readiness (the router's probe): this replica can take a request now, and so can
+        any pool it depends on."""
+        return self.worker.is_alive() and await self.dependencies_ready()
+
+    async def dependencies_ready(self) -> bool:
+        return True
 
     # -- introspection -------------------------------------------------------------------------
 

@@ -35,7 +35,12 @@ class Worker:
 
 
 def start_worker(
-    role: str, config: ClusterConfig, workdir: Path, prefill: list[str] = (), name: str = ""
+    role: str,
+    config: ClusterConfig,
+    workdir: Path,
+    prefill: list[str] = (),
+    name: str = "",
+    ports: tuple[int, int] = (0, 0),  # (rpc, kv): fixed, to restart a worker at its address
 ) -> Worker:
     name = name or role
     ready = workdir / f"{name}.ready"
@@ -53,6 +58,7 @@ def start_worker(
     ]
     for ep in prefill:
         cmd += ["--prefill", ep]
+    cmd += ["--rpc-port", str(ports[0]), "--kv-port", str(ports[1])]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     with log.open("wb") as out:
         popen = subprocess.Popen(

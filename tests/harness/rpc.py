@@ -78,13 +78,16 @@ def unpack(data: bytes) -> Any:
 
 
 class RpcServer:
-    def __init__(self, target: Any, host: str = "127.0.0.1") -> None:
+    def __init__(self, target: Any, host: str = "127.0.0.1", port: int = 0) -> None:
         self.target = target
         self.ctx = zmq.asyncio.Context()
         self.ctx.linger = 0  # never block interpreter exit or GC on queued messages
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        port = self.sock.bind_to_random_port(f"tcp://{host}")
+        if port:
+            self.sock.bind(f"tcp://{host}:{port}")
+        else:
+            port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
         self._tasks: dict[tuple[bytes, int], asyncio.Task[None]] = {}
 

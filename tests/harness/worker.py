@@ -111,13 +111,13 @@ async def main(args: argparse.Namespace) -> None:
     if args.role == "prefill":
         from cluster.prefill_worker.worker import PrefillWorker
 
-        server = PrefillWorker(config).start()
+        server = PrefillWorker(config, kv_port=args.kv_port).start()
     else:
         from cluster.decode_worker.worker import DecodeWorker
 
         client = HarnessPrefillClient(args.prefill) if args.prefill else None
         server = DecodeWorker(config, client).start()
-    rpc = RpcServer(Target(server))
+    rpc = RpcServer(Target(server), port=args.rpc_port)
     ready = Path(args.ready_file)
     tmp = ready.with_suffix(".tmp")
     tmp.write_text(json.dumps({"endpoint": rpc.endpoint, "pid": os.getpid()}))
@@ -135,6 +135,8 @@ if __name__ == "__main__":
     p.add_argument("--config-json", required=True)
     p.add_argument("--ready-file", required=True)
     p.add_argument("--prefill", action="append", default=[])
+    p.add_argument("--rpc-port", type=int, default=0)  # fixed: a restart at the same address
+    p.add_argument("--kv-port", type=int, default=0)
     logging.basicConfig(
         level=logging.DEBUG if os.environ.get("PDSERVE_TEST_DEBUG") else logging.INFO,
         format="%(asctime)s %(threadName)s %(name)s: %(message)s",

@@ -8,7 +8,11 @@ References are computed first, in this process, before the app is deployed.
 
 from __future__ import annotations
 
+import json
 import threading
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -186,4 +190,71 @@ def test_openai_client_streaming_and_not_match_offline(app: App, workload: dict[
         "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == workload["chat"]
     )
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+    app.assert_clean()
+
+
+def test_huge_prompts_are_refused_while_health_stays_fast(app: App) -> None:
+    """B10: prompts of a few MiB of text (under the body limit) are refused by the character
+    bound before any tokenizing; those just under the bound are tokenized off the router's
+    event loop, without holding the GIL (then refused: too many tokens). Health over HTTP and
+    gRPC answers in < 100 ms (p99) all the while."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from cluster.common.tokenizer import load_tokenizer
+
+    per_token = load_tokenizer(app.config).max_chars_per_token
+    assert per_token
+    limit = app.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=30).max_model_len
+    words = "the quick brown fox jumps over a lazy dog; "
+    huge = (words * (1 + (3 << 20) // len(words)))[: 3 << 20]  # 3 MiB, over the bound
+    under = huge[: limit * per_token - 1]  # under the bound, far over the context in tokens
+    assert len(under) < len(huge)
+    done = threading.Event()
+    latencies: dict[str, list[float]] = {"http": [], "grpc": []}
+    replies: list[tuple[int, str]] = []
+    health = health_pb2_grpc.HealthStub(app.channel)
+
+    def poll(kind: str) -> None:
+        while not done.is_set():
+            t0 = time.monotonic()
+            if kind == "http":
+                with urllib.request.urlopen(app.cluster.http_url + "/health", timeout=10) as r:
+                    r.read()
+            else:
+                health.Check(health_pb2.HealthCheckRequest(), timeout=10)
+            latencies[kind].append(time.monotonic() - t0)
+            time.sleep(0.02)
+
+    def post(text: str) -> None:
+        data = json.dumps({"prompt": text, "max_tokens": 4}).encode()
+        req = urllib.request.Request(
+            app.cluster.http_url + "/v1/completions",
+            data=data,
+            headers={"content-type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                replies.append((r.status, r.read().decode()))
+        except urllib.error.HTTPError as e:
+            replies.append((e.code, json.loads(e.read())["error"]["message"]))
+
+    pollers = [threading.Thread(target=poll, args=(kind,)) for kind in latencies]
+    for t in pollers:
+        t.start()
+    time.sleep(0.5)
+    senders = [threading.Thread(target=post, args=(t,)) for t in [huge] * 3 + [under] * 2]
+    for t in senders:
+        t.start()
+    for t in senders:
+        t.join(180)
+    done.set()
+    for t in pollers:
+        t.join(30)
+    assert len(replies) == 5 and all(code == 400 for code, _ in replies), replies
+    assert all(message.startswith("prompt:") for _, message in replies), replies
+    assert sum("cannot fit in max_model_len" in m for _, m in replies) == 3, replies
+    for kind, times in latencies.items():
+        times.sort()
+        p99 = times[int(0.99 * (len(times) - 1))]
+        assert len(times) >= 20 and p99 < 0.1, (kind, p99, times[-5:])
     app.assert_clean()

@@ -7,35 +7,46 @@ from typing import Any
 
 import grpc
 from ray import serve
+from ray.serve.api import _run
 
 from cluster.app import build_application
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, RouterConfig
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.serve_fixtures import ServeCluster, wait_until
+from tests.serve_fixtures import ServeCluster, free_port, wait_until
 
 
 class App:
-    """One deployed app: handles to its pools and a gRPC stub on the shared proxy."""
+    """One deployed app: handles to its pools, a gRPC stub on its router's own port (a free one
+    unless the config names it)."""
 
-    def __init__(self, cluster: ServeCluster, config: ClusterConfig, name: str) -> None:
+    def __init__(
+        self, cluster: ServeCluster, config: ClusterConfig, name: str, blocking: bool = True
+    ) -> None:
+        if config.router.grpc_port == RouterConfig().grpc_port:
+            config = config.replace({"router.grpc_port": free_port()})
         self.cluster = cluster
         self.config = config
         self.name = name
-        serve.run(build_application(config), name=name, route_prefix="/")
+        # Not blocking: returns as soon as the app is submitted (readiness tests watch it come up).
+        _run(build_application(config), name=name, route_prefix="/", _blocking=blocking)
         self.decode = serve.get_deployment_handle("DecodeServer", name)
         self.prefill = (
             serve.get_deployment_handle("PrefillServer", name)
             if config.prefill.num_replicas
             else None
         )
-        self.channel = grpc.insecure_channel(cluster.grpc_target)
+        self.router = serve.get_deployment_handle("Router", name)
+        self.grpc_target = f"127.0.0.1:{config.router.grpc_port}"
+        self.channel: Any = grpc.insecure_channel(self.grpc_target)
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.metadata = [("application", name)]
 
     def close(self) -> None:
-        self.channel.close()
-        serve.delete(self.name)
+        if self.channel is not None:  # once
+            self.channel.close()
+            self.channel = None
+            serve.delete(self.name)
 
     # -- calling -----------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from cluster.common.hashing import hash_block_tokens
 from cluster.common.protocol import Accepted, GenerateCall
 from cluster.decode_worker.deployment import DecodeServer
 from cluster.serving.autoscaling import POLICY_STATE_KEY
+from cluster.serving.calls import Keepalive
 from cluster.serving.options import deployment_options
 from tests.helpers import fake_config, greedy
 from tests.serve_fixtures import ServeCluster
@@ -77,7 +78,7 @@ async def _stream(
         async for item in handle.options(stream=True).generate.remote(call):
             if isinstance(item, Accepted):
                 out.replica = item.replica_id
-            else:
+            elif not isinstance(item, Keepalive):
                 out.tokens += len(item.token_ids)
                 out.finish = item.finish_reason or out.finish
     except Exception as e:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
+import socket
 import threading
 import time
 import urllib.error
@@ -20,6 +22,7 @@ from typing import Any
 
 import grpc
 import openai
+import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -215,6 +218,46 @@ def test_bad_input_gets_the_right_status_and_touches_no_worker(app: App) -> None
     app.assert_clean()
 
 
+def test_a_chunked_body_over_the_limit_is_refused_without_being_buffered(app: App) -> None:
+    """B7: no Content-Length to check first; the router stops reading at the limit and answers
+    429 while the client is still sending, its memory untouched by the rest."""
+    limit = app.config.router.max_request_bytes
+    router = psutil.Process(app.router.pid.remote().result(timeout_s=30))
+    rss_before = router.memory_info().rss
+    sent = 0
+    total = 16 * limit
+    with socket.create_connection(("127.0.0.1", app.cluster.http_port), timeout=30) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {KEY}\r\n".encode()
+            + b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        piece = b'{"prompt": "' + b"x" * (64 << 10)
+        chunk = f"{len(piece):x}\r\n".encode() + piece + b"\r\n"
+        sock.settimeout(0.05)
+        reply = b""
+        while sent < total and not reply:
+            try:
+                sock.sendall(chunk)
+                sent += len(piece)
+            except OSError:  # the server closed the connection after answering
+                break
+            with contextlib.suppress(TimeoutError, BlockingIOError):
+                reply = sock.recv(65536)
+        sock.settimeout(30)
+        while b"exceeds" not in reply:  # the headers, then the error body
+            more = sock.recv(65536)
+            if not more:
+                break
+            reply += more
+    status_line = reply.split(b"\r\n", 1)[0]
+    assert b" 429 " in status_line, reply[:300]
+    assert b"exceeds" in reply
+    assert sent < total / 2, (sent, total)  # answered long before the client had sent it all
+    assert router.memory_info().rss - rss_before < 10 << 20
+    app.assert_clean()
+
+
 def test_auth_on_every_method_but_health(app: App) -> None:
     service = pb.DESCRIPTOR.services_by_name["Generation"]
     requests = {"Generate": pb.GenerateRequest(prompt="x"), "GetModelInfo": pb.ModelInfoRequest()}
@@ -243,6 +286,157 @@ def test_auth_on_every_method_but_health(app: App) -> None:
     assert status == 200
     assert listing["data"][0]["weights"] == "none (the fake runner)"
     assert listing["data"][0]["kv_cache"].startswith("model dtype")
+    app.assert_clean()
+
+
+# -- a reused client request id (K10) -------------------------------------------------------------
+
+
+def test_a_reused_request_id_leaves_the_running_request_alone(app: App) -> None:
+    """K10: a second request with the id of one still running (in the decode engine, its blocks
+    reserved, paused before its pull) is served on its own; the first then finishes normally.
+    Both oracle-identical."""
+    point = "d.after_alloc_before_pull"
+    first_p, second_p = prompt(21, 40), prompt(22, 40)  # remote prefill: leases, reservations
+    expected = reference(app, {"a": first_p, "b": second_p}, 12)
+    app.arm("decode", f"{point}=pause")
+    _call, got, t = start_stream(app, greedy_req(first_p, 12, "k10-same"))
+    try:
+        app.wait_paused("decode", point)
+        second = app.generate(greedy_req(second_p, 12, "k10-same"), KEY)
+        assert tokens(second) == expected["b"]
+        assert all(m.request_id == "k10-same" for m in second)
+    finally:
+        app.release("decode", point)
+    t.join(60)
+    assert got and not isinstance(got[-1], grpc.RpcError), got[-1]
+    assert tokens(got) == expected["a"]
+    assert got[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    app.assert_clean()
+
+
+def test_fifty_requests_sharing_ids_in_pairs_all_finish(app: App) -> None:
+    """K10, 50 tries: 25 ids, each used by two concurrent requests (gRPC and HTTP)."""
+    prompts = {f"k{i}": prompt(30 + i, 20 + 3 * i) for i in range(50)}
+    expected = reference(app, prompts, 8)
+    results: dict[str, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def call(i: int) -> None:
+        key, rid = f"k{i}", f"pair-{i // 2}"
+        try:
+            if i % 2:
+                body = {"prompt": prompts[key], "max_tokens": 8, "temperature": 0.0}
+                body.update(min_tokens=8, ignore_eos=True, request_id=rid)
+                status, out = http(app, "/v1/completions", body)
+                assert status == 200 and out["id"] == rid, out
+                results[key] = [int(w[1:]) for w in out["choices"][0]["text"].split()]
+            else:
+                results[key] = tokens(app.generate(greedy_req(prompts[key], 8, rid), KEY))
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(50)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[:3]
+    assert results == expected
+    app.assert_clean()
+
+
+# -- text that is not Unicode (B6); errors say what, not how (S8) ---------------------------------
+
+
+def test_text_that_is_not_unicode_is_a_client_error(app: App) -> None:
+    """B6: lone surrogates in JSON strings, invalid UTF-8 bodies and protobuf strings are 4xx
+    naming the field, before any worker is touched; a valid surrogate pair is ordinary text."""
+    before = worker_calls(app)
+    chat = "/v1/chat/completions"
+    cases = [  # json.dumps escapes each lone surrogate as \udXXX, as a client would send it
+        ("/v1/completions", {"prompt": "a\ud800b", "max_tokens": 2}, "prompt"),
+        (chat, {"messages": [{"role": "user", "content": "x\udfff"}]}, "messages[0].content"),
+        (
+            chat,
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud83d"}]}]},
+            "messages[0].content[0].text",
+        ),
+        (chat, {"messages": [{"role": "us\udc00er", "content": "x"}]}, "messages[0].role"),
+        ("/v1/completions", {"prompt": "x", "stop": ["ok", "\udc00"]}, "stop[1]"),
+        ("/v1/completions", {"prompt": "x", "\ud800": 1}, "body"),
+    ]
+    for path, body, field in cases:
+        status, err = http(app, path, body)
+        assert status == 400, (body, status, err)
+        assert err["error"]["message"].startswith(field), err
+        assert err["error"]["type"] == "invalid_request_error"
+    for raw in (b'{"prompt": "\xff\xfe"}', b'{"prompt": "\xed\xa0\x80"}'):  # UTF-8 broken
+        status, err = http(app, "/v1/completions", raw=raw)
+        assert status == 400 and err["error"]["message"].startswith("body: not valid UTF-8"), err
+    assert worker_calls(app) == before
+    # gRPC: a prompt string whose bytes are not UTF-8 (the server parses it: INVALID_ARGUMENT)
+    data = pb.GenerateRequest(prompt="ab").SerializeToString().replace(b"ab", b"a\xff")
+    generate = app.channel.unary_stream(
+        "/pdserve.v1.Generation/Generate",
+        request_serializer=None,
+        response_deserializer=pb.GenerateResponse.FromString,
+    )
+    with pytest.raises(grpc.RpcError) as info:
+        list(generate(data, metadata=app.auth(KEY), timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+    assert info.value.details().startswith("request: not a valid GenerateRequest")
+    assert worker_calls(app) == before
+    # an escaped surrogate *pair* is an ordinary character (here an emoji)
+    status, body = http(app, "/v1/completions", {"prompt": "hi \ud83d\ude00", "max_tokens": 2})
+    assert status == 200, body
+    app.assert_clean()
+
+
+def assert_says_what_not_how(text: str) -> None:
+    for leak in ("Traceback", "FaultInjected", "Error", ".py", 'File "', "ray.", "tcp://"):
+        assert leak not in text, text
+    assert not re.search(r"/[\w.-]+/", text), text  # no paths
+
+
+def test_internal_errors_show_a_code_and_the_request_id_only(app: App) -> None:
+    """S8: a bug in the router (forced with a fault point) reaches each API as a code, a fixed
+    message and the request id; the stack trace stays in the router's log."""
+    point = "router.before_relay=raise"
+    app.router.arm_fault.remote(point).result(timeout_s=30)
+    with pytest.raises(grpc.RpcError) as info:
+        app.generate(greedy_req(prompt(1, 8), 4, "s8-grpc"), KEY)
+    assert info.value.code() == grpc.StatusCode.INTERNAL
+    assert info.value.details() == "internal error (request s8-grpc)"
+    app.router.arm_fault.remote(point).result(timeout_s=30)
+    body = {"prompt": [1, 2, 3], "max_tokens": 2, "request_id": "s8-http"}
+    status, err = http(app, "/v1/completions", body)
+    assert status == 500, err
+    assert err == {
+        "error": {
+            "message": "internal error",
+            "type": "server_error",
+            "param": None,
+            "code": "internal",
+            "request_id": "s8-http",
+        }
+    }
+    app.router.arm_fault.remote(point).result(timeout_s=30)
+    req = urllib.request.Request(
+        app.cluster.http_url + "/v1/completions",
+        data=json.dumps({**body, "stream": True, "request_id": "s8-sse"}).encode(),
+        headers={"content-type": "application/json", "authorization": f"Bearer {KEY}"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        events = [line for line in r.read().decode().splitlines() if line.startswith("data: ")]
+    last = json.loads(events[-1][len("data: ") :])
+    assert last["error"]["message"] == "internal error", events
+    assert last["error"]["request_id"] == "s8-sse"
+    for text in (info.value.details(), json.dumps(err), *events):
+        assert_says_what_not_how(text)
+    # the router keeps serving
+    p = prompt(2, 8)
+    assert tokens(app.generate(greedy_req(p, 4), KEY)) == reference(app, {"x": p}, 4)["x"]
     app.assert_clean()
 
 

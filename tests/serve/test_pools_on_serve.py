@@ -13,6 +13,7 @@ from cluster.common.protocol import Accepted, GenerateCall
 from cluster.decode_worker.deployment import DecodeServer
 from cluster.engine.engine import LLMEngine
 from cluster.prefill_worker.deployment import PrefillServer
+from cluster.serving.calls import Keepalive
 from cluster.serving.options import deployment_options
 from tests.helpers import fake_config, greedy, run_until_done
 from tests.serve_fixtures import ServeCluster, wait_until
@@ -55,7 +56,8 @@ def test_decode_pool_hands_off_to_prefill_pool(serve_cluster: ServeCluster) -> N
 
         async def one(rid: str, p: list[int]) -> list[Any]:
             call = GenerateCall(rid, p, hash_block_tokens(p, 16), greedy(10))
-            return [x async for x in handle.options(stream=True).generate.remote(call)]
+            stream = handle.options(stream=True).generate.remote(call)
+            return [x async for x in stream if not isinstance(x, Keepalive)]
 
         async def main() -> dict[str, list[Any]]:
             outs = await asyncio.gather(*(one(r, p) for r, p in prompts.items()))

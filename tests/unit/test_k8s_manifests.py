@@ -226,6 +226,19 @@ def _custom_resources(params: dict[str, str]) -> dict[str, float]:
     return {k: float(v) for k, v in parsed.items()}
 
 
+def _health_routes() -> set[str]:
+    """The router's readiness route(s): the path of its ``health`` handler, from the source."""
+    source = (ROOT / "cluster" / "router" / "ingress.py").read_text()
+    return set(re.findall(r'@app\.get\("([^"]+)"\)\n    async def health\(', source))
+
+
+HEALTH_ROUTES = _health_routes()
+
+
+def _resources_of(loaded: Loaded, deployment: str) -> dict[str, float]:
+    return dict(loaded.deployments[deployment].ray_actor_options.get("resources") or {})
+
+
 def _serve_config(rs: dict[str, Any]) -> dict[str, Any]:
     return yaml.safe_load(rs["spec"]["serveConfigV2"])
 
@@ -486,8 +499,6 @@ def test_serve_config_v2_is_valid_and_importable(
 ) -> None:
     from ray.serve.schema import ServeDeploySchema
 
-    from cluster.pb import GRPC_SERVICER_FUNCTIONS
-
     rs = _one(variant[1], "RayService")
     raw = _serve_config(rs)
     schema = ServeDeploySchema.model_validate(raw)
@@ -495,10 +506,9 @@ def test_serve_config_v2_is_valid_and_importable(
     r = loaded.config.router
     assert schema.http_options.host == "0.0.0.0" and r.host == "0.0.0.0"
     assert schema.http_options.port == r.http_port
-    assert schema.grpc_options.port == r.grpc_port
-    assert list(schema.grpc_options.grpc_servicer_functions) == GRPC_SERVICER_FUNCTIONS
-    for fn in schema.grpc_options.grpc_servicer_functions:
-        assert callable(_import(fn)), fn
+    # No Serve gRPC proxy (it would listen on every interface): the Router replicas serve
+    # gRPC on router.host:grpc_port themselves.
+    assert "grpc_options" not in raw and not schema.grpc_options.grpc_servicer_functions
     (app,) = schema.applications
     assert app.route_prefix == "/"
     assert callable(_import(app.import_path))
@@ -629,11 +639,18 @@ def test_pools_land_on_their_worker_groups(
             most = least = pool.num_replicas
         assert group["minReplicas"] <= least <= most <= group["maxReplicas"]
         assert group["minReplicas"] <= group.get("replicas", 0) <= group["maxReplicas"]
-    # The head runs no pool replica and holds every Router replica.
-    assert not any(k.startswith("pdserve_") for k in _custom_resources(head["rayStartParams"]))
+    # The head runs no pool replica and holds every Router replica (their gRPC servers are
+    # where the Service sends clients): only the head offers what a Router replica asks for.
+    head_offers = _custom_resources(head["rayStartParams"])
+    assert not set(head_offers) & {k for d in POOLS for k in _resources_of(loaded, d)}
     assert float(head["rayStartParams"].get("num-gpus", "0")) == 0
     router = loaded.deployments["Router"]
-    assert not router.ray_actor_options.get("resources")
+    wanted = router.ray_actor_options.get("resources") or {}
+    assert wanted, "Router asks for no custom resource: it could land on a pool's pod"
+    for k, v in wanted.items():
+        assert head_offers.get(k, 0) >= v * router.num_replicas, k
+    for name, g in groups.items():
+        assert not set(wanted) & set(_custom_resources(g["rayStartParams"])), name
     need = router.num_replicas * router.ray_actor_options["num_cpus"]
     assert need <= float(head["rayStartParams"]["num-cpus"])
     # Ray's autoscaler gives pending replicas their pods.
@@ -686,11 +703,17 @@ def test_ray_cluster_settings(variant: tuple[str, list[dict[str, Any]]], loaded:
         assert ports["grpc"] == loaded.config.router.grpc_port
         for probe in ("readinessProbe", "livenessProbe"):
             assert container[probe]["httpGet"]["port"] in ports, (group_name, probe)
-        # Serve's gRPC proxy runs on every node with replicas: same message limit everywhere.
-        env = _env(container)
-        assert int(env["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"]["value"]) == (
-            loaded.config.router.max_request_bytes
-        )
+        # Readiness (F22): a pool pod is ready only while pdserve can take a request: the
+        # router's /health (503 until both pools answer) through the pod's Serve proxy. The
+        # head keeps Ray's own health: KubeRay deploys the app only once the head is ready.
+        ready = container["readinessProbe"]["httpGet"]
+        if group_name == "headgroup":
+            assert ready["port"] == "dashboard-agent", ready
+        else:
+            assert (ready["path"], ready["port"]) == ("/health", "serve"), (group_name, ready)
+            assert ready["path"] in HEALTH_ROUTES
+        # gRPC is the Router replicas' own server: no Serve gRPC proxy setting anywhere.
+        assert "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE" not in _env(container)
         # The object store lives in a memory-backed /dev/shm at least as large as it.
         mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
         (shm,) = [

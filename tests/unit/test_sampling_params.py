@@ -30,6 +30,8 @@ from cluster.common.sampling_params import SamplingParams, validate_prompt
         ({"stop": [""]}, "stop"),
         ({"stop": "x"}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": list(range(65))}, "stop_token_ids"),  # bounded: checked per token
+        ({"stop_token_ids": 7}, "stop_token_ids"),
         ({"logprobs": 21}, "logprobs"),
         ({"logprobs": -1}, "logprobs"),
     ],

@@ -74,3 +74,40 @@ def test_stop_string_truncates_and_is_never_streamed(pair: tuple[Tokenizer, obje
     assert matched == "three"
     assert streamed == "one, two, "
     assert "thr" not in streamed
+
+
+def test_long_texts_tokenize_without_holding_the_gil(real_model_dir: Path) -> None:
+    """B10: a few hundred KiB of text are tokenized while other threads keep running (the
+    router tokenizes big prompts off its event loop), to the same ids as a short encode."""
+    import random
+    import threading
+    import time
+
+    from cluster.common.tokenizer import LONG_TEXT_CHARS, Tokenizer
+
+    tok = Tokenizer(real_model_dir)
+    rng = random.Random(1)
+    words = (
+        "".join(rng.choice("abcdefghij") for _ in range(rng.randint(2, 9))) for _ in range(80000)
+    )
+    text = " ".join(words)
+    assert len(text) > 10 * LONG_TEXT_CHARS
+    started = threading.Event()
+    ids: list[int] = []
+
+    def run() -> None:
+        started.wait()
+        ids.extend(tok.encode(text))
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    gaps, last = [], time.monotonic()
+    started.set()
+    while worker.is_alive():
+        time.sleep(0.002)
+        now = time.monotonic()
+        gaps.append(now - last)
+        last = now
+    worker.join()
+    assert len(gaps) > 10 and max(gaps) < 0.5, (len(gaps), max(gaps))  # not one long stall
+    assert ids == list(tok._tok.encode(text).ids)

@@ -254,3 +254,46 @@ def test_chat_bad_input(parser: RequestParser, body: dict, field: str) -> None:
     code, message = code_of(parser.from_chat, body)
     assert code == ErrorCode.INVALID_ARGUMENT
     assert message.startswith(field), message
+
+
+def test_a_client_request_id_is_a_label_the_cluster_id_is_unique(parser: RequestParser) -> None:
+    """K10: two requests with one client id reach the pools under two ids (each with the label
+    in it, for the logs); replies carry the label; a made-up id needs no suffix."""
+    a = parser.from_grpc(grpc_req(prompt="hi", request_id="same"))
+    b = parser.from_completion({"prompt": "hi", "request_id": "same"})
+    assert a.request_id == b.request_id == "same"
+    assert len({a.call_id, b.call_id}) == 2
+    assert all(c.startswith("same@") for c in (a.call_id, b.call_id))
+    assert a.to_call(0.0).request_id == a.call_id
+    made = parser.from_grpc(grpc_req(prompt="hi"))
+    assert made.call_id == made.request_id and made.request_id.startswith("req-")
+    for bad in ("a@b", "x\n", "é"):  # '@' never appears in a label: ids cannot collide
+        assert code_of(parser.from_grpc, grpc_req(prompt="hi", request_id=bad))[0] == (
+            ErrorCode.INVALID_ARGUMENT
+        )
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing() -> None:
+    """B10: the cheap bound: no token covers more than ``max_chars_per_token`` characters, so a
+    longer text than ``max_model_len`` of them is refused without calling the tokenizer."""
+
+    class Bounded(FakeTokenizer):
+        max_chars_per_token = 4
+        calls = 0
+
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            Bounded.calls += 1
+            return super().encode(text, add_special_tokens)
+
+    p = RequestParser(Bounded(VOCAB), ModelLimits(CTX, VOCAB), "m", BLOCK, RouterConfig())
+    for request in (
+        lambda: p.from_completion({"prompt": "x" * (4 * CTX + 1)}),
+        lambda: p.from_grpc(grpc_req(prompt="y" * (4 * CTX + 1))),
+        lambda: p.from_chat({"messages": [{"role": "user", "content": "z" * (4 * CTX + 1)}]}),
+    ):
+        code, message = code_of(request)
+        assert code == ErrorCode.INVALID_ARGUMENT and "cannot fit" in message, message
+    assert Bounded.calls == 0
+    # at the bound itself the tokenizer decides (here: one word, one token)
+    assert p.from_completion({"prompt": "x" * (4 * CTX), "max_tokens": 1}).prompt_token_ids
+    assert Bounded.calls == 1

@@ -1,0 +1,136 @@
+"""`pdserve serve` as a process (its own local Ray, the fake model): public listeners without API
+keys are refused before anything starts unless explicitly allowed (then with a warning), the
+listeners follow ``router.host``, and a SIGKILLed launcher leaves no process behind (F13).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from cluster.client import PDServeClient
+from tests.serve_fixtures import free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parents[2]
+FAKE = [
+    *("--set", "model.runner=fake"),
+    *("--set", "testing.enabled=true"),
+    *("--set", "cache.num_blocks=128"),
+    *("--set", "prefill.num_cpus=0.25"),
+    *("--set", "decode.num_cpus=0.25"),
+    *("--metrics-port", "0"),
+]
+
+
+def env() -> dict[str, str]:
+    e = {k: v for k, v in os.environ.items() if k not in ("PDSERVE_API_KEYS", "PDSERVE_CONFIG")}
+    e["RAY_ADDRESS"] = ""  # its own local Ray, never the test session's
+    return e
+
+
+def serve_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "cluster.cli", "serve", *FAKE, *args]
+
+
+def test_public_listeners_without_api_keys_are_refused_before_anything_starts() -> None:
+    t0 = time.monotonic()
+    out = subprocess.run(
+        serve_cmd("--set", "router.host=0.0.0.0"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env(),
+        cwd=ROOT,
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "router.host: '0.0.0.0' is not a loopback address and no API keys" in out.stderr
+    assert "--allow-unauthenticated" in out.stderr
+    assert "Started a local Ray" not in out.stdout + out.stderr
+    assert time.monotonic() - t0 < 60
+
+
+def listening(pids: set[int]) -> set[tuple[str, int]]:
+    found = set()
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            for c in psutil.Process(pid).net_connections(kind="inet"):
+                if c.status == psutil.CONN_LISTEN:
+                    found.add((c.laddr.ip, c.laddr.port))
+    return found
+
+
+def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    left = []
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                left.append(p)
+    return left
+
+
+def test_opt_in_warns_follows_router_host_and_a_killed_launcher_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    http_port, grpc_port = free_port(), free_port()
+    log_path = tmp_path / "serve.log"
+    args = ("--allow-unauthenticated", "--set", "router.host=0.0.0.0")
+    ports = ("--set", f"router.http_port={http_port}", "--set", f"router.grpc_port={grpc_port}")
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            serve_cmd(*args, *ports),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env(),
+            cwd=ROOT,
+            start_new_session=True,
+        )
+    tree: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 240
+        while "pdserve is up" not in log_path.read_text():
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "pdserve serve did not come up"
+            time.sleep(1)
+        text = log_path.read_text()
+        assert "WARNING: serving on 0.0.0.0" in text and "WITHOUT authentication" in text
+        client = PDServeClient(f"127.0.0.1:{grpc_port}")
+        try:
+            assert [m.text for m in client.generate("t5 t6 t7", max_tokens=3, timeout=60)]
+        finally:
+            client.close()
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        bound = listening({proc.pid, *(p.pid for p in tree)})
+        on = {port: {ip for ip, p in bound if p == port} for port in (grpc_port, http_port)}
+        # gRPC takes the wildcard 0.0.0.0 for "every interface" and binds it dual-stack (::)
+        assert on in (
+            {grpc_port: {"0.0.0.0"}, http_port: {"0.0.0.0"}},
+            {grpc_port: {"::"}, http_port: {"0.0.0.0"}},
+        ), on
+
+        # F13: the launcher dies without a chance to clean up
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while alive(tree) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        survivors = [(p.pid, p.name()) for p in alive(tree)]
+        assert not survivors, survivors
+        for port in (grpc_port, http_port):  # released
+            with socket.socket() as s:
+                s.bind(("0.0.0.0", port))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in alive(tree):  # never leak processes into the rest of the suite
+            p.kill()

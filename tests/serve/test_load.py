@@ -1,0 +1,325 @@
+"""Load on Ray Serve, fake model (RELIABILITY.md L1, F9, L4, B8; issue 12.7).
+
+  * L1: 200 concurrent streams against a pool that holds a few dozen: the excess gets a fast
+    RESOURCE_EXHAUSTED (never a DEADLINE_EXCEEDED after queueing), the admitted ones are
+    oracle-identical, the router's memory stays bounded.
+  * B8: one connection opening more calls than ``router.max_streams_per_connection``: the
+    excess gets RESOURCE_EXHAUSTED, other connections and health are unaffected.
+  * F9: 500 streams in flight cancelled at once; the next 100 requests all succeed and every
+    pool is idle-clean within 2 s.
+  * L4: 300 HTTP clients close their sockets mid-stream: 0 blocks or leases left after 2 s.
+
+The numbers each test measures are printed (-s); the bounds asserted are generous, for 2 shared
+cores (the RELIABILITY targets, p99 reject <= 50 ms and admitted TTFT <= 2x unloaded, are
+reported against, not asserted: see docs/RELIABILITY-COVERAGE.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import statistics
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import psutil
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cluster.engine.engine import LLMEngine
+from cluster.pb.pdserve.v1 import generation_pb2 as pb
+from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from cluster.serving.options import router_admission_limit
+from tests.helpers import fake_config, greedy, run_until_done
+from tests.serve.cluster_helpers import App
+from tests.serve_fixtures import ServeCluster
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+BASE = {
+    "cache.num_blocks": 2048,
+    "prefill.num_replicas": 1,
+    "prefill.num_cpus": 0.5,
+    "decode.num_cpus": 0.5,
+    "transfer.transports": ["shm", "zmq"],
+    "transfer.lease_s": 2.0,
+    "transfer.heartbeat_s": 0.2,
+    "prefill.graceful_shutdown_timeout_s": 5.0,
+    "decode.graceful_shutdown_timeout_s": 5.0,
+    "decode.local_prefill_threshold": 16,
+    "testing.fake_model.decode_delay_s": 0.002,
+}
+# L1 and B8: a small pool (16 sequences a step, 32 requests a replica, 32 queued at the router).
+SMALL = {
+    **BASE,
+    "scheduler.max_num_seqs": 16,
+    "decode.max_queued_requests": 32,
+    "router.max_streams_per_connection": 16,
+}
+# F9 and L4: room for every stream in flight at once.
+BIG = {
+    **BASE,
+    "scheduler.max_num_seqs": 64,
+    "scheduler.max_num_batched_tokens": 1024,
+    "decode.max_ongoing_requests": 640,
+    "router.max_ongoing_requests": 640,
+    "router.max_streams_per_connection": 640,
+}
+
+
+def prompt(i: int, n: int = 24) -> list[int]:
+    return [1 + (i * 37 + j * 11) % 500 for j in range(n)]
+
+
+def greedy_req(p: list[int], max_tokens: int) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=p),
+        sampling=pb.SamplingParameters(
+            max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0, ignore_eos=True
+        ),
+    )
+
+
+def reference(config: Any, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
+    engine = LLMEngine(config)
+    for rid, p in prompts.items():
+        engine.add(rid, p, greedy(max_tokens))
+    return run_until_done(engine)
+
+
+def p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[int(0.99 * (len(ordered) - 1))]
+
+
+class Outcome:
+    def __init__(self) -> None:
+        self.code = "OK"
+        self.ttft: float | None = None
+        self.latency = 0.0
+        self.tokens: list[int] = []
+        self.details = ""
+
+
+async def one(stub: Any, req: pb.GenerateRequest, timeout: float = 60) -> Outcome:
+    out = Outcome()
+    t0 = time.perf_counter()
+    try:
+        async for msg in stub.Generate(req, timeout=timeout):
+            if msg.token_ids and out.ttft is None:
+                out.ttft = time.perf_counter() - t0
+            out.tokens.extend(msg.token_ids)
+    except grpc.aio.AioRpcError as e:
+        out.code = e.code().name
+        out.details = e.details() or ""
+    out.latency = time.perf_counter() - t0
+    return out
+
+
+async def burst(target: str, reqs: list[pb.GenerateRequest], channels: int) -> list[Outcome]:
+    # Each channel its own TCP connection (grpc shares one between equal channels otherwise).
+    private = [("grpc.use_local_subchannel_pool", 1)]
+    chans = [grpc.aio.insecure_channel(target, options=private) for _ in range(channels)]
+    try:
+        stubs = [pb_grpc.GenerationStub(c) for c in chans]
+        for c in chans:
+            await c.channel_ready()
+        return list(
+            await asyncio.gather(*(one(stubs[i % channels], r) for i, r in enumerate(reqs)))
+        )
+    finally:
+        for c in chans:
+            await c.close()
+
+
+class Apps:
+    """One app at a time on the session's Serve (both take the route prefix /)."""
+
+    def __init__(self, cluster: ServeCluster) -> None:
+        self.cluster = cluster
+        self.current: App | None = None
+
+    def get(self, name: str, overrides: dict[str, Any]) -> App:
+        if self.current is None or self.current.name != name:
+            self.close()
+            self.current = App(self.cluster, fake_config(**overrides), name)
+        return self.current
+
+    def close(self) -> None:
+        if self.current is not None:
+            self.current.close()
+            self.current = None
+
+
+@pytest.fixture(scope="module")
+def apps(serve_cluster: ServeCluster) -> Iterator[Apps]:
+    held = Apps(serve_cluster)
+    try:
+        yield held
+    finally:
+        held.close()
+
+
+@pytest.fixture
+def small(apps: Apps) -> App:
+    return apps.get("pdserve-load-small", SMALL)
+
+
+@pytest.fixture
+def big(apps: Apps) -> App:
+    return apps.get("pdserve-load-big", BIG)
+
+
+def worker_calls(app: App) -> int:
+    return sum(s["local_prefills"] + s["remote_prefills"] for s in app.stats("decode").values())
+
+
+def test_l1_overload_gets_fast_resource_exhausted_not_a_queue(small: App) -> None:
+    limit = router_admission_limit(small.config)
+    router = psutil.Process(small.router.pid.remote().result(timeout_s=30))
+    prompts = {f"r{i}": prompt(i) for i in range(200)}
+    expected = reference(small.config, prompts, 16)
+    reqs = [greedy_req(p, 16) for p in prompts.values()]
+    unloaded = [asyncio.run(burst(small.grpc_target, [reqs[i]], 1))[0] for i in range(10)]
+    assert all(o.code == "OK" for o in unloaded)
+    unloaded_ttft = statistics.median(o.ttft or 0.0 for o in unloaded)
+    rss_before = router.memory_info().rss
+    num_rejected = 0
+    for _ in range(3):
+        before = worker_calls(small)
+        outcomes = asyncio.run(burst(small.grpc_target, reqs, channels=20))
+        odd = [(o.code, o.details) for o in outcomes if o.code not in ("OK", "RESOURCE_EXHAUSTED")]
+        assert not odd, odd[:3]  # never a deadline after queueing, never UNAVAILABLE, INTERNAL
+        ok = [(rid, o) for rid, o in zip(prompts, outcomes) if o.code == "OK"]
+        rejected = [o for o in outcomes if o.code == "RESOURCE_EXHAUSTED"]
+        assert all(o.tokens == expected[rid] for rid, o in ok)
+        # Refused before any work: no pool saw a refused request.
+        assert worker_calls(small) - before == len(ok)
+        num_rejected += len(rejected)
+        reject_p99 = p99([o.latency for o in rejected]) if rejected else 0.0
+        admitted_p99 = p99([o.ttft or 0.0 for _, o in ok])
+        print(
+            f"L1: admission limit {limit}, {len(ok)} served, {len(rejected)} rejected; "
+            f"reject p99 {reject_p99 * 1000:.0f} ms; admitted TTFT p99 "
+            f"{admitted_p99 * 1000:.0f} ms vs unloaded {unloaded_ttft * 1000:.1f} ms"
+        )
+        assert reject_p99 < 5.0  # generous (2 shared cores); the printed figure is what counts
+    assert num_rejected > 0  # the excess was refused, not queued
+    grown = (router.memory_info().rss - rss_before) / 2**20
+    print(f"L1: router RSS +{grown:.1f} MiB")
+    assert grown < 50
+    small.assert_clean()
+
+
+def test_b8_one_connection_cannot_take_more_than_its_streams(small: App) -> None:
+    per_conn = small.config.router.max_streams_per_connection
+    p = prompt(7, 20)
+    expected = reference(small.config, {"x": p}, 40)["x"]
+    health = health_pb2_grpc.HealthStub(small.channel)
+    latencies: list[float] = []
+    done = threading.Event()
+
+    def poll() -> None:  # health from another connection, all the while
+        while not done.is_set():
+            t0 = time.perf_counter()
+            health.Check(health_pb2.HealthCheckRequest(), timeout=10)
+            latencies.append(time.perf_counter() - t0)
+            time.sleep(0.01)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        outcomes = asyncio.run(burst(small.grpc_target, [greedy_req(p, 40)] * (3 * per_conn), 1))
+    finally:
+        done.set()
+        poller.join(30)
+    ok = [o for o in outcomes if o.code == "OK"]
+    refused = [o for o in outcomes if o.code == "RESOURCE_EXHAUSTED"]
+    assert len(ok) + len(refused) == len(outcomes)
+    assert refused and 0 < len(ok) <= per_conn + 4, (len(ok), len(refused))
+    assert all(o.tokens == expected for o in ok)
+    print(
+        f"B8: {len(ok)} served, {len(refused)} refused; health p99 {p99(latencies) * 1000:.0f} ms"
+    )
+    assert p99(latencies) < 0.5
+    small.assert_clean()
+
+
+def test_f9_an_abort_storm_leaves_nothing_behind(big: App) -> None:
+    prompts = {f"s{i}": prompt(i, 24 + i % 40) for i in range(500)}  # local and remote
+    normal = {f"n{i}": prompt(1000 + i, 30) for i in range(100)}
+    expected = reference(big.config, normal, 8)
+
+    def in_flight() -> int:  # admitted at the router, streaming from the pools
+        return int(big.router.stats.remote().result(timeout_s=30)["in_flight"])
+
+    async def storm() -> int:
+        private = [("grpc.use_local_subchannel_pool", 1)]
+        chans = [grpc.aio.insecure_channel(big.grpc_target, options=private) for _ in range(10)]
+        stubs = [pb_grpc.GenerationStub(c) for c in chans]
+        calls = [stubs[i % 10].Generate(greedy_req(p, 200)) for i, p in enumerate(prompts.values())]
+        firsts = [asyncio.ensure_future(c.read()) for c in calls]  # drive every call
+        deadline = time.monotonic() + 60
+        most = 0
+        while time.monotonic() < deadline and most < 450:
+            await asyncio.sleep(0.2)
+            most = max(most, await asyncio.to_thread(in_flight))
+        t0 = time.perf_counter()
+        for c in calls:
+            c.cancel()
+        assert time.perf_counter() - t0 < 0.1  # all cancelled within 100 ms
+        await asyncio.wait(firsts, timeout=30)
+        for c in chans:
+            await c.close()
+        return most
+
+    started = asyncio.run(storm())
+    print(f"F9: {started} of 500 requests in flight when all were cancelled")
+    assert started >= 450
+    t0 = time.monotonic()
+    big.assert_clean(timeout=15.0)  # the target is 2 s: generous here, the figure printed
+    print(f"F9: every pool clean {time.monotonic() - t0:.2f} s after the storm")
+    outcomes = asyncio.run(burst(big.grpc_target, [greedy_req(p, 8) for p in normal.values()], 4))
+    assert [o.code for o in outcomes] == ["OK"] * 100
+    assert {rid: o.tokens for rid, o in zip(normal, outcomes)} == expected
+    big.assert_clean()
+
+
+def test_l4_clients_that_drop_mid_stream_leave_nothing_behind(big: App) -> None:
+    n = 300
+    body = {"max_tokens": 400, "min_tokens": 400, "ignore_eos": True, "stream": True}
+    socks: list[socket.socket] = []
+    try:
+        for i in range(n):
+            s = socket.create_connection(("127.0.0.1", big.cluster.http_port), timeout=60)
+            data = json.dumps({**body, "prompt": prompt(i, 20 + i % 30)}).encode()
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(data)}\r\n\r\n".encode()
+                + data
+            )
+            socks.append(s)
+        streaming = 0
+        for s in socks:  # each got its headers and a first token: mid-stream
+            got = b""
+            while b"data: " not in got:
+                more = s.recv(4096)
+                if not more:
+                    break
+                got += more
+            streaming += b" 200 " in got.split(b"\r\n", 1)[0] and b"data: " in got
+        assert streaming == n, streaming
+    finally:
+        for s in socks:
+            s.close()  # the client goes away
+    t0 = time.monotonic()
+    # 0 blocks, 0 leases: the target is 2 s; generous here (2 shared cores), the figure printed
+    big.assert_clean(timeout=15.0)
+    print(f"L4: {n} dropped streams, every pool clean {time.monotonic() - t0:.2f} s later")
+    with urllib.request.urlopen(big.cluster.http_url + "/health", timeout=10) as r:
+        assert r.status == 200

@@ -1,0 +1,94 @@
+"""``retrying_stream``'s stall detection (F10), without Ray: a replica that keeps sending
+keepalives is waited for however long it is quiet; one that falls silent is given up after
+``stall_timeout_s`` (retried elsewhere before progress, raised after it)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from cluster.common.errors import ErrorCode, PDServeError
+from cluster.common.protocol import Accepted
+from cluster.serving.calls import KEEPALIVE, retrying_stream
+
+
+class FakeResponse:
+    """One replica's stream: ``script`` items, a float being a pause in seconds; ``None``
+    hangs forever (a stopped process)."""
+
+    def __init__(self, replica: str, script: list[Any]) -> None:
+        self.script = [Accepted(replica), *script]
+        self.cancelled = False
+
+    def __aiter__(self) -> FakeResponse:
+        return self
+
+    async def __anext__(self) -> Any:
+        while self.script:
+            item = self.script.pop(0)
+            if item is None:
+                await asyncio.Event().wait()
+            elif isinstance(item, float):
+                await asyncio.sleep(item)
+            else:
+                return item
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def collect(responses: list[FakeResponse], stall_s: float) -> tuple[list[Any], list[tuple]]:
+    calls: list[tuple] = []
+
+    def call(excluded: tuple[str, ...]) -> FakeResponse:
+        calls.append(excluded)
+        return responses[len(calls) - 1]
+
+    async def main() -> list[Any]:
+        out = []
+        stream = retrying_stream(
+            call, request_id="r", retries=2, assignment_timeout_s=5.0, stall_timeout_s=stall_s
+        )
+        async for item in stream:
+            out.append(item)
+        return out
+
+    return asyncio.run(main()), calls
+
+
+def test_keepalives_carry_a_quiet_stream_past_the_stall_timeout() -> None:
+    quiet = [0.1, KEEPALIVE] * 6  # 0.6 s of nothing but keepalives, stall timeout 0.3 s
+    r = FakeResponse("a", ["t1", *quiet, "t2"])
+    out, calls = collect([r], stall_s=0.3)
+    assert out == ["t1", "t2"]  # keepalives are never yielded
+    assert calls == [()]
+
+
+def test_a_silent_replica_before_progress_is_retried_elsewhere() -> None:
+    hung = FakeResponse("a", [None])
+    good = FakeResponse("b", ["t1", "t2"])
+    import ray.serve.exceptions  # noqa: F401  (imported by the error mapping: not timed here)
+
+    t0 = time.monotonic()
+    out, calls = collect([hung, good], stall_s=0.3)
+    assert out == ["t1", "t2"]
+    assert calls == [(), ("a",)]  # the hung replica excluded
+    assert hung.cancelled
+    assert time.monotonic() - t0 < 3.0  # generous: 0.3 s expected
+
+
+def test_a_silent_replica_after_progress_is_unavailable_within_the_timeout() -> None:
+    hung = FakeResponse("a", ["t1", None])
+    import ray.serve.exceptions  # noqa: F401
+
+    t0 = time.monotonic()
+    with pytest.raises(PDServeError) as e:
+        collect([hung, FakeResponse("b", ["x"])], stall_s=0.3)
+    assert e.value.code == ErrorCode.UNAVAILABLE  # the router turns it into ABORTED
+    assert "stopped responding" in str(e.value)
+    assert hung.cancelled
+    assert time.monotonic() - t0 < 3.0
