@@ -7,16 +7,11 @@ build and read it without importing another role.
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
-from cluster.common.errors import ErrorCode, PDServeError
 from cluster.common.sampling_params import SamplingParams
-
-T = TypeVar("T")
 
 PHASES = (
     "router_queue_ms",
@@ -114,33 +109,3 @@ class StreamChunk:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: str | None = None  # set on the last chunk
     usage: Usage | None = None  # set on the last chunk
-
-    @classmethod
-    def merge(cls, chunks: list[StreamChunk]) -> StreamChunk:
-        """Consecutive chunks of one request as one (tokens, text, logprobs in order)."""
-        if len(chunks) == 1:
-            return chunks[0]
-        first, last = chunks[0], chunks[-1]
-        lps = [x for c in chunks for x in c.logprobs or []]
-        tops = [x for c in chunks for x in c.top_logprobs or []]
-        return cls(
-            request_id=first.request_id,
-            token_ids=[t for c in chunks for t in c.token_ids],
-            text="".join(c.text for c in chunks),
-            logprobs=lps if first.logprobs is not None else None,
-            top_logprobs=tops if first.top_logprobs is not None else None,
-            finish_reason=last.finish_reason,
-            usage=last.usage,
-        )
-
-
-async def within_deadline(aw: Awaitable[T], deadline: float | None, request_id: str) -> T:
-    """Await ``aw`` until the wall-clock ``deadline`` (None: no bound), then DEADLINE_EXCEEDED."""
-    if deadline is None:
-        return await aw
-    try:
-        return await asyncio.wait_for(aw, max(0.0, deadline - time.time()))
-    except asyncio.TimeoutError:
-        raise PDServeError(
-            ErrorCode.DEADLINE_EXCEEDED, "the request's deadline passed", request_id
-        ) from None

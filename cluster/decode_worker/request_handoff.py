@@ -26,7 +26,6 @@ from cluster.common.protocol import (
     PrefillReply,
     StreamChunk,
     Usage,
-    within_deadline,
 )
 from cluster.config import ClusterConfig
 from cluster.decode_worker.kv_pull import KVPull
@@ -35,6 +34,7 @@ from cluster.engine.engine import RequestOutput
 from cluster.engine.handoff import KVReservation
 from cluster.engine.step_loop import EngineDeadError
 from cluster.kv_transfer import KVReceiver, KVTransferError, KVTransferParams
+from cluster.serving.calls import within_deadline
 from cluster.serving.signals import RecentWindow
 
 logger = logging.getLogger(__name__)
@@ -162,7 +162,8 @@ class RequestHandoff:
             await pull.cancel()  # a streamed part may be landing in the reserved blocks
             if e.code in (ErrorCode.INVALID_ARGUMENT, ErrorCode.DEADLINE_EXCEEDED):
                 raise
-            await self._fail_or_recompute("prefill call failed", f"{e.code.value}: {e.message}")
+            # a PDServeError's message is written for clients (a KV layout mismatch names both)
+            await self._fail_or_recompute(e.message, f"{e.code.value}: {e.message}")
             return
         except (StopAsyncIteration, Exception) as e:  # a dead or unreachable prefill replica
             await pull.cancel()
@@ -241,7 +242,7 @@ class RequestHandoff:
                 for out in outs:
                     for _ in out.new_token_ids:
                         await self.ctx.faults.hit_async("d.mid_decode_token_k")
-                chunk = StreamChunk.merge([self._chunk(out) for out in outs])
+                chunk = merge_chunks([self._chunk(out) for out in outs])
                 if outs[-1].finished:
                     self._record_tpot(outs[-1])
                 yield chunk
@@ -312,3 +313,21 @@ async def _aclose(stream: AsyncIterator[Any]) -> None:
             await aclose()
         except Exception:  # a dead prefill replica's stream may fail to close: it is gone anyway
             logger.debug("closing a prefill stream failed", exc_info=True)
+
+
+def merge_chunks(chunks: list[StreamChunk]) -> StreamChunk:
+    """Consecutive chunks of one request as one (tokens, text, logprobs in order)."""
+    if len(chunks) == 1:
+        return chunks[0]
+    first, last = chunks[0], chunks[-1]
+    lps = [x for c in chunks for x in c.logprobs or []]
+    tops = [x for c in chunks for x in c.top_logprobs or []]
+    return StreamChunk(
+        request_id=first.request_id,
+        token_ids=[t for c in chunks for t in c.token_ids],
+        text="".join(c.text for c in chunks),
+        logprobs=lps if first.logprobs is not None else None,
+        top_logprobs=tops if first.top_logprobs is not None else None,
+        finish_reason=last.finish_reason,
+        usage=last.usage,
+    )

@@ -17,10 +17,22 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from cluster.common.errors import ErrorCode, PDServeError, internal_error
-from cluster.common.protocol import Accepted, within_deadline
+from cluster.common.protocol import Accepted
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
+
+
+async def within_deadline(aw: Awaitable[T], deadline: float | None, request_id: str) -> T:
+    """Await ``aw`` until the wall-clock ``deadline`` (None: no bound), then DEADLINE_EXCEEDED."""
+    if deadline is None:
+        return await aw
+    try:
+        return await asyncio.wait_for(aw, max(0.0, deadline - time.time()))
+    except asyncio.TimeoutError:
+        raise PDServeError(
+            ErrorCode.DEADLINE_EXCEEDED, "the request's deadline passed", request_id
+        ) from None
 
 
 @dataclass(frozen=True, slots=True)
