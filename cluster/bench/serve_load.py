@@ -153,52 +153,24 @@ def arm_ports(configs: dict[str, Any]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def local_apps() -> Iterator[Callable[[str, Any], None]]:
-    """Benchmark arms as Serve applications of one local Ray/Serve instance: ``put(name, cfg)``
-    deploys (or redeploys) arm ``name`` beside the others (each on its own gRPC port:
-    ``arm_ports``); the first call starts Ray and Serve (the router ports of its config), leaving
-    the block shuts everything down."""
-    import ray
-    from ray import serve
-
-    from cluster.app import build_application
-    from cluster.serve_main import local_threads, start
+def _local_serve() -> Iterator[Callable[[Any, bool], bool]]:
+    """One local Ray/Serve instance for a benchmark: ``start_once(cfg, deploy_app)`` starts it
+    on the first call (the router ports of ``cfg``) and says whether it did; leaving the block
+    shuts everything down."""
+    from cluster.serve_main import start
 
     started = False
 
-    def put(name: str, cfg: Any) -> None:
-        nonlocal started
-        if not started:
-            start(cfg, metrics_port=None, deploy_app=False)
-            started = True
-        serve.run(build_application(local_threads(cfg)), name=name, route_prefix=f"/{name}")
-
-    try:
-        yield put
-    finally:
-        if started:
-            serve.shutdown()
-            ray.shutdown()
-
-
-@contextlib.contextmanager
-def local_cluster() -> Iterator[Callable[[Any], None]]:
-    """Deploy benchmark arms one after another on one local Ray/Serve instance: the first call
-    starts it, later ones redeploy the app, and leaving the block shuts it down."""
-    from cluster.serve_main import deploy, start
-
-    started = False
-
-    def put(cfg: Any) -> None:
+    def start_once(cfg: Any, deploy_app: bool) -> bool:
         nonlocal started
         if started:
-            deploy(cfg)
-        else:
-            start(cfg, metrics_port=None)
-            started = True
+            return False
+        start(cfg, metrics_port=None, deploy_app=deploy_app)
+        started = True
+        return True
 
     try:
-        yield put
+        yield start_once
     finally:
         if started:
             import ray
@@ -206,3 +178,36 @@ def local_cluster() -> Iterator[Callable[[Any], None]]:
 
             serve.shutdown()
             ray.shutdown()
+
+
+@contextlib.contextmanager
+def local_apps() -> Iterator[Callable[[str, Any], None]]:
+    """Benchmark arms as Serve applications side by side: ``put(name, cfg)`` deploys (or
+    redeploys) arm ``name`` beside the others (each on its own gRPC port: ``arm_ports``)."""
+    from ray import serve
+
+    from cluster.app import build_application
+    from cluster.serve_main import local_threads
+
+    with _local_serve() as start_once:
+
+        def put(name: str, cfg: Any) -> None:
+            start_once(cfg, False)
+            serve.run(build_application(local_threads(cfg)), name=name, route_prefix=f"/{name}")
+
+        yield put
+
+
+@contextlib.contextmanager
+def local_cluster() -> Iterator[Callable[[Any], None]]:
+    """Benchmark arms one after another: ``put(cfg)`` starts the cluster with the first arm and
+    redeploys the app with each later one."""
+    from cluster.serve_main import deploy
+
+    with _local_serve() as start_once:
+
+        def put(cfg: Any) -> None:
+            if not start_once(cfg, True):
+                deploy(cfg)
+
+        yield put

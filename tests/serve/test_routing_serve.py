@@ -60,7 +60,7 @@ def where(app: App) -> dict[str, str]:
     placed = {}
     for rid, s in app.stats("prefill").items():
         for req in s["recent_requests"]:
-            placed[req] = rid
+            placed[req.partition("@")[0]] = rid  # the pools' id: the client's label + "@" suffix
     return placed
 
 
