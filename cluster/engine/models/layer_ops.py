@@ -83,6 +83,16 @@ class LayerOps(Protocol):
         ...
 
 
+def split_qkv(
+    qkv: torch.Tensor, hq: int, hkv: int, d: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused projection's output as q [N, hq, d], k and v [N, hkv, d] (views)."""
+    n, q_size, kv_size = qkv.shape[0], hq * d, hkv * d
+    q = qkv[:, :q_size].view(n, hq, d)
+    k = qkv[:, q_size : q_size + kv_size].view(n, hkv, d)
+    return q, k, qkv[:, q_size + kv_size :].view(n, hkv, d)
+
+
 class TorchOps:
     def __init__(self, linear: Linear, embedding: Any = dense_embedding) -> None:
         self.linear = linear
@@ -103,10 +113,7 @@ class TorchOps:
         self, qkv: torch.Tensor, state: Any, hq: int, hkv: int, d: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cos, sin = state
-        n, q_size, kv_size = qkv.shape[0], hq * d, hkv * d
-        q = qkv[:, :q_size].view(n, hq, d)
-        k = qkv[:, q_size : q_size + kv_size].view(n, hkv, d)
-        v = qkv[:, q_size + kv_size :].view(n, hkv, d)
+        q, k, v = split_qkv(qkv, hq, hkv, d)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def write_kv(
@@ -147,12 +154,8 @@ class NativeOps(TorchOps):
         self, qkv: torch.Tensor, state: Any, hq: int, hkv: int, d: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cos, sin, positions = state
-        n, q_size, kv_size = qkv.shape[0], hq * d, hkv * d
         self.kernels.rope(qkv, hq + hkv, d, cos, sin, positions)  # q and k heads, in place
-        q = qkv[:, :q_size].view(n, hq, d)
-        k = qkv[:, q_size : q_size + kv_size].view(n, hkv, d)
-        v = qkv[:, q_size + kv_size :].view(n, hkv, d)
-        return q, k, v
+        return split_qkv(qkv, hq, hkv, d)
 
     def write_kv(
         self,
