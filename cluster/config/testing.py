@@ -22,6 +22,7 @@ class FakeModelConfig:
     context_window: int = 4  # next token = f(the KV of the last context_window positions)
     prefill_delay_per_token_s: float = 0.0
     decode_delay_s: float = 0.0  # per step with at least one decode
+    load_delay_s: float = 0.0  # once, when the runner is built: a real model's load time
     eos_token_id: int = 0
 
     def __post_init__(self) -> None:
@@ -34,6 +35,7 @@ class FakeModelConfig:
             "must be >= 0",
         )
         check(self.decode_delay_s >= 0, "testing.fake_model.decode_delay_s", "must be >= 0")
+        check(self.load_delay_s >= 0, "testing.fake_model.load_delay_s", "must be >= 0")
 
 
 @dataclass(frozen=True)

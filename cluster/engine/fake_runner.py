@@ -6,7 +6,7 @@ the real KV tensor; the next-token distribution is a function of the KV *read ba
 cache* for the last ``context_window`` positions: logits ``-((v - base) mod V)`` around a base
 token computed from it, sampled by the real sampler (greedy: the base). So corrupted, missing or
 foreign KV changes the output, and any completed request can be checked token for token against
-a fault-free run. A configurable delay emulates prefill and decode cost.
+a fault-free run. Configurable delays emulate prefill and decode cost and the model's load time.
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ class FakeModelRunner:
         hg = torch.arange(fm.num_kv_heads).view(1, 1, -1, 1) * 5
         dg = torch.arange(fm.head_dim).view(1, 1, 1, -1) * 3
         self._grid = lg + jg + hg + dg
+        if fm.load_delay_s:
+            time.sleep(fm.load_delay_s)  # a pool replica is not ready until its model is loaded
 
     def kv_values(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The KV the fake model writes for these tokens: [N, L, 2, H, D] fp16."""

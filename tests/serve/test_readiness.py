@@ -105,9 +105,16 @@ def first_serving_then_request(app: App, expected: list[int], timeout: float = 1
     raise AssertionError(f"never SERVING within {timeout} s: {seen[-10:]}")
 
 
+# The pools' replicas take this long to load their model, as a real model does: the router,
+# started at the same time, is then answering health checks while its pools are still starting
+# (without it the router replica can come up last on a loaded machine and see ready pools).
+LOAD_DELAY_S = 6.0
+
+
 def test_not_serving_until_both_pools_can_take_a_request(serve_cluster: ServeCluster) -> None:
     expected = expected_tokens()
-    app = App(serve_cluster, fake_config(**CFG), "pdserve-ready-start", blocking=False)
+    config = fake_config(**CFG, **{"testing.fake_model.load_delay_s": LOAD_DELAY_S})
+    app = App(serve_cluster, config, "pdserve-ready-start", blocking=False)
     try:
         seen = first_serving_then_request(app, expected)
         # The router answered while its pools were still starting, and said so.

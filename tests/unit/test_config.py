@@ -147,6 +147,8 @@ def test_fault_points_and_forced_preemption_need_test_mode() -> None:
     )
     assert on.testing.fault_points == ("p.x",) and on.testing.force_preempt_interval == 3
     config_from_dict({"testing": {"enabled": False, "fake_model": {"vocab_size": 64}}})
+    with pytest.raises(ValueError, match=r"^testing\.fake_model\.load_delay_s: must be >= 0"):
+        config_from_dict({"testing": {"fake_model": {"load_delay_s": -1}}})
 
 
 def test_flat_keys_and_registries_agree() -> None:
