@@ -101,20 +101,24 @@ class EngineClient:
                 self._reservations[request_id] = reservation
             # However it ends (reserved, cancelled by the caller, timed out), it leaves the table.
             reservation.add_done_callback(lambda fut: self._discard(request_id, fut))
+        added = self._loop.add(
+            request_id,
+            prompt_token_ids,
+            params,
+            sink,
+            prefill=prefill,
+            seed=seed,
+            arrival_time=arrival_time,
+        )
         try:
-            admission = await asyncio.wrap_future(
-                self._loop.add(
-                    request_id,
-                    prompt_token_ids,
-                    params,
-                    sink,
-                    prefill=prefill,
-                    seed=seed,
-                    arrival_time=arrival_time,
-                )
-            )
+            admission = await asyncio.wrap_future(added)
         except BaseException:
             self._forget_reservation(request_id)
+            # Cancelled while (or just after) the engine thread admitted it: the caller never
+            # learns it is in the engine, so nobody else would abort it. Queued behind the add,
+            # this runs once the add's outcome is known and aborts only what it admitted (an id
+            # refused as a duplicate belongs to another request).
+            self._loop.call(lambda eng: _abort_if_admitted(eng, request_id, added))
             raise
         if not admission.remote:
             self._forget_reservation(request_id)
@@ -192,6 +196,12 @@ class EngineClient:
             fut = self._reservations.pop(request_id, None)
         if fut is not None:
             fut.get_loop().call_soon_threadsafe(fut.cancel)
+
+
+def _abort_if_admitted(engine: LLMEngine, request_id: str, added: Future[Any]) -> bool:
+    if added.cancelled() or added.exception() is not None:
+        return False  # never admitted (skipped, or refused): nothing of it is in the engine
+    return engine.abort_request(request_id)
 
 
 def _resolve(fut: asyncio.Future[KVReservation], res: KVReservation) -> None:

@@ -156,15 +156,6 @@ class Apps:
             self.current = None
 
 
-# Open bug (issue 12, found at the merge of issues 9/10/12/13): after L1 and B8 ran in this module,
-# the abort storm sometimes leaves 8-9 decode blocks held (2 of 3 module runs here; F9 alone was
-# clean). Marked so CI shows it as XFAIL instead of hiding it; L4 shares the app, so it inherits
-# the held blocks. Remove both marks with the fix.
-LEAK_AFTER_STORM = pytest.mark.xfail(
-    strict=False, reason="open: decode blocks intermittently held after the F9 abort storm"
-)
-
-
 @pytest.fixture(scope="module")
 def apps(serve_cluster: ServeCluster) -> Iterator[Apps]:
     held = Apps(serve_cluster)
@@ -259,7 +250,6 @@ def test_b8_one_connection_cannot_take_more_than_its_streams(small: App) -> None
     small.assert_clean()
 
 
-@LEAK_AFTER_STORM
 def test_f9_an_abort_storm_leaves_nothing_behind(big: App) -> None:
     prompts = {f"s{i}": prompt(i, 24 + i % 40) for i in range(500)}  # local and remote
     normal = {f"n{i}": prompt(1000 + i, 30) for i in range(100)}
@@ -301,7 +291,6 @@ def test_f9_an_abort_storm_leaves_nothing_behind(big: App) -> None:
 
 
 # L4's full count (300 clients) runs nightly; CI drops 100 at once (3 minutes -> about one).
-@LEAK_AFTER_STORM
 @pytest.mark.parametrize("n", [100, pytest.param(300, marks=pytest.mark.nightly)])
 def test_l4_clients_that_drop_mid_stream_leave_nothing_behind(big: App, n: int) -> None:
     body = {"max_tokens": 400, "min_tokens": 400, "ignore_eos": True, "stream": True}
