@@ -598,6 +598,43 @@ def test_config_transfer_and_secrets(
     assert all("CHANGE-ME" in v for v in secret["stringData"].values())
 
 
+def test_curve_is_one_config_line_away(
+    variant: tuple[str, list[dict[str, Any]]], loaded: Loaded, tmp_path: Path
+) -> None:
+    """``transfer.auth: curve`` (KV encrypted on the wire, issue 12.10): every Ray container
+    already reads the CURVE keypair from the Secret (optional keys, unused with HMAC), so the
+    ConfigMap's one line is the whole switch, and start-up refuses CURVE without the keys."""
+    from cluster.config import load_config
+    from cluster.kv_transfer.security import check_auth_config, generate_curve_keypair
+
+    rs = _one(variant[1], "RayService")
+    config_path = Path(_app_config(rs)["args"]["config_path"])
+    raw = yaml.safe_load(_config_map_for(variant[1], rs, config_path)["data"][config_path.name])
+    raw["transfer"]["auth"] = "curve"
+    local = tmp_path / config_path.name
+    local.write_text(yaml.safe_dump(raw))
+    curve = load_config(local).transfer
+    assert curve.auth == "curve" and not curve.curve_secret_key and not curve.curve_public_key
+    public, secret_key = generate_curve_keypair()
+    from_secret = {"PDSERVE_CURVE_PUBLIC_KEY": public, "PDSERVE_CURVE_SECRET_KEY": secret_key}
+    with pytest.MonkeyPatch.context() as mp:
+        for key in from_secret:
+            mp.delenv(key, raising=False)
+        with pytest.raises(ValueError, match="PDSERVE_CURVE_"):
+            check_auth_config(curve)
+        for key, value in from_secret.items():
+            mp.setenv(key, value)
+        check_auth_config(curve)
+    secret = _docs(K8S / "secret.example.yaml")[0]
+    for group_name, group in _groups(rs):
+        env = _env(_ray_container(group))
+        for name in from_secret:
+            ref = env[name]["valueFrom"]["secretKeyRef"]
+            assert ref["name"] == secret["metadata"]["name"], (group_name, name)
+            assert ref["key"] in secret["stringData"], (group_name, name)
+            assert ref.get("optional") is True, f"{group_name}: {name} must stay optional (HMAC)"
+
+
 def test_pools_land_on_their_worker_groups(
     variant: tuple[str, list[dict[str, Any]]], loaded: Loaded
 ) -> None:
