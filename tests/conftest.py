@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,6 +28,14 @@ def real_model_dir() -> Path:
     from cluster.engine.models.default_model import ensure_default_model
 
     return ensure_default_model(make_config())
+
+
+@pytest.fixture(scope="session")
+def real_workload(real_model_dir: Path) -> Any:
+    """The real model's prompts and transformers references (tests/real_workload.py), once."""
+    from tests.real_workload import build_real_workload
+
+    return build_real_workload(real_model_dir)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

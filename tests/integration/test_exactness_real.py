@@ -15,49 +15,16 @@ import pytest
 
 from cluster.engine.engine import LLMEngine
 from tests.helpers import greedy, make_config, run_until_done
-from tests.reference import Reference, capture_logits, check_run_against_references, hf_greedy
+from tests.real_workload import NUM_NEW, RealWorkload
+from tests.reference import Reference, capture_logits, check_run_against_references
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
-NUM_NEW = 64
-SYSTEM = (
-    "You are a careful assistant for a company that builds serving systems for large language "
-    "models. Answer briefly, cite the relevant component, and never invent numbers. The system "
-    "has a router, a prefill pool, a decode pool and a KV transfer layer between them."
-)
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about autumn.",
-    "Explain what a KV cache is.",
-    "List three prime numbers.",
-]
-RAW = [
-    "The quick brown fox",
-    "def fibonacci(n):\n    ",
-    "Once upon a time, in a kingdom by the sea, there lived a princess who",
-    "1, 1, 2, 3, 5, 8, 13,",
-    "In 1969, the first humans landed on the Moon. The mission was called",
-]
-
 
 @pytest.fixture(scope="module")
-def workload(real_model_dir: Path) -> tuple[dict[str, list[int]], dict[str, Reference]]:
-    from cluster.common.tokenizer import Tokenizer
-    from tests.reference import load_hf
-
-    tok = Tokenizer(real_model_dir)
-    prompts: dict[str, list[int]] = {}
-    for i, text in enumerate(RAW):
-        prompts[f"raw{i}"] = tok.encode(text)
-    for i, q in enumerate(QUESTIONS):  # share the long system prompt: prefix-cache hits
-        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
-        prompts[f"chat{i}"] = tok.encode_chat(msgs)
-    assert len({len(p) for p in prompts.values()}) >= 8
-    hf = load_hf(real_model_dir)
-    suppress = tok.eos_token_ids
-    refs = {rid: hf_greedy(hf, p, NUM_NEW, suppress) for rid, p in prompts.items()}
-    del hf
-    return prompts, refs
+def workload(real_workload: RealWorkload) -> tuple[dict[str, list[int]], dict[str, Reference]]:
+    assert len({len(p) for p in real_workload.prompts.values()}) >= 8
+    return real_workload.prompts, real_workload.refs
 
 
 def _engine(real_model_dir: Path, **overrides: Any) -> LLMEngine:

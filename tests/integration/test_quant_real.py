@@ -21,9 +21,9 @@ import pytest
 from cluster.engine.engine import LLMEngine
 from cluster.engine.models.packed import _SCRATCH_FLOATS, PackedWeight
 from tests.helpers import greedy, make_config, run_until_done
-from tests.integration.test_exactness_real import NUM_NEW, QUESTIONS, RAW, SYSTEM
 from tests.quality import TEXT, teacher_forced
-from tests.reference import capture_logits, check_run_against_references, hf_greedy
+from tests.real_workload import NUM_NEW, RealWorkload
+from tests.reference import capture_logits, check_run_against_references
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
@@ -35,20 +35,14 @@ def _engine(**overrides: Any) -> LLMEngine:
 
 
 def test_gguf_weights_stay_packed_and_match_the_dequantized_reference(
-    real_model_dir: Path,
+    real_model_dir: Path, real_workload: RealWorkload
 ) -> None:
-    from cluster.common.tokenizer import Tokenizer
     from tests.reference import load_hf
 
-    tok = Tokenizer(real_model_dir)
-    prompts = {f"raw{i}": tok.encode(t) for i, t in enumerate(RAW)}
-    for i, q in enumerate(QUESTIONS):
-        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
-        prompts[f"chat{i}"] = tok.encode_chat(msgs)
+    prompts, refs = real_workload.prompts, real_workload.refs
     assert len(prompts) >= 8
     hf = load_hf(real_model_dir)  # transformers on the fp32 de-quantized checkpoint
     dense_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())  # tied: once
-    refs = {rid: hf_greedy(hf, p, NUM_NEW, tok.eos_token_ids) for rid, p in prompts.items()}
     del hf
 
     eng = _engine()  # the default model, model.weights auto: the GGUF file's own blocks
