@@ -1,8 +1,8 @@
 """``RequestHandoff``: one request's prefill/decode hand-off and token stream on a decode replica.
 
 ``stream()`` is the whole life of the request here (see ``worker`` for the numbered lifecycle):
-add it to the engine (which says local or remote), run the remote hand-off if needed (prefill
-call, first token, block reservation, pull, ``kv_arrived``), then relay the engine's outputs as
+add it to the engine (which says local or remote), run the remote hand-off if needed (block
+reservation, prefill call, first token, pull, ``kv_arrived``), then relay the engine's outputs as
 ``StreamChunk``s until it finishes. Whatever way the stream ends, ``finally`` leaves nothing
 behind: the reservation, the pull (and with it the prefill side's lease), the prefill call and
 the request in the engine.
@@ -88,6 +88,11 @@ class RequestHandoff:
                 ctx.counters["remote_prefills"] += 1
                 assert ctx.prefill_client is not None and added.reservation is not None
                 self.pull = KVPull(ctx.receiver, added.reservation)
+                # Blocks here first, then the prefill: a prefill replica's pool then only ever
+                # holds KV that has somewhere to go. (Prefilling while waiting for blocks here
+                # deadlocks two full pools: these blocks reserved for prompts that cannot
+                # prefill, that pool full of prompts waiting for blocks here.)
+                await self._before_deadline(asyncio.shield(added.reservation))
                 prefill_stream = ctx.prefill_client.prefill(self._prefill_call())
                 async for chunk in self._remote_handoff(prefill_stream, added.reservation):
                     yield chunk

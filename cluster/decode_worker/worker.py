@@ -6,9 +6,10 @@ The decode replica owns each request's prefill/decode hand-off (``generate(call)
      uncached part of the prompt is at most ``decode.local_prefill_threshold`` tokens (or no
      prefill pool is reachable) it prefills locally with chunked prefill; otherwise remote.
   2. Remote: the request waits in the engine for KV; the engine reserves its blocks (its own
-     cached prefix first) while the prefill pool computes the prompt.
+     cached prefix first), and only then is the prefill pool called: a prefill replica never
+     holds KV that has nowhere to go (two full pools cannot deadlock).
   3. The prefill reply brings the first token: it is streamed at once (TTFT does not wait for
-     the transfer). Its lease is heartbeated while the request waits for blocks.
+     the transfer). Its lease is heartbeated until the pull.
   4. Only the blocks not cached here are pulled, straight into the reserved blocks; the pull's
      ack frees the prefill side. The request then decodes in the continuous batch.
   5. A failed prefill call or pull: recompute locally (``transfer.on_failure: recompute``, exact

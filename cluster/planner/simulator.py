@@ -11,8 +11,8 @@ applies what arrived meanwhile (new requests, KV landed, leases released), as th
 loop does.
 
 A remote request goes as in the cluster (README, architecture): router -> the decode replica
-with the least work (it reserves the prompt's blocks) -> the prefill replica with the fewest
-queued prompt tokens -> first token back to the decode replica and on to the client; then the
+with the least work (it reserves the prompt's blocks first) -> then the prefill replica with the
+fewest queued prompt tokens -> first token back to the decode replica and on to the client; then the
 pull of the blocks it lacks (a streamed prompt: its announced parts while the prefill runs,
 the tail after), ``kv_arrived``, and the decode batch. Pulls do not share bandwidth with each
 other (one pull per request at a time).
@@ -264,7 +264,7 @@ class _Remote:
 
     req: Request
     decode: SimEngine
-    prefill: SimEngine
+    prefill: SimEngine | None = None  # chosen once the decode replica reserved the blocks
     reserved_at: float | None = None
     num_hit_blocks: int = 0
     announced: int = 0  # blocks the prefill side has leased so far (streamed)
@@ -331,12 +331,8 @@ class SimCluster:
             decode.add(req)
             return
 
-        def remote() -> None:  # the decode replica keeps it waiting for KV: call the prefill pool
-            prefill = min(self.prefills, key=lambda e: e.queued_prompt_tokens)
-            self._remote[rid] = _Remote(req, decode, prefill)
-            # The prefill replica computes a request of its own (same prompt, same params).
-            copy = Request(rid, list(item.token_ids), params, seed=0)
-            self.clock.at(self.clock.now + self.hop_s, lambda: prefill.add(copy))
+        def remote() -> None:  # the decode replica keeps it waiting for KV (and its blocks)
+            self._remote[rid] = _Remote(req, decode)
 
         decode.add(req, "auto", on_remote=remote)
 
@@ -352,6 +348,11 @@ class SimCluster:
         st.reserved_at = now
         st.num_hit_blocks = res.num_hit_blocks  # cached here: never pulled
         st.pulled = max(st.pulled, res.num_hit_blocks)
+        # Blocks reserved: now the prefill pool is called (the decode replica reserves first).
+        # The prefill replica computes a request of its own (same prompt, same params).
+        prefill = st.prefill = min(self.prefills, key=lambda e: e.queued_prompt_tokens)
+        copy = Request(res.request_id, list(st.req.prompt_token_ids), st.req.params, seed=0)
+        self.clock.at(now + self.hop_s, lambda: prefill.add(copy))
         self._pull(st)
 
     def _streamed(self, rid: str, num_blocks: int, now: float) -> None:
@@ -370,6 +371,7 @@ class SimCluster:
             st.decode.post(lambda: st.decode.append(st.req, self.clock.now))
             if held is None:  # it finished there: nothing to pull (a lease's pins go)
                 st.done = True
+                assert st.prefill is not None
                 st.prefill.release(req.request_id)
                 return
             st.num_blocks = st.announced = len(held)
@@ -394,6 +396,7 @@ class SimCluster:
         def landed() -> None:
             if st.reply_at is not None and st.pulled >= st.num_blocks:
                 st.done = True
+                assert st.prefill is not None
                 st.prefill.release(st.req.request_id)
                 rid = st.req.request_id
                 self.clock.at(

@@ -190,3 +190,62 @@ def test_a_remote_request_enters_the_decode_engine_thread_three_times() -> None:
         pair.wait_idle_clean()
     finally:
         pair.close()
+
+
+class LateFor(InProcessPrefill):
+    """A prefill client whose call for one request reaches the prefill replica late (a slow
+    network path, a busy router): calls for other requests overtake it."""
+
+    def __init__(self, server: PrefillWorker, late_rid: str, delay_s: float) -> None:
+        super().__init__(server)
+        self.late_rid, self.delay_s = late_rid, delay_s
+
+    async def _late(self, call: PrefillCall) -> AsyncIterator[PrefillReply]:
+        if call.request_id == self.late_rid:
+            await asyncio.sleep(self.delay_s)
+        async for item in self.server.prefill(call):
+            yield item
+
+    def prefill(self, call: PrefillCall) -> AsyncIterator[PrefillReply]:
+        self.calls += 1
+        return self._late(call)
+
+
+def test_two_full_pools_cannot_deadlock() -> None:
+    """Pools of 5 blocks each; a 64-token prompt A joins the decode replica just before a 32-token
+    prompt B, but A's prefill call reaches the prefill replica late. Were the prefill called
+    while the decode side waits for blocks, it would deadlock: the decode blocks go to A (the
+    oldest), the prefill replica prefills B first and holds its 2 blocks for a pull that has no
+    blocks to land in, and A's 4 blocks no longer fit beside them there. The decode replica
+    reserves first, so the prefill pool only holds KV with somewhere to go: both finish,
+    exactly, and both pools end clean."""
+    prompts = {"a": _prompt(64, 7), "b": _prompt(32, 8)}
+    expected = _oracle(prompts, 8)
+    pair = Pair(
+        **{
+            "cache.num_blocks": 5,
+            "scheduler.max_num_batched_tokens": 64,
+            "scheduler.chunk_size": 16,
+            "transfer.lease_s": 30.0,  # a lease never expires here: liveness may not rest on it
+            "prefill.graceful_shutdown_timeout_s": 35.0,
+            "decode.graceful_shutdown_timeout_s": 35.0,
+        }
+    )
+    pair.decode._ctx.prefill_client = LateFor(pair.prefill, "a", 0.5)
+    try:
+
+        async def main() -> dict[str, list[int]]:
+            async def one(rid: str) -> list[int]:
+                chunks = await _collect(pair.decode, _call(rid, prompts[rid], 8))
+                return [t for c in chunks for t in c.token_ids]
+
+            a = asyncio.create_task(one("a"))
+            await asyncio.sleep(0)  # A joins the decode engine first
+            b = asyncio.create_task(one("b"))
+            got = await asyncio.wait_for(asyncio.gather(a, b), timeout=30)
+            return dict(zip(("a", "b"), got))
+
+        assert asyncio.run(main()) == expected
+        pair.wait_idle_clean()
+    finally:
+        pair.close()
