@@ -14,6 +14,7 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 64  # each is checked against every new token
+MAX_SAMPLES = 16  # n (and best_of): samples of one prompt
 
 
 def _bad(name: str, message: str) -> ValueError:

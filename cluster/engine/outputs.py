@@ -40,6 +40,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    index: int = 0  # which of the request's n samples (``parallel``); request_id is its own
     num_draft_tokens: int = 0  # speculative drafts verified for the request so far
     num_accepted_tokens: int = 0  # ... of which were accepted
     error: str | None = None
@@ -149,6 +150,7 @@ class OutputProcessor:
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens,
+            index=req.sample_index,
             num_draft_tokens=req.num_draft_tokens,
             num_accepted_tokens=req.num_accepted_tokens,
             arrival_time=req.arrival_time,
