@@ -66,7 +66,11 @@ class OutputProcessor:
         if with_text:
             p = req.params
             self._detok[req.request_id] = IncrementalDetokenizer(
-                self.tokenizer, p.stop, p.skip_special_tokens, req.prompt_token_ids
+                self.tokenizer,
+                p.stop,
+                p.skip_special_tokens,
+                req.prompt_token_ids,
+                p.include_stop_str_in_output,
             )
 
     def forget(self, request_id: str) -> None:
