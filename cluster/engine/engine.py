@@ -277,4 +277,11 @@ class LLMEngine:
             )
 
     def stats(self) -> dict[str, Any]:
-        return engine_stats(self)
+        return engine_stats(
+            self.counters,
+            self.scheduler,
+            self.handoff,
+            self.samples,
+            self.block_manager,
+            self.speculator,
+        )

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from cluster.engine.engine import LLMEngine
+from cluster.engine.block_manager import BlockManager
+from cluster.engine.handoff import Handoff
+from cluster.engine.parallel import SampleGroups
+from cluster.engine.scheduler import Scheduler
+from cluster.engine.spec import Speculator
 
 
 @dataclass(slots=True)
@@ -20,14 +23,19 @@ class EngineCounters:
     step_times: list[float] = field(default_factory=list)
 
 
-def engine_stats(engine: LLMEngine) -> dict[str, Any]:
-    c = engine.counters
-    sched = engine.scheduler
+def engine_stats(
+    c: EngineCounters,
+    sched: Scheduler,
+    handoff: Handoff,
+    samples: SampleGroups,
+    block_manager: BlockManager,
+    speculator: Speculator,
+) -> dict[str, Any]:
     return {
         "num_running": len(sched.running),
         "num_waiting": len(sched.waiting),
-        **engine.handoff.stats(),
-        **engine.samples.stats(),
+        **handoff.stats(),
+        **samples.stats(),
         "num_queued_prefill_tokens": sum(
             max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in sched.all_requests()
         ),
@@ -41,6 +49,6 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
         "prefix_cache_hit_rate": (
             c.num_cached_prompt_tokens / c.num_prompt_tokens if c.num_prompt_tokens else 0.0
         ),
-        "kv": engine.block_manager.stats(),
-        "spec": engine.speculator.stats(),
+        "kv": block_manager.stats(),
+        "spec": speculator.stats(),
     }
