@@ -204,3 +204,48 @@ def test_decode_role_forks_the_samples_from_the_one_pulled_prompt() -> None:
     _idle_clean(dec)
     pre.check_integrity()
     assert pre.block_manager.num_used_blocks == 0
+
+
+def test_samples_stay_exact_under_forced_preemption() -> None:
+    def run(**overrides: Any) -> dict[str, list[int]]:
+        eng = LLMEngine(fake_config(**overrides))
+        eng.add("r", _prompt(70), _sampled(20), n=4)
+        eng.add("s", _prompt(40, 3), _sampled(20, seed=4), n=3)
+        out = run_until_done(eng)
+        _idle_clean(eng)
+        return out
+
+    churned = run(**{"testing.force_preempt_interval": 3})
+    assert churned == run()
+
+
+def test_a_leader_ended_by_its_first_token_leaves_its_samples_to_run() -> None:
+    eng = LLMEngine(fake_config())
+    eng.add("one", _prompt(40), _sampled(1), n=4)
+    out = run_until_done(eng)
+    assert sorted(out) == sorted(sample_ids("one", 4)) and all(len(t) == 1 for t in out.values())
+    _idle_clean(eng)
+
+
+def test_a_failed_transfer_recomputes_the_leader_and_then_forks() -> None:
+    p = _prompt(45)
+    local = LLMEngine(fake_config())
+    local.add("x", p, _sampled(8), seed=7, n=3)
+    expected = run_until_done(local)
+    dec = LLMEngine(fake_config(), role="decode")
+    dec.add("x", p, _sampled(8), prefill="remote", seed=7, n=3)
+    dec.step()
+    assert len(dec.take_reservations()) == 1
+    dec.kv_failed("x", recompute=True)
+    assert run_until_done(dec) == expected
+    _idle_clean(dec)
+
+
+def test_a_failed_transfer_without_recompute_fails_every_sample() -> None:
+    dec = LLMEngine(fake_config(), role="decode")
+    dec.add("x", _prompt(45), _sampled(8), prefill="remote", n=3)
+    dec.step()
+    dec.kv_failed("x", recompute=False, error="KV transfer failed")
+    errors = {o.request_id: o.error for o in dec.step() if o.finished}
+    assert errors == dict.fromkeys(sample_ids("x", 3), "KV transfer failed")
+    _idle_clean(dec)
