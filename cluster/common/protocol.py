@@ -31,6 +31,7 @@ class GenerateCall:
     prompt_token_ids: list[int]
     block_hashes: list[int]  # of the prompt's full blocks (the routers' and pools' address)
     params: SamplingParams
+    n: int = 1  # samples of the prompt: chunks carry their index, usage comes once, at the end
     arrival_time: float = field(default_factory=time.time)  # wall clock at the router
     deadline: float | None = None  # wall clock; None: none
     router_queue_ms: float = 0.0
@@ -109,3 +110,4 @@ class StreamChunk:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: str | None = None  # set on the last chunk
     usage: Usage | None = None  # set on the last chunk
+    index: int = 0  # which of the call's n samples (finish_reason: that sample's end)

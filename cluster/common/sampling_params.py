@@ -14,6 +14,7 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 64  # each is checked against every new token
+MAX_SAMPLES = 16  # n (and best_of): samples of one prompt
 
 
 def _bad(name: str, message: str) -> ValueError:
@@ -51,6 +52,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's and the top k
     skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) pairs
+    include_stop_str_in_output: bool = False  # a matched stop string stays in the text
     extra: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -106,6 +109,13 @@ class SamplingParams:
             _integer("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise _bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        for t, b in (p if isinstance(p, tuple | list) and len(p) == 2 else (p, 0) for p in bias):
+            _integer("logit_bias", t)
+            _finite("logit_bias", b)
+            if t < 0 or not -100 <= b <= 100:
+                raise _bad("logit_bias", f"ids >= 0, biases in [-100, 100]; got {t}: {b}")
+        object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in bias))
         # Lists from JSON/YAML become tuples, so the params stay hashable and immutable.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -169,8 +179,8 @@ def validate_prompt(
                 "prompt_token_ids",
                 f"token id {t!r} at position {i} is outside the vocabulary [0, {vocab_size})",
             )
-    for t in params.stop_token_ids:
+    for name, t in [("stop_token_ids", t) for t in params.stop_token_ids] + [
+        ("logit_bias", t) for t, _ in params.logit_bias
+    ]:
         if t >= vocab_size:
-            raise _bad(
-                "stop_token_ids", f"token id {t} is outside the vocabulary [0, {vocab_size})"
-            )
+            raise _bad(name, f"token id {t} is outside the vocabulary [0, {vocab_size})")

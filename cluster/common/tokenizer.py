@@ -171,19 +171,13 @@ def _load_chat_template(path: Path, config: Mapping[str, Any]) -> str | None:
     return value if isinstance(value, str) else None
 
 
+# transformers' clean_up_tokenization, in its order: " ." -> ".", ..., " ' " -> "'", " n't" -> ...
+_CLEAN_UP = [(f" {s}", s) for s in ".?!,"] + [(" ' ", "'")]
+_CLEAN_UP += [(f" {s}", s) for s in ("n't", "'m", "'s", "'ve", "'re")]
+
+
 def _clean_up_tokenization(text: str) -> str:
-    for a, b in (
-        (" .", "."),
-        (" ?", "?"),
-        (" !", "!"),
-        (" ,", ","),
-        (" ' ", "'"),
-        (" n't", "n't"),
-        (" 'm", "'m"),
-        (" 's", "'s"),
-        (" 've", "'ve"),
-        (" 're", "'re"),
-    ):
+    for a, b in _CLEAN_UP:
         text = text.replace(a, b)
     return text
 

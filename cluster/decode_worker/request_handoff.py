@@ -70,7 +70,8 @@ class RequestHandoff:
         self.usage = Usage(prefill_mode="local")
         self.usage.phases["router_queue_ms"] = call.router_queue_ms
         self.first_token_at: float | None = None
-        self.finished = False
+        self.finished = False  # every sample ended (or the request failed)
+        self.ended: dict[int, RequestOutput] = {}  # each finished sample's last output
         self.in_engine = False
         self.pull: KVPull | None = None  # the prompt's KV, pulled into its reservation
         self.remote_cached_tokens: int | None = None
@@ -122,6 +123,7 @@ class RequestHandoff:
                 prefill="auto" if ctx.prefill_client is not None else "local",
                 seed=self.seed,
                 arrival_time=self.arrival,
+                n=self.call.n,
             )
         except ValueError as e:
             code = ErrorCode.ALREADY_EXISTS if "already exists" in str(e) else None
@@ -247,11 +249,13 @@ class RequestHandoff:
                 for out in outs:
                     for _ in out.new_token_ids:
                         await self.ctx.faults.hit_async("d.mid_decode_token_k")
-                chunk = merge_chunks([self._chunk(out) for out in outs])
-                if outs[-1].finished:
-                    self._record_tpot(outs[-1])
-                yield chunk
-                if outs[-1].finished:
+                chunks = [self._chunk(out) for out in outs]
+                for out in outs:
+                    if out.finished:
+                        self._record_tpot(out)
+                for chunk in merge_by_sample(chunks):
+                    yield chunk
+                if self.finished:
                     return
             if error is not None:
                 self.finished = True
@@ -282,7 +286,8 @@ class RequestHandoff:
                 self.usage.phases["decode_queue_ms"] = (sched - self.arrival) * 1000
                 self.usage.phases["prefill_ms"] = (self.first_token_at - sched) * 1000
         if out.finished:
-            self.finished = True
+            self.ended[out.index] = out
+            self.finished = len(self.ended) == self.call.n
         return StreamChunk(
             request_id=self.rid,
             token_ids=list(out.new_token_ids),
@@ -290,19 +295,22 @@ class RequestHandoff:
             logprobs=out.new_logprobs,
             top_logprobs=out.new_top_logprobs,
             finish_reason=out.finish_reason if out.finished else None,
-            usage=self._final_usage(out) if out.finished else None,
+            usage=self._final_usage(out) if self.finished else None,
+            index=out.index,
         )
 
     def _final_usage(self, out: RequestOutput) -> Usage:
+        """Once every sample ended: the prompt counts once, the outputs of all samples."""
         u = self.usage
+        ended = self.ended.values()
         u.prompt_tokens = out.num_prompt_tokens
-        u.completion_tokens = out.num_output_tokens
+        u.completion_tokens = sum(o.num_output_tokens for o in ended)
         # A remote prefill's compute was saved by the prefill replica's cache; a local one's (or
         # a recompute's) by this replica's.
         remote = self.remote_cached_tokens if u.prefill_mode == "remote" else None
         u.cached_tokens = out.num_cached_tokens if remote is None else remote
-        u.draft_tokens = out.num_draft_tokens
-        u.accepted_draft_tokens = out.num_accepted_tokens
+        u.draft_tokens = sum(o.num_draft_tokens for o in ended)
+        u.accepted_draft_tokens = sum(o.num_accepted_tokens for o in ended)
         if self.first_token_at is not None:
             u.phases["decode_ms"] = (time.monotonic() - self.first_token_at) * 1000
         return u
@@ -335,4 +343,16 @@ def merge_chunks(chunks: list[StreamChunk]) -> StreamChunk:
         top_logprobs=tops if first.top_logprobs is not None else None,
         finish_reason=last.finish_reason,
         usage=last.usage,
+        index=first.index,
     )
+
+
+def merge_by_sample(chunks: list[StreamChunk]) -> list[StreamChunk]:
+    """Chunks of several samples as one chunk per sample, each sample's in order; the sample
+    whose chunk came last (the one carrying the usage, if any) goes last."""
+    by_index: dict[int, list[StreamChunk]] = {}
+    last: dict[int, int] = {}
+    for k, chunk in enumerate(chunks):
+        by_index.setdefault(chunk.index, []).append(chunk)
+        last[chunk.index] = k
+    return [merge_chunks(by_index[i]) for i in sorted(by_index, key=last.__getitem__)]

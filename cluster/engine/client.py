@@ -89,8 +89,10 @@ class EngineClient:
         prefill: PrefillMode = "local",
         seed: int | None = None,
         arrival_time: float | None = None,
+        n: int = 1,
     ) -> Added:
-        """Queue a request whose outputs go to ``sink`` (on the engine thread: must not block).
+        """Queue a request whose outputs go to ``sink`` (on the engine thread: must not block);
+        ``n`` samples of it stream their outputs (``RequestOutput.index``) to the one sink.
 
         Raises ``ValueError`` naming the bad field; nothing is left behind then.
         """
@@ -109,6 +111,7 @@ class EngineClient:
             prefill=prefill,
             seed=seed,
             arrival_time=arrival_time,
+            n=n,
         )
         try:
             admission = await asyncio.wrap_future(added)

@@ -16,6 +16,7 @@ class IncrementalDetokenizer:
 
     __slots__ = (
         "_emitted",
+        "_include_stop",
         "_max_stop_len",
         "_prefix_offset",
         "_read_offset",
@@ -32,8 +33,10 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
         context_ids: Sequence[int] = (),
+        include_stop: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
+        self._include_stop = include_stop  # a matched stop string stays in the text
         self._stops = tuple(stop)
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
         self._skip_special = skip_special_tokens
@@ -68,7 +71,7 @@ class IncrementalDetokenizer:
                 best = (i, s)
         if best is None:
             return None
-        self.text = self.text[: base + best[0]]
+        self.text = self.text[: base + best[0] + (len(best[1]) if self._include_stop else 0)]
         return best[1]
 
     def delta(self, finished: bool) -> str:

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.common.sampling_params import SamplingParams, validate_prompt
 from cluster.config import ClusterConfig
 from cluster.engine.block_manager import BlockManager
+from cluster.engine.engine_stats import EngineCounters, engine_stats
 from cluster.engine.handoff import (
     Admission,
     DecodeHandoff,
@@ -33,6 +33,7 @@ from cluster.engine.handoff import (
     create_handoff,
 )
 from cluster.engine.outputs import EmittedTokens, OutputProcessor, RequestOutput
+from cluster.engine.parallel import SampleGroups, check_n, sample_ids
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.runner import ModelRunner, RunnerOutput
 from cluster.engine.runner_registry import create_runner
@@ -40,17 +41,6 @@ from cluster.engine.scheduler import ScheduledBatch, Scheduler
 from cluster.engine.spec import create_speculator
 
 __all__ = ["Admission", "EngineCounters", "KVReservation", "LLMEngine", "RequestOutput"]
-
-
-@dataclass(slots=True)
-class EngineCounters:
-    num_steps: int = 0
-    num_prompt_tokens: int = 0
-    num_cached_prompt_tokens: int = 0
-    num_generated_tokens: int = 0
-    num_finished: int = 0
-    num_aborted: int = 0
-    step_times: list[float] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -69,6 +59,7 @@ class LLMEngine:
         self.handoff = create_handoff(role, config, self.block_manager)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.handoff)
         self.speculator = create_speculator(config.decode.speculative)
+        self.samples = SampleGroups(self.block_manager)  # n > 1: samples on shared blocks
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._pending_outputs: list[RequestOutput] = []
@@ -90,12 +81,15 @@ class LLMEngine:
         prefill: PrefillMode = "local",
         seed: int | None = None,
         arrival_time: float | None = None,
+        n: int = 1,
     ) -> Admission:
-        """Validate and queue a request; raises ``ValueError`` naming the bad field."""
+        """Validate and queue a request (``n`` samples of it: ``parallel``); raises
+        ``ValueError`` naming the bad field."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id: must be a non-empty string")
-        if request_id in self.requests or self.handoff.is_holding(request_id):
-            raise ValueError(f"request_id: {request_id!r} already exists")
+        for rid in sample_ids(request_id, check_n(n)):
+            if rid in self.requests or self.handoff.is_holding(rid):
+                raise ValueError(f"request_id: {rid!r} already exists")
         if not isinstance(params, SamplingParams):
             raise ValueError("params: must be a SamplingParams")
         prompt = list(prompt_token_ids)
@@ -116,22 +110,28 @@ class LLMEngine:
         admission = self.handoff.admit(req, prefill)
         if not admission.remote:
             self.scheduler.add(req)
-        self.requests[request_id] = req
-        self.outputs.add(req, with_text=self.handoff.streams_text)
+        for r in (req, *self.samples.add(req, n)):
+            self.requests[r.request_id] = r
+            self.outputs.add(r, with_text=self.handoff.streams_text)
         self.counters.num_prompt_tokens += len(prompt)
         return admission
 
     def abort_request(self, request_id: str, error: str | None = None) -> bool:
-        """End a request wherever it is (queued, running, awaiting KV, held); frees its blocks
-        (not the pins of a streamed prompt: a lease may be reading them, ``release`` frees)."""
-        req = self.requests.get(request_id)
-        if req is None:
+        """End a request, all its samples, wherever they are (queued, running, awaiting KV,
+        held); frees their blocks (not the pins of a streamed prompt: a lease may be reading
+        them, ``release`` frees)."""
+        live = [self.requests[r] for r in self.samples.samples(request_id) if r in self.requests]
+        if not live:
             return self.handoff.release(request_id)  # held for a pull, or unknown
+        for req in live:
+            self._abort(req, error)
+        return True
+
+    def _abort(self, req: Request, error: str | None) -> None:
         req.error = error
         self._finish(req, RequestStatus.FINISHED_ERROR if error else RequestStatus.FINISHED_ABORTED)
         self.counters.num_aborted += 1
         self._pending_outputs.append(self.outputs.final(req))
-        return True
 
     # -- decode role --------------------------------------------------------------------------
 
@@ -205,6 +205,8 @@ class LLMEngine:
     def schedule(self) -> ScheduledBatch:
         if self._preempt_every and (self.counters.num_steps + 1) % self._preempt_every == 0:
             self.scheduler.preempt_newest()  # testing.force_preempt_interval: churn on purpose
+        for sample in self.samples.release(self.requests):  # their leader's prompt KV is here
+            self.scheduler.add(sample)
         batch = self.scheduler.schedule(self.speculator.propose(self.scheduler.running))
         self._reservations.extend(batch.reservations)
         self.last_num_scheduled = len(batch.items) + len(batch.reservations)
@@ -245,7 +247,7 @@ class LLMEngine:
         return out
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
-        if not self.scheduler.remove(req):
+        if not self.scheduler.remove(req) and not self.samples.take(req):
             self.handoff.take(req.request_id)
         req.status = status
         if self.block_manager.has_table(req.request_id):
@@ -256,6 +258,7 @@ class LLMEngine:
         del self.requests[req.request_id]
         self.outputs.forget(req.request_id)
         self.speculator.forget(req.request_id)
+        self.samples.forget(req.request_id)
         self.counters.num_finished += 1
 
     # -- introspection ------------------------------------------------------------------------
@@ -266,7 +269,7 @@ class LLMEngine:
     def check_integrity(self) -> None:
         self.block_manager.check_integrity()
         tracked = {r.request_id for r in self.scheduler.all_requests()}
-        tracked.update(r.request_id for r in self.handoff.requests())
+        tracked.update(r.request_id for r in (*self.handoff.requests(), *self.samples.requests()))
         if tracked != set(self.requests):
             raise AssertionError(
                 f"engine and scheduler disagree on live requests: "
@@ -274,25 +277,11 @@ class LLMEngine:
             )
 
     def stats(self) -> dict[str, Any]:
-        c = self.counters
-        sched = self.scheduler
-        return {
-            "num_running": len(sched.running),
-            "num_waiting": len(sched.waiting),
-            **self.handoff.stats(),
-            "num_queued_prefill_tokens": sum(
-                max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in sched.all_requests()
-            ),
-            "num_preemptions": sched.num_preemptions,
-            "num_steps": c.num_steps,
-            "num_prompt_tokens": c.num_prompt_tokens,
-            "num_cached_prompt_tokens": c.num_cached_prompt_tokens,
-            "num_generated_tokens": c.num_generated_tokens,
-            "num_finished": c.num_finished,
-            "num_aborted": c.num_aborted,
-            "prefix_cache_hit_rate": (
-                c.num_cached_prompt_tokens / c.num_prompt_tokens if c.num_prompt_tokens else 0.0
-            ),
-            "kv": self.block_manager.stats(),
-            "spec": self.speculator.stats(),
-        }
+        return engine_stats(
+            self.counters,
+            self.scheduler,
+            self.handoff,
+            self.samples,
+            self.block_manager,
+            self.speculator,
+        )

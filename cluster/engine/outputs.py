@@ -40,6 +40,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    index: int = 0  # which of the request's n samples (``parallel``); request_id is its own
     num_draft_tokens: int = 0  # speculative drafts verified for the request so far
     num_accepted_tokens: int = 0  # ... of which were accepted
     error: str | None = None
@@ -65,7 +66,11 @@ class OutputProcessor:
         if with_text:
             p = req.params
             self._detok[req.request_id] = IncrementalDetokenizer(
-                self.tokenizer, p.stop, p.skip_special_tokens, req.prompt_token_ids
+                self.tokenizer,
+                p.stop,
+                p.skip_special_tokens,
+                req.prompt_token_ids,
+                p.include_stop_str_in_output,
             )
 
     def forget(self, request_id: str) -> None:
@@ -149,6 +154,7 @@ class OutputProcessor:
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens,
+            index=req.sample_index,
             num_draft_tokens=req.num_draft_tokens,
             num_accepted_tokens=req.num_accepted_tokens,
             arrival_time=req.arrival_time,

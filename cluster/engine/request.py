@@ -67,6 +67,7 @@ class Request:
     num_draft_tokens: int = 0  # speculative drafts verified for it, and how many were accepted
     num_accepted_tokens: int = 0
     stop_reason: int | str | None = None
+    sample_index: int = 0  # which of the request's n samples this is (``parallel``)
     error: str | None = None
     scheduled_time: float | None = None  # first admitted to a batch (or blocks reserved)
     first_token_time: float | None = None

@@ -47,7 +47,11 @@ def sample(logits: torch.Tensor, rows: list[SampleRequest]) -> SamplerOutput:
     want_logprobs = any(r.params.logprobs is not None for r in rows)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     needs_processing = any(
-        r.suppress_token_ids or r.params.has_penalties or not r.params.is_greedy for r in rows
+        r.suppress_token_ids
+        or r.params.has_penalties
+        or r.params.logit_bias
+        or not r.params.is_greedy
+        for r in rows
     )
     if not needs_processing:
         chosen = logits.argmax(dim=-1)
@@ -76,6 +80,9 @@ def _sample_row(row: torch.Tensor, r: SampleRequest) -> int:
     p = r.params
     if r.suppress_token_ids:
         row[list(r.suppress_token_ids)] = float("-inf")
+    if p.logit_bias:  # OpenAI: added to the logits before sampling (greedy included)
+        ids, biases = zip(*p.logit_bias, strict=True)
+        row[list(ids)] += torch.tensor(biases, dtype=row.dtype, device=row.device)
     if p.has_penalties:
         _apply_penalties(row, r)
     if p.is_greedy:

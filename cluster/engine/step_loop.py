@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.engine import Admission, LLMEngine, RequestOutput
+from cluster.engine.parallel import sample_ids
 
 logger = logging.getLogger(__name__)
 
@@ -101,11 +102,13 @@ class EngineLoop:
         sink: Sink,
         **kwargs: Any,
     ) -> Future[Admission]:
-        """Queue a request whose outputs go to ``sink``; ``ValueError`` for bad input."""
+        """Queue a request whose outputs (of each of its ``n`` samples) go to ``sink``;
+        ``ValueError`` for bad input."""
 
         def add(engine: LLMEngine) -> Admission:
             admission = engine.add(request_id, prompt_token_ids, params, **kwargs)
-            self._sinks[request_id] = sink
+            for rid in sample_ids(request_id, kwargs.get("n", 1)):
+                self._sinks[rid] = sink
             return admission
 
         return self.call(add)

@@ -24,7 +24,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -60,6 +60,7 @@ from cluster.serving.routers import recent_ranking_ms
 logger = logging.getLogger(__name__)
 
 
+T = TypeVar("T")
 INLINE_PARSE_BYTES = 64 << 10  # bigger requests are parsed and tokenized off the event loop
 
 
@@ -215,7 +216,7 @@ class Router:
             self.config.router.max_request_bytes,
         )
 
-    async def _parse(self, parse: Callable[[], ParsedRequest], size: int) -> ParsedRequest:
+    async def _parse(self, parse: Callable[[], T], size: int) -> T:
         """Validate and tokenize: a small request here, a big one on the parse thread, so that
         a few MiB of text never stall this event loop (health, other requests: B10)."""
         if size <= INLINE_PARSE_BYTES:
@@ -280,6 +281,26 @@ class Router:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         return await self._http(request, "chat")
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        """The token ids of a prompt (``prompt``) or of chat messages (``messages``)."""
+        return await self._utility(request, self.parser.tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        """The text of token ids (``tokens``)."""
+        return await self._utility(request, self.parser.detokenize)
+
+    async def _utility(
+        self, request: Request, handle: Callable[[dict[str, Any]], dict[str, Any]]
+    ) -> Response:
+        try:
+            raw = await self._body(request)
+            return JSONResponse(await self._parse(lambda: handle(json_object(raw)), len(raw)))
+        except PDServeError as e:
+            status, payload = openai_error(e)
+            return JSONResponse(payload, status_code=status)
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:

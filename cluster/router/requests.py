@@ -18,7 +18,12 @@ from typing import Any, NamedTuple
 from cluster.common.errors import ErrorCode, PDServeError, invalid
 from cluster.common.hashing import hash_block_tokens
 from cluster.common.protocol import GenerateCall
-from cluster.common.sampling_params import MAX_LOGPROBS, SamplingParams, validate_prompt
+from cluster.common.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_SAMPLES,
+    SamplingParams,
+    validate_prompt,
+)
 from cluster.config import RouterConfig
 from cluster.config.model_paths import ModelLimits
 
@@ -49,6 +54,8 @@ _COMMON_FIELDS = frozenset(
         "ignore_eos",
         "stop_token_ids",
         "skip_special_tokens",
+        "include_stop_str_in_output",
+        "logit_bias",
         "request_id",
         "timeout_ms",
     }
@@ -67,7 +74,6 @@ _UNSUPPORTED = {
     "function_call": "function calling is not supported",
     "parallel_tool_calls": "tool calling is not supported",
     "response_format": "structured output (response_format) is not supported",
-    "logit_bias": "logit_bias is not supported",
     "audio": "audio output is not supported",
     "modalities": "only text output is supported",
     "prediction": "predicted outputs are not supported",
@@ -94,6 +100,10 @@ class ParsedRequest:
     stream: bool = True
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    n: int = 1  # choices returned
+    best_of: int = 1  # samples generated (>= n): the n of highest total logprob are returned
+    client_logprobs: bool = True  # False: logprobs only asked for ranking best_of (not shown)
+    echo: str | None = None  # completions, echo: the prompt's text, which each choice starts with
 
     def to_call(self, router_queue_ms: float) -> GenerateCall:
         return GenerateCall(
@@ -101,6 +111,7 @@ class ParsedRequest:
             prompt_token_ids=self.prompt_token_ids,
             block_hashes=self.block_hashes,
             params=self.params,
+            n=max(self.n, self.best_of),
             deadline=self.deadline,
             router_queue_ms=router_queue_ms,
         )
@@ -336,9 +347,16 @@ class RequestParser:
             stop_token_ids=tuple(s.stop_token_ids),
             ignore_eos=opt("ignore_eos"),
             logprobs=opt("logprobs"),
+            logit_bias=tuple(s.logit_bias.items()),
+            include_stop_str_in_output=opt("include_stop_str_in_output"),
         )
+        n = 1 if opt("n") is None else opt("n")
+        if not 1 <= n <= MAX_SAMPLES:
+            raise invalid(f"n: must be in [1, {MAX_SAMPLES}], got {n}")
         timeout = request.timeout_ms if request.HasField("timeout_ms") else None
-        return self.finish(rid, prompt, params, self.deadline(timeout), "grpc")
+        parsed = self.finish(rid, prompt, params, self.deadline(timeout), "grpc")
+        parsed.n = parsed.best_of = n
+        return parsed
 
     # -- OpenAI --------------------------------------------------------------------------------
 
@@ -349,21 +367,32 @@ class RequestParser:
                 raise invalid(f"{key}: {_UNSUPPORTED[key]}")
             if key not in allowed and key not in _UNSUPPORTED:
                 raise invalid(f"{key}: unsupported field; supported: {', '.join(sorted(allowed))}")
+        self._check_model(body)
+        if body.get("suffix"):
+            raise invalid("suffix: insertion (suffix) is not supported")
+
+    def _check_model(self, body: Mapping[str, Any]) -> None:
         model = body.get("model")
         if model is not None and model != self.model:
             raise PDServeError(
                 ErrorCode.NOT_FOUND,
                 f"model: {model!r} is not served here; this cluster serves {self.model!r}",
             )
+
+    @staticmethod
+    def _samples(body: Mapping[str, Any], stream: bool) -> tuple[int, int]:
+        """(n, best_of): choices returned, samples generated."""
         n = _int(body, "n")
-        if n is not None and n != 1:
-            raise invalid("n: only n=1 is supported")
-        if _int(body, "best_of") not in (None, 1):
-            raise invalid("best_of: only best_of=1 is supported")
-        if body.get("echo"):
-            raise invalid("echo: echoing the prompt is not supported")
-        if body.get("suffix"):
-            raise invalid("suffix: insertion (suffix) is not supported")
+        n = 1 if n is None else n
+        if not 1 <= n <= MAX_SAMPLES:
+            raise invalid(f"n: must be in [1, {MAX_SAMPLES}], got {n}")
+        best_of = _int(body, "best_of")
+        best_of = n if best_of is None else best_of
+        if not n <= best_of <= MAX_SAMPLES:
+            raise invalid(f"best_of: must be in [n={n}, {MAX_SAMPLES}], got {best_of}")
+        if stream and best_of > n:
+            raise invalid("best_of: cannot be streamed when greater than n (stream: false)")
+        return n, best_of
 
     def _stream_flags(self, body: Mapping[str, Any]) -> tuple[bool, bool]:
         stream = bool(_bool(body, "stream"))
@@ -420,7 +449,26 @@ class RequestParser:
             ignore_eos=_bool(body, "ignore_eos"),
             skip_special_tokens=_bool(body, "skip_special_tokens"),
             logprobs=logprobs,
+            logit_bias=self._logit_bias(body),
+            include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
         )
+
+    @staticmethod
+    def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...] | None:
+        """OpenAI's ``{"token id": bias}`` map (JSON keys are strings)."""
+        bias = body.get("logit_bias")
+        if bias is None:
+            return None
+        if not isinstance(bias, Mapping):
+            raise invalid("logit_bias: must be an object mapping token ids to biases")
+        out = []
+        for key, value in bias.items():
+            if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+                raise invalid(f"logit_bias: keys must be token ids, got {key!r}")
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise invalid(f"logit_bias: the bias of {key} must be a number")
+            out.append((int(key), float(value)))
+        return tuple(out)
 
     def _completion_prompt(self, prompt: Any) -> list[int]:
         # A string, a list of token ids, or a batch of exactly one of either.
@@ -450,18 +498,33 @@ class RequestParser:
         self._check_fields(body, _COMPLETION_FIELDS)
         rid = self.request_id(body.get("request_id"), "cmpl")
         stream, include_usage = self._stream_flags(body)
+        n, best_of = self._samples(body, stream)
         logprobs = _int(body, "logprobs")
+        echo = bool(_bool(body, "echo"))
+        if echo and logprobs is not None:
+            raise invalid("echo: with logprobs (the prompt's logprobs) is not supported")
         prompt = self._completion_prompt(body.get("prompt"))
         max_tokens = _int(body, "max_tokens")
-        params = self._common_params(body, 16 if max_tokens is None else max_tokens, logprobs)
+        # best_of ranks samples by their total logprob: asked for, if the client did not.
+        ranked = 0 if logprobs is None and best_of > n else logprobs
+        params = self._common_params(body, 16 if max_tokens is None else max_tokens, ranked)
         deadline = self.deadline(_int(body, "timeout_ms"))
-        return self.finish(rid, prompt, params, deadline, "completion", stream, include_usage)
+        parsed = self.finish(rid, prompt, params, deadline, "completion", stream, include_usage)
+        parsed.n, parsed.best_of = n, best_of
+        if echo:
+            raw = body.get("prompt")
+            raw = (
+                raw[0]
+                if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str)
+                else raw
+            )
+            parsed.echo = raw if isinstance(raw, str) else self.tokenizer.decode(prompt, False)
+        parsed.client_logprobs = logprobs is not None
+        return parsed
 
-    def from_chat(self, body: Mapping[str, Any]) -> ParsedRequest:
-        self._check_fields(body, _CHAT_FIELDS)
-        rid = self.request_id(body.get("request_id"), "chatcmpl")
-        stream, include_usage = self._stream_flags(body)
-        messages = body.get("messages")
+    @staticmethod
+    def _messages(messages: Any) -> list[dict[str, Any]]:
+        """Chat messages, checked, as the template takes them (text parts joined)."""
         if not isinstance(messages, list) or not messages:
             raise invalid("messages: must be a non-empty list of {role, content} objects")
         flat = []
@@ -483,7 +546,14 @@ class RequestParser:
                     "content": _text_parts(m.get("content"), f"messages[{i}].content"),
                 }
             )
-        prompt = self.encode_chat(flat)
+        return flat
+
+    def from_chat(self, body: Mapping[str, Any]) -> ParsedRequest:
+        self._check_fields(body, _CHAT_FIELDS)
+        rid = self.request_id(body.get("request_id"), "chatcmpl")
+        stream, include_usage = self._stream_flags(body)
+        n, _ = self._samples(body, stream)
+        prompt = self.encode_chat(self._messages(body.get("messages")))
         want_logprobs = _bool(body, "logprobs")
         top = _int(body, "top_logprobs")
         if top is not None and not want_logprobs:
@@ -496,4 +566,47 @@ class RequestParser:
             limit = _int(body, "max_tokens")
         params = self._common_params(body, self._max_tokens(limit, len(prompt)), logprobs)
         deadline = self.deadline(_int(body, "timeout_ms"))
-        return self.finish(rid, prompt, params, deadline, "chat", stream, include_usage)
+        parsed = self.finish(rid, prompt, params, deadline, "chat", stream, include_usage)
+        parsed.n = parsed.best_of = n
+        return parsed
+
+    # -- /tokenize and /detokenize -------------------------------------------------------------
+
+    def tokenize(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """A prompt (text) or chat messages -> the token ids a request would be given."""
+        self._only(body, {"model", "prompt", "messages", "add_special_tokens"})
+        if ("prompt" in body) == ("messages" in body):
+            raise invalid("prompt: send exactly one of prompt (text) or messages")
+        if "messages" in body:
+            ids = self.encode_chat(self._messages(body["messages"]))
+        else:
+            prompt = body["prompt"]
+            if not isinstance(prompt, str):
+                raise invalid(f"prompt: must be a string, got {_type_name(prompt)}")
+            self._check_chars(len(prompt), "prompt")
+            special = _bool(body, "add_special_tokens")
+            text = utf8_text(prompt, "prompt")
+            ids = list(self.tokenizer.encode(text, add_special_tokens=special is not False))
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.limits.max_model_len}
+
+    def detokenize(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Token ids -> their text (special tokens kept unless skip_special_tokens)."""
+        self._only(body, {"model", "tokens", "skip_special_tokens"})
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or len(tokens) > self.limits.max_model_len:
+            raise invalid(f"tokens: must be a list of at most {self.limits.max_model_len} ids")
+        for i, t in enumerate(tokens):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.limits.vocab_size:
+                raise invalid(
+                    f"tokens: {t!r} at position {i} is outside the vocabulary "
+                    f"[0, {self.limits.vocab_size})"
+                )
+        skip = bool(_bool(body, "skip_special_tokens"))
+        return {"prompt": self.tokenizer.decode(tokens, skip)}
+
+    def _only(self, body: Mapping[str, Any], allowed: set[str]) -> None:
+        for key in body:
+            utf8_text(key, "body: a field name")
+            if key not in allowed:
+                raise invalid(f"{key}: unsupported field; supported: {', '.join(sorted(allowed))}")
+        self._check_model(body)

@@ -64,6 +64,7 @@ def grpc_chunk(chunk: StreamChunk) -> pb.GenerateResponse:
         token_ids=chunk.token_ids,
         text=chunk.text,
         finish_reason=_FINISH.get(chunk.finish_reason, pb.FINISH_REASON_STOP),
+        index=chunk.index,
     )
     if chunk.logprobs is not None:
         tops = chunk.top_logprobs or [[] for _ in chunk.logprobs]
@@ -180,13 +181,13 @@ def _chat_logprobs(chunk: StreamChunk, text_of: _TokenText) -> dict[str, Any] | 
 
 
 def _merge(chunks: Iterable[StreamChunk]) -> tuple[StreamChunk, Usage | None]:
-    """All chunks of a finished request as one (for the non-streaming responses)."""
+    """All chunks of one finished sample as one (for the non-streaming responses)."""
     rid, ids, texts = "", [], []
     lps: list[float] | None = None
     tops: list[list[tuple[int, float]]] | None = None
-    finish, usage = None, None
+    finish, usage, index = None, None, 0
     for c in chunks:
-        rid = c.request_id
+        rid, index = c.request_id, c.index
         ids.extend(c.token_ids)
         texts.append(c.text)
         if c.logprobs is not None:
@@ -194,7 +195,27 @@ def _merge(chunks: Iterable[StreamChunk]) -> tuple[StreamChunk, Usage | None]:
             tops = (tops or []) + list(c.top_logprobs or [[] for _ in c.logprobs])
         finish = c.finish_reason or finish
         usage = c.usage or usage
-    merged = StreamChunk(rid, ids, "".join(texts), lps, tops, finish, usage)
+    merged = StreamChunk(rid, ids, "".join(texts), lps, tops, finish, usage, index)
+    return merged, usage
+
+
+def _choices(
+    parsed: ParsedRequest, chunks: list[StreamChunk]
+) -> tuple[list[StreamChunk], Usage | None]:
+    """Each sample's chunks merged, in index order; with ``best_of`` > n, the n samples of
+    highest total logprob (re-indexed from 0). The usage counts every sample generated."""
+    by_index: dict[int, list[StreamChunk]] = {i: [] for i in range(parsed.best_of)}
+    for c in chunks:
+        by_index.setdefault(c.index, []).append(c)
+    merged = [_merge(by_index[i])[0] for i in sorted(by_index)]
+    usage = next((c.usage for c in reversed(chunks) if c.usage is not None), None)
+    if parsed.best_of > parsed.n:
+        merged.sort(key=lambda c: -sum(c.logprobs or ()))
+        merged = merged[: parsed.n]
+    for i, c in enumerate(merged):
+        c.index = i
+        if not parsed.client_logprobs:
+            c.logprobs = c.top_logprobs = None
     return merged, usage
 
 
@@ -204,7 +225,8 @@ def _merge(chunks: Iterable[StreamChunk]) -> tuple[StreamChunk, Usage | None]:
 def aggregate_completion(
     parsed: ParsedRequest, model: str, chunks: list[StreamChunk], tokenizer: Any
 ) -> dict[str, Any]:
-    merged, usage = _merge(chunks)
+    merged, usage = _choices(parsed, chunks)
+    echo = parsed.echo or ""
     return {
         "id": parsed.request_id,
         "object": "text_completion",
@@ -212,11 +234,12 @@ def aggregate_completion(
         "model": model,
         "choices": [
             {
-                "index": 0,
-                "text": merged.text,
-                "logprobs": _completion_logprobs(merged, _TokenText(tokenizer), 0),
-                "finish_reason": merged.finish_reason or "stop",
+                "index": c.index,
+                "text": echo + c.text,
+                "logprobs": _completion_logprobs(c, _TokenText(tokenizer), len(echo)),
+                "finish_reason": c.finish_reason or "stop",
             }
+            for c in merged
         ],
         "usage": openai_usage(usage),
     }
@@ -225,7 +248,7 @@ def aggregate_completion(
 def aggregate_chat(
     parsed: ParsedRequest, model: str, chunks: list[StreamChunk], tokenizer: Any
 ) -> dict[str, Any]:
-    merged, usage = _merge(chunks)
+    merged, usage = _choices(parsed, chunks)
     return {
         "id": parsed.request_id,
         "object": "chat.completion",
@@ -233,11 +256,12 @@ def aggregate_chat(
         "model": model,
         "choices": [
             {
-                "index": 0,
-                "message": {"role": "assistant", "content": merged.text},
-                "logprobs": _chat_logprobs(merged, _TokenText(tokenizer)),
-                "finish_reason": merged.finish_reason or "stop",
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": _chat_logprobs(c, _TokenText(tokenizer)),
+                "finish_reason": c.finish_reason or "stop",
             }
+            for c in merged
         ],
         "usage": openai_usage(usage),
     }
@@ -290,16 +314,19 @@ class CompletionStream(_Stream):
 
     def __init__(self, parsed: ParsedRequest, model: str, tokenizer: Any) -> None:
         super().__init__(parsed, model, tokenizer)
-        self.offset = 0
+        self.offsets: dict[int, int] = {}  # per sample: characters sent so far
 
     def _choice(self, chunk: StreamChunk) -> dict[str, Any] | None:
         if not chunk.token_ids and not chunk.text and chunk.finish_reason is None:
             return None
-        logprobs = _completion_logprobs(chunk, self.text_of, self.offset)
-        self.offset += len(chunk.text)
+        offset = self.offsets.get(chunk.index)
+        text = chunk.text if offset is not None else (self.parsed.echo or "") + chunk.text
+        offset = offset if offset is not None else len(text) - len(chunk.text)
+        logprobs = _completion_logprobs(chunk, self.text_of, offset)
+        self.offsets[chunk.index] = offset + len(chunk.text)
         return {
-            "index": 0,
-            "text": chunk.text,
+            "index": chunk.index,
+            "text": text,
             "logprobs": logprobs,
             "finish_reason": chunk.finish_reason,
         }
@@ -314,18 +341,19 @@ class ChatStream(_Stream):
 
     def events(self, chunk: StreamChunk) -> Iterator[str]:
         if not self.started:
-            # OpenAI's first chunk announces the role with empty content.
+            # OpenAI's first chunk of each choice announces the role with empty content.
             self.started = True
-            first = {
-                "index": 0,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-            payload = self._envelope([first])
-            if self.parsed.include_usage:
-                payload["usage"] = None
-            yield _sse(payload)
+            for index in range(self.parsed.n):
+                first = {
+                    "index": index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                payload = self._envelope([first])
+                if self.parsed.include_usage:
+                    payload["usage"] = None
+                yield _sse(payload)
         yield from super().events(chunk)
 
     def _choice(self, chunk: StreamChunk) -> dict[str, Any] | None:
@@ -333,7 +361,7 @@ class ChatStream(_Stream):
             return None
         delta = {"content": chunk.text} if chunk.text or chunk.finish_reason is None else {}
         return {
-            "index": 0,
+            "index": chunk.index,
             "delta": delta,
             "logprobs": _chat_logprobs(chunk, self.text_of),
             "finish_reason": chunk.finish_reason,

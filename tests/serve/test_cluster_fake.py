@@ -158,6 +158,145 @@ def test_grpc_and_openai_match_the_engine(app: App) -> None:
     app.assert_clean()
 
 
+# -- parallel sampling and API breadth (issue 11) -------------------------------------------------
+
+
+def sampled_reference(app: App, p: list[int], n: int, seed: int, max_tokens: int) -> list[Any]:
+    """n seeded samples of ``p`` by an engine in this process, before the cluster answers."""
+    from cluster.common.sampling_params import SamplingParams
+    from cluster.engine.parallel import sample_ids
+
+    engine = LLMEngine(app.config)
+    params = SamplingParams(temperature=0.8, max_tokens=max_tokens, ignore_eos=True, seed=seed)
+    engine.add("ref", p, params, n=n)
+    out = run_until_done(engine)
+    return [out[rid] for rid in sample_ids("ref", n)]
+
+
+@pytest.mark.parametrize("length", [9, 60])  # local prefill, remote prefill
+def test_n_samples_over_openai_and_grpc(app: App, length: int) -> None:
+    p = prompt(7, length)
+    expected = sampled_reference(app, p, 4, 21, 10)
+    texts = ["".join(f" t{t}" for t in toks) for toks in expected]
+    remote_before = sum(s["remote_prefills"] for s in app.stats("decode").values())
+    sampling = pb.SamplingParameters(max_tokens=10, temperature=0.8, ignore_eos=True, seed=21, n=4)
+    msgs = app.generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=p), sampling=sampling), KEY)
+    got: list[list[int]] = [[] for _ in range(4)]
+    for m in msgs:
+        got[m.index].extend(m.token_ids)
+    assert got == expected
+    assert msgs[-1].usage.prompt_tokens == length and msgs[-1].usage.completion_tokens == 40
+    assert sum(m.finish_reason == pb.FINISH_REASON_LENGTH for m in msgs) == 4
+
+    client = openai.OpenAI(base_url=app.cluster.http_url + "/v1", api_key=KEY)
+    model = client.models.list().data[0].id
+    extra = {"ignore_eos": True}
+    done = client.completions.create(
+        model=model, prompt=p, max_tokens=10, temperature=0.8, seed=21, n=4, extra_body=extra
+    )
+    assert [c.text for c in sorted(done.choices, key=lambda c: c.index)] == texts
+    assert done.usage is not None and done.usage.prompt_tokens == length
+    assert done.usage.completion_tokens == 40
+    stream = client.completions.create(
+        model=model,
+        prompt=p,
+        max_tokens=10,
+        temperature=0.8,
+        seed=21,
+        n=4,
+        stream=True,
+        extra_body=extra,
+    )
+    streamed = ["", "", "", ""]
+    for chunk in stream:
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == texts
+    greedy_chat = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "t5 t6 t7"}],
+        max_tokens=8,
+        temperature=0,
+        n=3,
+    )
+    answers = {c.message.content for c in greedy_chat.choices}
+    assert len(greedy_chat.choices) == 3 and len(answers) == 1  # greedy: n identical
+    best = client.completions.create(
+        model=model, prompt=p, max_tokens=10, temperature=0.8, seed=21, n=1, best_of=4
+    )
+    assert len(best.choices) == 1 and best.choices[0].text in texts
+    assert best.choices[0].logprobs is None  # ranked by logprobs the client did not ask for
+    remote_after = sum(s["remote_prefills"] for s in app.stats("decode").values())
+    # At most one remote prefill per request (gRPC, 2 completions, best_of; later ones may hit
+    # the decode replica's own prefix cache), never one per sample.
+    if length > THRESHOLD:
+        assert 1 <= remote_after - remote_before <= 4
+    else:
+        assert remote_after == remote_before
+    app.assert_clean()
+
+
+def test_cancelling_n_samples_mid_stream_frees_every_block(app: App) -> None:
+    client = openai.OpenAI(base_url=app.cluster.http_url + "/v1", api_key=KEY)
+    stream = client.completions.create(
+        model=client.models.list().data[0].id,
+        prompt=prompt(3, 80),
+        max_tokens=2000,
+        n=8,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    seen = set()
+    for chunk in stream:
+        seen.update(c.index for c in chunk.choices)
+        if len(seen) == 8:
+            break  # all 8 samples are decoding
+    stream.close()
+    assert seen == set(range(8))
+    app.assert_clean()
+
+
+def test_tokenize_detokenize_echo_logit_bias_and_stop_strings(app: App) -> None:
+    status, got = http(app, "/tokenize", {"prompt": "t5 t6 t7"})
+    assert status == 200 and got["tokens"] == [5, 6, 7] and got["count"] == 3
+    status, got = http(app, "/detokenize", {"tokens": [5, 6, 7]})
+    assert status == 200 and got == {"prompt": " t5 t6 t7"}
+    status, err = http(app, "/detokenize", {"tokens": [10**6]})
+    assert status == 400 and err["error"]["param"] == "tokens"
+    assert http(app, "/tokenize", {"prompt": "x"}, key=None)[0] == 401
+
+    client = openai.OpenAI(base_url=app.cluster.http_url + "/v1", api_key=KEY)
+    model = client.models.list().data[0].id
+    p = prompt(4, 30)
+    plain = client.completions.create(
+        model=model, prompt=p, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
+    words = plain.choices[0].text.split()
+    echoed = client.completions.create(model=model, prompt="t5 t6", max_tokens=3, echo=True)
+    assert echoed.choices[0].text.startswith("t5 t6")
+    banned = {str(int(w[1:])): -100 for w in set(words)}
+    other = client.completions.create(
+        model=model, prompt=p, max_tokens=8, temperature=0, logit_bias=banned
+    )
+    assert not set(other.choices[0].text.split()) & set(words)
+    stop = f" {words[3]}"
+    for include in (False, True):
+        cut = client.completions.create(
+            model=model,
+            prompt=p,
+            max_tokens=8,
+            temperature=0,
+            stop=[stop],
+            extra_body={"ignore_eos": True, "include_stop_str_in_output": include},
+        )
+        head = plain.choices[0].text[: plain.choices[0].text.index(stop)]
+        assert cut.choices[0].text == (head + stop if include else head)
+        assert cut.choices[0].finish_reason == "stop"
+    status, err = http(app, "/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1})
+    assert status == 400 and err["error"]["param"] == "echo"
+    app.assert_clean()
+
+
 # -- bad input and auth ---------------------------------------------------------------------------
 
 

@@ -212,9 +212,17 @@ def test_chat_defaults_and_logprobs(parser: RequestParser) -> None:
     [
         ({"prompt": "x", "tools": [{"type": "function"}]}, ErrorCode.INVALID_ARGUMENT, "tools"),
         ({"prompt": "x", "response_format": {"type": "json_object"}}, None, "response_format"),
-        ({"prompt": "x", "n": 2}, ErrorCode.INVALID_ARGUMENT, "n"),
-        ({"prompt": "x", "best_of": 3}, ErrorCode.INVALID_ARGUMENT, "best_of"),
-        ({"prompt": "x", "echo": True}, ErrorCode.INVALID_ARGUMENT, "echo"),
+        ({"prompt": "x", "n": 0}, ErrorCode.INVALID_ARGUMENT, "n"),
+        ({"prompt": "x", "n": 17}, ErrorCode.INVALID_ARGUMENT, "n"),
+        ({"prompt": "x", "n": 2, "best_of": 1}, ErrorCode.INVALID_ARGUMENT, "best_of"),
+        ({"prompt": "x", "best_of": 3, "stream": True}, ErrorCode.INVALID_ARGUMENT, "best_of"),
+        ({"prompt": "x", "echo": True, "logprobs": 1}, ErrorCode.INVALID_ARGUMENT, "echo"),
+        ({"prompt": "x", "logit_bias": [1]}, ErrorCode.INVALID_ARGUMENT, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"a": 1}}, ErrorCode.INVALID_ARGUMENT, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"5": "1"}}, ErrorCode.INVALID_ARGUMENT, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"5": 101}}, ErrorCode.INVALID_ARGUMENT, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"600": 1}}, ErrorCode.INVALID_ARGUMENT, "logit_bias"),
+        ({"prompt": "x", "include_stop_str_in_output": 1}, None, "include_stop_str_in_output"),
         ({"prompt": "x", "frobnicate": 1}, ErrorCode.INVALID_ARGUMENT, "frobnicate"),
         ({"prompt": "x", "model": "gpt-4"}, ErrorCode.NOT_FOUND, "model"),
         ({"prompt": "x", "max_tokens": "7"}, ErrorCode.INVALID_ARGUMENT, "max_tokens"),
@@ -248,6 +256,8 @@ def test_completion_bad_input(
         ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0]"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice"),
+        ({"messages": [{"role": "user", "content": "x"}], "best_of": 2}, "best_of"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 99}, "n"),
     ],
 )
 def test_chat_bad_input(parser: RequestParser, body: dict, field: str) -> None:
@@ -297,3 +307,58 @@ def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing() -> None:
     # at the bound itself the tokenizer decides (here: one word, one token)
     assert p.from_completion({"prompt": "x" * (4 * CTX), "max_tokens": 1}).prompt_token_ids
     assert Bounded.calls == 1
+
+
+def test_n_best_of_echo_logit_bias_and_stop_strings_map_onto_the_call(
+    parser: RequestParser,
+) -> None:
+    p = parser.from_completion(
+        {
+            "prompt": "t5 t6",
+            "n": 2,
+            "best_of": 4,
+            "echo": True,
+            "logit_bias": {"7": 5, "9": -100},
+            "stop": ["t9"],
+            "include_stop_str_in_output": True,
+        }
+    )
+    assert (p.n, p.best_of, p.echo) == (2, 4, "t5 t6")
+    assert p.to_call(0.0).n == 4  # best_of samples are generated; n are returned
+    assert p.params.logprobs == 0 and not p.client_logprobs  # ranking needs them, not shown
+    assert p.params.logit_bias == ((7, 5.0), (9, -100.0))
+    assert p.params.include_stop_str_in_output
+    chat = parser.from_chat({"messages": [{"role": "user", "content": "x"}], "n": 3})
+    assert (chat.n, chat.to_call(0.0).n, chat.params.logprobs) == (3, 3, None)
+    g = parser.from_grpc(
+        grpc_req(prompt="hi", sampling={"n": 5, "logit_bias": {3: 1.5}, "seed": 1})
+    )
+    assert g.to_call(0.0).n == 5 and g.params.logit_bias == ((3, 1.5),)
+    assert code_of(parser.from_grpc, grpc_req(prompt="hi", sampling={"n": 0}))[1].startswith("n:")
+    ids = parser.from_completion({"prompt": [5, 6], "echo": True})
+    assert ids.echo == " t5 t6"  # token ids echo as their text
+
+
+def test_tokenize_and_detokenize(parser: RequestParser) -> None:
+    got = parser.tokenize({"prompt": "t5 t6 t7"})
+    assert got == {"tokens": [5, 6, 7], "count": 3, "max_model_len": CTX}
+    chat = parser.tokenize({"messages": [{"role": "user", "content": "hi"}]})
+    assert (
+        chat["tokens"]
+        == parser.from_chat({"messages": [{"role": "user", "content": "hi"}]}).prompt_token_ids
+    )
+    assert parser.detokenize({"tokens": [5, 6]}) == {"prompt": " t5 t6"}
+    assert parser.detokenize({"tokens": [0, 5], "skip_special_tokens": True}) == {"prompt": " t5"}
+    for fn, body, field in [
+        (parser.tokenize, {}, "prompt"),
+        (parser.tokenize, {"prompt": "x", "messages": []}, "prompt"),
+        (parser.tokenize, {"prompt": 5}, "prompt"),
+        (parser.tokenize, {"messages": "x"}, "messages"),
+        (parser.tokenize, {"prompt": "x", "stream": True}, "stream"),
+        (parser.detokenize, {"tokens": [VOCAB]}, "tokens"),
+        (parser.detokenize, {"tokens": "5"}, "tokens"),
+        (parser.detokenize, {"tokens": [True]}, "tokens"),
+    ]:
+        code, message = code_of(fn, body)
+        assert code == ErrorCode.INVALID_ARGUMENT and message.startswith(field), message
+    assert code_of(parser.detokenize, {"tokens": [1], "model": "x"})[0] == ErrorCode.NOT_FOUND

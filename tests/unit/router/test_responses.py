@@ -178,3 +178,69 @@ def test_api_keys(tmp_path) -> None:  # type: ignore[no-untyped-def]
         assert "inline" not in info.value.message
     with pytest.raises(ValueError, match="api_keys_file"):
         ApiKeyAuth(RouterConfig(api_keys_file=str(tmp_path / "missing")))
+
+
+def sample_chunks() -> list[StreamChunk]:
+    """Two samples streamed interleaved (index 1 ends first); the usage comes last, once."""
+    usage = Usage(3, 5)
+    return [
+        StreamChunk("r", [7], " t7", [-0.5], [[]], index=0),
+        StreamChunk("r", [8], " t8", [-0.1], [[]], index=1),
+        StreamChunk("r", [9], " t9", [-0.1], [[]], "stop", index=1),
+        StreamChunk("r", [10, 11], " t10 t11", [-2.0, -1.0], [[], []], "length", usage, index=0),
+    ]
+
+
+def test_n_choices_non_streaming_and_streaming() -> None:
+    body = aggregate_completion(parsed("completion", n=2), "m", sample_chunks(), TOK)
+    c = Completion.model_validate(body)
+    assert [(x.index, x.text, x.finish_reason) for x in c.choices] == [
+        (0, " t7 t10 t11", "length"),
+        (1, " t8 t9", "stop"),
+    ]
+    assert c.usage is not None and (c.usage.prompt_tokens, c.usage.completion_tokens) == (3, 5)
+    chat = ChatCompletion.model_validate(
+        aggregate_chat(parsed("chat", n=2), "m", sample_chunks(), TOK)
+    )
+    assert [x.message.content for x in chat.choices] == [" t7 t10 t11", " t8 t9"]
+
+    fmt = ChatStream(parsed("chat", n=2, stream=True), "m", TOK)
+    events = [e for ch in sample_chunks() for e in fmt.events(ch)] + list(fmt.finish())
+    got = [ChatCompletionChunk.model_validate(x) for x in sse_payloads(events)]
+    roles = [(c.choices[0].index, c.choices[0].delta.role) for c in got[:2]]
+    assert roles == [(0, "assistant"), (1, "assistant")]
+    text: dict[int, str] = {}
+    finish: dict[int, str | None] = {}
+    for c in got[2:]:
+        ch = c.choices[0]
+        text[ch.index] = text.get(ch.index, "") + (ch.delta.content or "")
+        finish[ch.index] = ch.finish_reason
+    assert text == {0: " t7 t10 t11", 1: " t8 t9"} and finish == {0: "length", 1: "stop"}
+
+
+def test_best_of_returns_the_n_most_likely_without_unasked_logprobs() -> None:
+    p = parsed("completion", n=1, best_of=2)
+    c = Completion.model_validate(aggregate_completion(p, "m", sample_chunks(), TOK))
+    # Sample 1 (total -0.2) beats sample 0 (-3.5); re-indexed 0; logprobs were not asked for.
+    assert [(x.index, x.text, x.logprobs) for x in c.choices] == [(0, " t8 t9", None)]
+    assert c.usage is not None and c.usage.completion_tokens == 5  # every sample generated
+    shown = parsed("completion", n=1, best_of=2, logprobs=0)
+    c = Completion.model_validate(aggregate_completion(shown, "m", sample_chunks(), TOK))
+    assert c.choices[0].logprobs is not None and c.choices[0].logprobs.token_logprobs == [-0.1] * 2
+
+
+def test_echo_prepends_the_prompt_to_each_choice() -> None:
+    p = parsed("completion", n=2, echo=True)
+    c = Completion.model_validate(aggregate_completion(p, "m", sample_chunks(), TOK))
+    assert [x.text for x in c.choices] == ["t1 t2 t3 t7 t10 t11", "t1 t2 t3 t8 t9"]
+    fmt = CompletionStream(parsed("completion", n=2, echo=True, stream=True), "m", TOK)
+    events = [e for ch in sample_chunks() for e in fmt.events(ch)] + list(fmt.finish())
+    texts: dict[int, str] = {}
+    for x in sse_payloads(events):
+        ch = x["choices"][0]
+        texts[ch["index"]] = texts.get(ch["index"], "") + ch["text"]
+    assert texts == {0: "t1 t2 t3 t7 t10 t11", 1: "t1 t2 t3 t8 t9"}
+
+
+def test_grpc_chunk_carries_the_sample_index() -> None:
+    assert [grpc_chunk(c).index for c in sample_chunks()] == [0, 1, 1, 0]

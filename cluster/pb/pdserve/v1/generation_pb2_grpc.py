@@ -52,6 +52,10 @@ class GenerationServicer:
     def Generate(self, request, context):
         """Generate a completion, streamed: one message per step that produced text, the last one
         with finish_reason and usage set. Cancelling the call aborts the request in every pool.
+        With n > 1 (SamplingParameters.n) the n samples share one stream: each message carries
+        one sample's tokens and that sample's `index`; a sample's last message has its
+        finish_reason set, and the stream's very last message also carries the usage (the prompt
+        counted once, completion_tokens summed over the samples).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

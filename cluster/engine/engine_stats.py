@@ -1,0 +1,54 @@
+"""The engine's counters and its ``stats()`` snapshot (what metrics and the planner read)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.engine.block_manager import BlockManager
+from cluster.engine.handoff import Handoff
+from cluster.engine.parallel import SampleGroups
+from cluster.engine.scheduler import Scheduler
+from cluster.engine.spec import Speculator
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    num_steps: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_finished: int = 0
+    num_aborted: int = 0
+    step_times: list[float] = field(default_factory=list)
+
+
+def engine_stats(
+    c: EngineCounters,
+    sched: Scheduler,
+    handoff: Handoff,
+    samples: SampleGroups,
+    block_manager: BlockManager,
+    speculator: Speculator,
+) -> dict[str, Any]:
+    return {
+        "num_running": len(sched.running),
+        "num_waiting": len(sched.waiting),
+        **handoff.stats(),
+        **samples.stats(),
+        "num_queued_prefill_tokens": sum(
+            max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in sched.all_requests()
+        ),
+        "num_preemptions": sched.num_preemptions,
+        "num_steps": c.num_steps,
+        "num_prompt_tokens": c.num_prompt_tokens,
+        "num_cached_prompt_tokens": c.num_cached_prompt_tokens,
+        "num_generated_tokens": c.num_generated_tokens,
+        "num_finished": c.num_finished,
+        "num_aborted": c.num_aborted,
+        "prefix_cache_hit_rate": (
+            c.num_cached_prompt_tokens / c.num_prompt_tokens if c.num_prompt_tokens else 0.0
+        ),
+        "kv": block_manager.stats(),
+        "spec": speculator.stats(),
+    }

@@ -1,0 +1,251 @@
+"""Parallel sampling (``n > 1``, ``cluster.engine.parallel``): n samples on the prompt's blocks.
+
+The bound of issue 11: n = 8 on a 512-token prompt holds <= 1.15x the KV blocks of one prompt
+plus 8 outputs; greedy samples are identical; each sample is token for token a separate request
+with its own seed (tiny random Llama); seeded outputs repeat; cancelling frees every sample.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cluster.common.sampling_params import SamplingParams
+from cluster.engine.engine import LLMEngine
+from cluster.engine.parallel import sample_ids, sample_seed
+from tests.helpers import fake_config, greedy, make_config, run_until_done
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    return [1 + (seed * 7 + i * 13) % 500 for i in range(n)]
+
+
+def _sampled(max_tokens: int, seed: int | None = 11) -> SamplingParams:
+    return SamplingParams(temperature=0.8, max_tokens=max_tokens, ignore_eos=True, seed=seed)
+
+
+def _idle_clean(eng: LLMEngine) -> None:
+    eng.check_integrity()
+    assert eng.block_manager.num_used_blocks == 0
+    assert not eng.requests and eng.stats()["num_samples_waiting"] == 0
+
+
+def _run_peak(eng: LLMEngine) -> tuple[dict[str, list[int]], int]:
+    tokens: dict[str, list[int]] = {}
+    peak = 0
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        peak = max(peak, eng.block_manager.num_used_blocks)
+        eng.check_integrity()
+    return tokens, peak
+
+
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("prompt_len", [512, 500])
+def test_n8_on_a_512_token_prompt_holds_the_block_bound(caching: bool, prompt_len: int) -> None:
+    overrides = {
+        "cache.num_blocks": 400,
+        "cache.enable_prefix_caching": caching,
+        "model.max_model_len": 1024,
+        "scheduler.max_num_seqs": 16,
+    }
+    eng = LLMEngine(fake_config(**overrides))
+    max_tokens = 64
+    eng.add("r", _prompt(prompt_len), _sampled(max_tokens), n=8)
+    tokens, peak = _run_peak(eng)
+    assert sorted(tokens) == sorted(sample_ids("r", 8))
+    assert all(len(t) == max_tokens for t in tokens.values())
+    bm = eng.block_manager
+    one_prompt_plus_8_outputs = bm.blocks_needed(prompt_len) + 8 * bm.blocks_needed(max_tokens)
+    assert peak <= 1.15 * one_prompt_plus_8_outputs, (peak, one_prompt_plus_8_outputs)
+    # Unshared, the 8 samples would hold 8 prompts.
+    assert peak < 8 * bm.blocks_needed(prompt_len + max_tokens) / 3
+    # Only the prompt's last block is computed per extra sample: 7 x at most 16 tokens.
+    computed = eng.stats()["num_prompt_tokens"]
+    assert computed == prompt_len  # the prompt counts once
+    _idle_clean(eng)
+
+
+def test_greedy_samples_are_identical_and_match_n1() -> None:
+    eng = LLMEngine(fake_config())
+    eng.add("one", _prompt(37), greedy(20))
+    expected = run_until_done(eng)["one"]
+    eng.add("many", _prompt(37), greedy(20), n=5)
+    outs = run_until_done(eng)
+    assert [outs[rid] for rid in sample_ids("many", 5)] == [expected] * 5
+    _idle_clean(eng)
+
+
+def test_outputs_carry_their_sample_index() -> None:
+    eng = LLMEngine(fake_config())
+    eng.add("r", _prompt(20), _sampled(6), n=3)
+    seen: dict[str, set[int]] = {}
+    finished = set()
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            seen.setdefault(out.request_id, set()).add(out.index)
+            if out.finished:
+                finished.add(out.index)
+    assert seen == {"r": {0}, "r#1": {1}, "r#2": {2}} and finished == {0, 1, 2}
+    _idle_clean(eng)
+
+
+def test_seeded_samples_repeat_and_differ_from_each_other() -> None:
+    def run() -> list[list[int]]:
+        eng = LLMEngine(fake_config())
+        eng.add("r", _prompt(45), _sampled(24, seed=1234), n=4)
+        out = run_until_done(eng)
+        _idle_clean(eng)
+        return [out[rid] for rid in sample_ids("r", 4)]
+
+    first = run()
+    assert run() == first
+    assert len({tuple(t) for t in first}) > 1  # each sample its own stream
+
+
+def _tiny(model_dir: Path, **overrides: Any) -> LLMEngine:
+    base = {
+        "model.path": str(model_dir),
+        "model.num_threads": 1,
+        "scheduler.chunk_size": 16,
+        "scheduler.max_num_batched_tokens": 64,
+        "cache.num_blocks": 256,
+    }
+    base.update(overrides)
+    return LLMEngine(make_config(**base))
+
+
+@pytest.mark.parametrize("prompt_len", [32, 45])  # the last block full, or partial
+def test_each_sample_is_a_separate_request_with_its_seed(
+    tiny_model_dir: Path, prompt_len: int
+) -> None:
+    """Exactness on a real (tiny random) Llama: sample i of a seeded n = 4 request equals a
+    request of its own with seed ``sample_seed(seed, i)``, computed before, without sharing."""
+    ref = _tiny(tiny_model_dir, **{"cache.enable_prefix_caching": False})
+    prompt = [3 + (i * 7) % 400 for i in range(prompt_len)]
+    params = _sampled(12, seed=None)
+    for i in range(4):
+        ref.add(f"alone{i}", prompt, params, seed=sample_seed(99, i))
+    alone = run_until_done(ref)
+    expected = [alone[f"alone{i}"] for i in range(4)]
+
+    eng = _tiny(tiny_model_dir)
+    eng.add("r", prompt, params, seed=99, n=4)
+    tokens, peak = _run_peak(eng)
+    assert [tokens[rid] for rid in sample_ids("r", 4)] == expected
+    assert peak < 4 * eng.block_manager.blocks_needed(prompt_len + 12)  # shared, not 4 prompts
+    _idle_clean(eng)
+
+
+@pytest.mark.parametrize("when", ["waiting", "prefilling", "decoding"])
+def test_cancelling_frees_every_sample(when: str) -> None:
+    eng = LLMEngine(fake_config(**{"cache.num_blocks": 200, "scheduler.max_num_seqs": 16}))
+    eng.add("keep", _prompt(30, 1), greedy(40))
+    eng.add("r", _prompt(130), _sampled(40), n=8)
+    finals: dict[str, str | None] = {}
+    steps = {"waiting": 0, "prefilling": 2, "decoding": 14}[when]
+    for _ in range(steps):
+        for out in eng.step():
+            assert not out.finished
+    if when == "decoding":
+        assert eng.stats()["num_samples_waiting"] == 0  # all 8 forked and running
+    assert eng.abort_request("r")
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                finals[out.request_id] = out.finish_reason
+    assert finals == {**dict.fromkeys(sample_ids("r", 8), "abort"), "keep": "length"}
+    _idle_clean(eng)
+
+
+def test_bad_n_is_refused_naming_the_field() -> None:
+    eng = LLMEngine(fake_config())
+    for bad in (0, -1, 17, True, 2.0):
+        with pytest.raises(ValueError, match="^n: "):
+            eng.add("x", [1, 2, 3], greedy(2), n=bad)  # type: ignore[arg-type]
+    eng.add("x", [1, 2, 3], greedy(2), n=2)
+    with pytest.raises(ValueError, match="^request_id: 'x#1' already exists"):
+        eng.add("x#1", [1, 2, 3], greedy(2))
+    run_until_done(eng)
+    _idle_clean(eng)
+
+
+def test_decode_role_forks_the_samples_from_the_one_pulled_prompt() -> None:
+    """PD on one decode engine: the leader's KV is copied in once (one prefill, one transfer);
+    the other samples fork from it when it arrives, and equal a colocated run."""
+    p = _prompt(45)
+    params = _sampled(10)
+    local = LLMEngine(fake_config())
+    local.add("x", p, params, seed=7, n=3)
+    expected = run_until_done(local)
+
+    pre = LLMEngine(fake_config(), role="prefill")
+    dec = LLMEngine(fake_config(**{"cache.num_blocks": 40}), role="decode")
+    pre.add("x", p, params, seed=7)
+    first = None
+    while pre.has_unfinished_requests() and first is None:
+        first = next((o for o in pre.step() if o.held_block_ids), None)
+    assert first is not None and first.held_block_ids is not None
+    assert dec.add("x", p, params, prefill="remote", seed=7, n=3).remote
+    dec.step()
+    (res,) = dec.take_reservations()  # one reservation, one transfer, for the three samples
+    dec.runner.kv_cache[res.block_ids] = pre.runner.kv_cache[first.held_block_ids]
+    assert pre.release("x")
+    dec.accept_first_token("x", first.new_token_ids[0])
+    assert dec.stats()["num_samples_waiting"] == 2
+    dec.kv_arrived("x")
+    rest = run_until_done(dec)
+    rest["x"] = first.new_token_ids + rest["x"]
+    assert rest == expected
+    assert dec.stats()["num_prompt_tokens"] == len(p)
+    _idle_clean(dec)
+    pre.check_integrity()
+    assert pre.block_manager.num_used_blocks == 0
+
+
+def test_samples_stay_exact_under_forced_preemption() -> None:
+    def run(**overrides: Any) -> dict[str, list[int]]:
+        eng = LLMEngine(fake_config(**overrides))
+        eng.add("r", _prompt(70), _sampled(20), n=4)
+        eng.add("s", _prompt(40, 3), _sampled(20, seed=4), n=3)
+        out = run_until_done(eng)
+        _idle_clean(eng)
+        return out
+
+    churned = run(**{"testing.force_preempt_interval": 3})
+    assert churned == run()
+
+
+def test_a_leader_ended_by_its_first_token_leaves_its_samples_to_run() -> None:
+    eng = LLMEngine(fake_config())
+    eng.add("one", _prompt(40), _sampled(1), n=4)
+    out = run_until_done(eng)
+    assert sorted(out) == sorted(sample_ids("one", 4)) and all(len(t) == 1 for t in out.values())
+    _idle_clean(eng)
+
+
+def test_a_failed_transfer_recomputes_the_leader_and_then_forks() -> None:
+    p = _prompt(45)
+    local = LLMEngine(fake_config())
+    local.add("x", p, _sampled(8), seed=7, n=3)
+    expected = run_until_done(local)
+    dec = LLMEngine(fake_config(), role="decode")
+    dec.add("x", p, _sampled(8), prefill="remote", seed=7, n=3)
+    dec.step()
+    assert len(dec.take_reservations()) == 1
+    dec.kv_failed("x", recompute=True)
+    assert run_until_done(dec) == expected
+    _idle_clean(dec)
+
+
+def test_a_failed_transfer_without_recompute_fails_every_sample() -> None:
+    dec = LLMEngine(fake_config(), role="decode")
+    dec.add("x", _prompt(45), _sampled(8), prefill="remote", n=3)
+    dec.step()
+    dec.kv_failed("x", recompute=False, error="KV transfer failed")
+    errors = {o.request_id: o.error for o in dec.step() if o.finished}
+    assert errors == dict.fromkeys(sample_ids("x", 3), "KV transfer failed")
+    _idle_clean(dec)
