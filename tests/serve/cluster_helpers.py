@@ -62,14 +62,22 @@ class App:
 
     @staticmethod
     def each_replica(handle: Any, method: str, *args: Any, replicas: int) -> dict[str, Any]:
-        """Call ``method`` until every one of ``replicas`` replicas answered (by replica id)."""
+        """Call ``method`` until every one of ``replicas`` replicas answered (by replica id).
+
+        Serve's router picks the replica; on a loaded machine it may avoid one whose queue-length
+        probe was slow for a while, so this keeps asking (paced) for up to a minute."""
         seen: dict[str, Any] = {}
-        for _ in range(200):
+        deadline = time.monotonic() + 60
+        calls = 0
+        while calls < 200 or time.monotonic() < deadline:
             out = getattr(handle, method).remote(*args).result(timeout_s=30)
+            calls += 1
             rid = out if isinstance(out, str) else out["replica_id"]
             seen[rid] = out
             if len(seen) >= replicas:
                 return seen
+            if calls >= 50:
+                time.sleep(0.1)
         raise AssertionError(f"{method}: reached {len(seen)} of {replicas} replicas")
 
     def pool(self, role: str) -> tuple[Any, int]:
