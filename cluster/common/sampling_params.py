@@ -51,6 +51,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's and the top k
     skip_special_tokens: bool = True
+    json_schema: str | None = None  # a JSON Schema (its JSON text): the output must match it
     extra: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -106,6 +107,8 @@ class SamplingParams:
             _integer("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise _bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.json_schema is not None and not isinstance(self.json_schema, str):
+            raise _bad("json_schema", "must be a JSON Schema as JSON text (a string)")
         # Lists from JSON/YAML become tuples, so the params stay hashable and immutable.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))

@@ -21,6 +21,7 @@ from cluster.common.protocol import GenerateCall
 from cluster.common.sampling_params import MAX_LOGPROBS, SamplingParams, validate_prompt
 from cluster.config import RouterConfig
 from cluster.config.model_paths import ModelLimits
+from cluster.router.structured import check_schema, response_format
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 MAX_PROMPT_CHARS = 4 << 20  # raw text, before tokenization (the body limit applies first)
@@ -40,6 +41,7 @@ _COMMON_FIELDS = frozenset(
         "user",
         "stream",
         "stream_options",
+        "response_format",  # text, json_object, json_schema (structured output)
         # Extensions (as vLLM and SGLang accept them; the openai client sends them via
         # ``extra_body``).
         "top_k",
@@ -66,7 +68,6 @@ _UNSUPPORTED = {
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
     "parallel_tool_calls": "tool calling is not supported",
-    "response_format": "structured output (response_format) is not supported",
     "logit_bias": "logit_bias is not supported",
     "audio": "audio output is not supported",
     "modalities": "only text output is supported",
@@ -336,6 +337,11 @@ class RequestParser:
             stop_token_ids=tuple(s.stop_token_ids),
             ignore_eos=opt("ignore_eos"),
             logprobs=opt("logprobs"),
+            json_schema=(
+                check_schema(s.json_schema, "json_schema", self.router.max_json_schema_bytes)
+                if s.HasField("json_schema")
+                else None
+            ),
         )
         timeout = request.timeout_ms if request.HasField("timeout_ms") else None
         return self.finish(rid, prompt, params, self.deadline(timeout), "grpc")
@@ -420,6 +426,9 @@ class RequestParser:
             ignore_eos=_bool(body, "ignore_eos"),
             skip_special_tokens=_bool(body, "skip_special_tokens"),
             logprobs=logprobs,
+            json_schema=response_format(
+                body.get("response_format"), self.router.max_json_schema_bytes
+            ),
         )
 
     def _completion_prompt(self, prompt: Any) -> list[int]:
