@@ -3,8 +3,8 @@ acceptance set, greedy and seeded at temperature 0.8, parses and validates (outp
 ``stop``). A ``length`` cut cannot be complete JSON: it is counted apart, bounded, and must be a
 prefix the grammar accepts. The 135M model nests the recursive schema without end (3 of its 3
 runs in CI cut at 256 tokens) and once wrote 9.999... for a bounded number: 4 of 36 cut, so the
-bound is 15%. CI runs greedy + 2 seeds; the full 8 seeds run nightly. The forced-token drafts are checked exact on the real model too:
-greedy outputs with and without them are token-identical."""
+bound is 15%. CI runs greedy + 2 seeds; the full 8 seeds run nightly. The forced-token drafts
+are checked exact on the real model too: greedy outputs with and without them are identical."""
 
 from __future__ import annotations
 
