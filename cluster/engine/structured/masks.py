@@ -1,12 +1,13 @@
-"""One step's token masks: filled off the step thread, applied to the logits before sampling.
+"""One step's token masks: filled for the whole batch, applied to the logits before sampling.
 
-``BatchMasks.start`` hands the fill to a helper thread as soon as the batch is scheduled
-(llguidance computes the whole batch's bitmasks in parallel, without the GIL), so it runs while
-the model computes the logits; ``apply`` (``spec.verify``, before any row is sampled) waits for
-it and sets every disallowed token's logit to -inf. A request with drafts gets a mask per
-sampled row: row ``j`` is the grammar's state after its drafts ``d1..dj`` (llguidance advances a
-scratch state over them and rolls it back), so verification samples each row as decoding
-without drafts would.
+``BatchMasks`` is built as soon as the batch is scheduled; llguidance computes the whole batch's
+bitmasks in parallel, without the GIL. With the model on a GPU the fill runs on a helper thread
+while the model computes the logits; with the model on the CPU it runs at once, before the forward
+(a thread would take cores from the model's own, spinning, OpenMP threads). ``apply``
+(``spec.verify``, before any row is sampled) waits for it and sets every disallowed token's logit to
+-inf. A request with drafts gets a mask per sampled row: row ``j`` is the grammar's state after its
+drafts ``d1..dj`` (llguidance advances a scratch state over them and rolls it back), so verification
+samples each row as decoding without drafts would.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ MaskRow = tuple[str, llguidance.LLMatcher, int, list[int]]
 class BatchMasks:
     def __init__(
         self,
-        pool: ThreadPoolExecutor,
+        pool: ThreadPoolExecutor | None,
         executor: llguidance.LLExecutor,
         rows: list[MaskRow],
         num_rows: int,
@@ -36,7 +37,11 @@ class BatchMasks:
         self.row_of = {rid: k for rid, _m, k, _d in rows}
         self.bitmask = np.full((num_rows, (vocab.vocab_size + 31) // 32), -1, dtype=np.int32)
         entries = [(m, k, d) for _rid, m, k, d in rows]
-        self._future: Future[None] = pool.submit(self._fill, executor, entries, vocab.eos_token)
+        self._future: Future[None] | None = None
+        if pool is not None:
+            self._future = pool.submit(self._fill, executor, entries, vocab.eos_token)
+        else:
+            self._fill(executor, entries, vocab.eos_token)
 
     def _fill(
         self,
@@ -61,7 +66,8 @@ class BatchMasks:
         """logits: [sum of items' num_sampled_rows, V], each item's rows in order; returns them
         with every token the grammar refuses at -inf (a new tensor: the model's logits may be
         inference tensors)."""
-        self._future.result()
+        if self._future is not None:
+            self._future.result()
         logit_rows: list[int] = []
         mask_rows: list[int] = []
         first = 0
@@ -76,7 +82,7 @@ class BatchMasks:
             return logits
         bits = np.unpackbits(self.bitmask[mask_rows].view(np.uint8), axis=1, bitorder="little")
         width = min(logits.shape[1], bits.shape[1])
-        refused = torch.zeros(logits.shape, dtype=torch.bool)  # tokens past the vocabulary too
-        refused[logit_rows] = True
-        refused[logit_rows, :width] = torch.from_numpy(bits[:, :width] == 0)
-        return logits.masked_fill(refused.to(logits.device), float("-inf"))
+        refused = np.zeros(tuple(logits.shape), dtype=np.bool_)
+        refused[logit_rows] = True  # tokens past the grammar's vocabulary too
+        refused[logit_rows, :width] = bits[:, :width] == 0
+        return logits.masked_fill(torch.from_numpy(refused).to(logits.device), float("-inf"))

@@ -27,6 +27,7 @@ from cluster.common.sampling_params import SamplingParams
 from cluster.config import ClusterConfig, cpu_count
 from cluster.engine.batch import ScheduledRequest
 from cluster.engine.request import Request, RequestStatus
+from cluster.engine.runner import resolve_device
 from cluster.engine.structured.grammar import GrammarCache, build_vocab
 from cluster.engine.structured.masks import BatchMasks, MaskRow
 
@@ -43,6 +44,7 @@ class StructuredOutput:
         self._cache: GrammarCache | None = None  # built on the first structured request
         self._executor: llguidance.LLExecutor | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._overlap = resolve_device(config).type == "cuda"  # fill masks beside the forward
         self._matchers: dict[str, llguidance.LLMatcher] = {}
         self.num_forced_drafts = 0
 
@@ -132,9 +134,10 @@ class StructuredOutput:
                 num_rows += it.num_sampled_rows
         if not rows:
             return None
-        if self._executor is None or self._pool is None:
+        if self._executor is None:
             self._executor = llguidance.LLExecutor(num_threads=max(1, min(4, cpu_count())))
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
+            if self._overlap:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
         return BatchMasks(self._pool, self._executor, rows, num_rows, self.cache.vocab)
 
     def stats(self) -> dict[str, Any]:
