@@ -227,3 +227,19 @@ def test_a_fake_word_tokenizes_back_to_its_id() -> None:
     vocab = build_vocab(FakeTokenizer(512, 0, ascii_tokens=True), 512)
     assert vocab.tokenize_str('{"a": t300}') == [ord(c) for c in '{"a":'] + [300, ord("}")]
     assert isinstance(vocab, llguidance.LLTokenizer)
+
+
+def test_preemption_by_recompute_keeps_the_grammar_state() -> None:
+    """Forced preemption every few steps: the matcher's state is the accepted tokens', so the
+    recomputed requests produce exactly what an undisturbed run does."""
+    runs = []
+    for extra in ({}, {"testing.force_preempt_interval": 3}):
+        engine = LLMEngine(fake_config(**ASCII, **extra))
+        for i, name in enumerate(("nested_address", "array_of_objects", "union_shapes")):
+            engine.add(name, [4 + i, 5, 6], _params(SCHEMAS[name], i))
+        runs.append(_run(engine))
+        if extra:
+            assert engine.scheduler.num_preemptions > 0
+        engine.check_integrity()
+    assert runs[0] == runs[1]
+    check_outputs(runs[1], {name: SCHEMAS[name] for name in runs[1]})
