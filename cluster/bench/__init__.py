@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, str] = {
     "routing": "cluster.bench.routing",
     "quant": "cluster.bench.quant",
     "spec": "cluster.bench.spec",
+    "structured": "cluster.bench.structured",
     "gpu": "cluster.bench.gpu",
 }
 # Only where a device is lent: left out of ``all`` on a machine without CUDA.

@@ -54,6 +54,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) pairs
     include_stop_str_in_output: bool = False  # a matched stop string stays in the text
+    json_schema: str | None = None  # a JSON Schema (its JSON text): the output must match it
     extra: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -116,9 +117,10 @@ class SamplingParams:
             if t < 0 or not -100 <= b <= 100:
                 raise _bad("logit_bias", f"ids >= 0, biases in [-100, 100]; got {t}: {b}")
         object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in bias))
-        # Lists from JSON/YAML become tuples, so the params stay hashable and immutable.
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.json_schema is not None and not isinstance(self.json_schema, str):
+            raise _bad("json_schema", "must be a JSON Schema as JSON text (a string)")
+        for name in ("stop", "stop_token_ids"):  # lists from JSON/YAML: hashable, immutable
+            object.__setattr__(self, name, tuple(getattr(self, name)))
 
     @property
     def is_greedy(self) -> bool:

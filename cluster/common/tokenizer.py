@@ -188,8 +188,9 @@ class FakeTokenizer:
     chat_template = "fake"
     max_chars_per_token: int | None = None  # a word is one token, however long
 
-    def __init__(self, vocab_size: int, eos_token_id: int = 0) -> None:
+    def __init__(self, vocab_size: int, eos_token_id: int = 0, ascii_tokens: bool = False) -> None:
         self.vocab_size = vocab_size
+        self.ascii_tokens = ascii_tokens  # ids 1..127 read as their ASCII character
         self.eos_token_ids: tuple[int, ...] = (eos_token_id,)
         self.eos_token = f"t{eos_token_id}"
 
@@ -215,9 +216,11 @@ class FakeTokenizer:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt))
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return "".join(
-            f" t{t}" for t in token_ids if not (skip_special_tokens and t in self.eos_token_ids)
-        )
+        eos = self.eos_token_ids if skip_special_tokens else ()
+        return "".join(self.token_text(t) for t in token_ids if t not in eos)
+
+    def token_text(self, t: int) -> str:
+        return chr(t) if self.ascii_tokens and 0 < t < 128 else f" t{t}"
 
     def token_to_id(self, token: str) -> int | None:
         ids = self.encode(token)
@@ -228,5 +231,5 @@ def load_tokenizer(config: ClusterConfig) -> Tokenizer | FakeTokenizer:
     """The tokenizer the config's model uses (torch-free; the router's entry point)."""
     if config.model.runner == "fake":
         fm = config.testing.fake_model
-        return FakeTokenizer(fm.vocab_size, fm.eos_token_id)
+        return FakeTokenizer(fm.vocab_size, fm.eos_token_id, fm.ascii_tokens)
     return Tokenizer(require_model_dir(config))

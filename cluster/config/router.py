@@ -32,6 +32,8 @@ class RouterConfig:
     readiness_period_s: float = 0.5
     request_timeout_s: float = 600.0  # default deadline of a request that brings none
     max_request_bytes: int = 4 << 20  # gRPC message and HTTP body limit
+    # Structured output: a JSON Schema longer than this (its JSON text) is refused (400).
+    max_json_schema_bytes: int = 64 << 10
     retries: int = 3  # attempts before the first token reaches the client (never after)
     assignment_timeout_s: float = 10.0  # a pool with no healthy replica answers UNAVAILABLE
     # A pool stream silent this long (a hung or SIGSTOPped replica: no token, no keepalive,
@@ -58,6 +60,7 @@ class RouterConfig:
             check(self.max_ongoing_requests >= 1, "router.max_ongoing_requests", "must be >= 1")
         check(self.max_queued_requests >= 0, "router.max_queued_requests", "must be >= 0")
         check(self.request_timeout_s > 0, "router.request_timeout_s", "must be > 0")
+        check(self.max_json_schema_bytes >= 2, "router.max_json_schema_bytes", "must be >= 2")
         check(self.max_request_bytes >= 1024, "router.max_request_bytes", "must be >= 1024")
         check(self.retries >= 0, "router.retries", "must be >= 0")
         check(self.assignment_timeout_s > 0, "router.assignment_timeout_s", "must be > 0")

@@ -38,6 +38,9 @@ class SpeculativeConfig:
     draft_row_cost: float = 0.1
     min_acceptance_rate: float = 0.05  # a per-draft acceptance under this never drafts
     max_pause_steps: int = 64  # a paused request drafts again after at most this many steps
+    # Structured output: the tokens a request's grammar forces next are proposed as drafts
+    # (verified, so exact), whatever the method; at most num_speculative_tokens a request.
+    grammar_drafts: bool = True
 
     def _validate(self, name: str) -> None:
         check_choice(self.method, f"{name}.method", SPECULATIVE_METHODS)

@@ -24,6 +24,9 @@ class FakeModelConfig:
     decode_delay_s: float = 0.0  # per step with at least one decode
     load_delay_s: float = 0.0  # once, when the runner is built: a real model's load time
     eos_token_id: int = 0
+    # Ids 1..127 read as their ASCII character (the rest as `` t<id>``), so the fake model can
+    # spell grammar-constrained output (JSON) for structured-output tests.
+    ascii_tokens: bool = False
 
     def __post_init__(self) -> None:
         check(self.vocab_size >= 16, "testing.fake_model.vocab_size", "must be >= 16")

@@ -5,7 +5,9 @@ The runner reads them and never decides who runs; the scheduler never touches te
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from cluster.engine.handoff import KVReservation
 from cluster.engine.request import Request
@@ -49,6 +51,12 @@ class ScheduledRequest:
         return known[start:end] + self.draft_token_ids
 
 
+class TokenMasks(Protocol):
+    """A step's grammar masks (``structured.BatchMasks``), applied before any row is sampled."""
+
+    def apply(self, logits: Any, items: Sequence[ScheduledRequest]) -> Any: ...
+
+
 @dataclass(slots=True)
 class ScheduledBatch:
     items: list[ScheduledRequest] = field(default_factory=list)
@@ -56,6 +64,7 @@ class ScheduledBatch:
     preempted_ids: list[str] = field(default_factory=list)
     reservations: list[KVReservation] = field(default_factory=list)
     num_deferred: int = 0  # waiting requests held back for a prefix block being computed
+    masks: TokenMasks | None = None  # structured output: constrained rows' token masks
 
     @property
     def is_empty(self) -> bool:

@@ -2,15 +2,12 @@
 
 The role is a collaborator, not a mode: ``LLMEngine(config, role=...)`` picks the hand-off
 (``cluster.engine.handoff``) that decides where a new request goes, reserves blocks for KV that
-arrives from outside, and holds a prefilled request's blocks for a pull:
-
-  * ``colocated`` (default): requests are prefilled and decoded here;
-  * ``prefill``: a request's part ends with its first token, whose output carries the block
-    table held for the decode replica's pull; ``release()`` frees it;
-  * ``decode``: ``add(..., prefill="auto" | "remote")`` may keep a request waiting for KV; its
-    blocks are reserved (``take_reservations()``), the KV is written into them from outside,
-    ``accept_first_token()`` streams the prefill replica's first token and ``kv_arrived()`` lets
-    it decode here.
+arrives from outside, and holds a prefilled request's blocks for a pull: ``colocated`` (default),
+requests are prefilled and decoded here; ``prefill``, a request's part ends with its first token,
+whose output carries the block table held for the decode replica's pull (``release()`` frees it);
+``decode``, ``add(..., prefill="auto" | "remote")`` may keep a request waiting for KV in blocks it
+reserves (``take_reservations()``), written from outside; ``accept_first_token()`` streams the
+prefill replica's first token, ``kv_arrived()`` lets it decode here. (Grammars: ``structured``.)
 
 Single-threaded: a server drives it from one dedicated step thread (``client.EngineClient``).
 """
@@ -39,6 +36,7 @@ from cluster.engine.runner import ModelRunner, RunnerOutput
 from cluster.engine.runner_registry import create_runner
 from cluster.engine.scheduler import ScheduledBatch, Scheduler
 from cluster.engine.spec import create_speculator
+from cluster.engine.structured import StructuredOutput
 
 __all__ = ["Admission", "EngineCounters", "KVReservation", "LLMEngine", "RequestOutput"]
 
@@ -60,7 +58,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.handoff)
         self.speculator = create_speculator(config.decode.speculative)
         self.samples = SampleGroups(self.block_manager)  # n > 1: samples on shared blocks
-        self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.structured = StructuredOutput(config, self.tokenizer, self.vocab_size)
+        self.outputs = OutputProcessor(self.tokenizer, self.max_model_len, self.structured)
         self.requests: dict[str, Request] = {}
         self._pending_outputs: list[RequestOutput] = []
         self._reservations: list[KVReservation] = []
@@ -96,6 +95,7 @@ class LLMEngine:
         validate_prompt(
             prompt, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len
         )
+        self.structured.check(params)  # compiles (and caches) a JSON schema's grammar
         needed = self.block_manager.blocks_needed(len(prompt) + params.max_tokens)
         if needed > self.block_manager.num_blocks:
             raise ValueError(
@@ -207,7 +207,9 @@ class LLMEngine:
             self.scheduler.preempt_newest()  # testing.force_preempt_interval: churn on purpose
         for sample in self.samples.release(self.requests):  # their leader's prompt KV is here
             self.scheduler.add(sample)
-        batch = self.scheduler.schedule(self.speculator.propose(self.scheduler.running))
+        drafts = self.speculator.propose(self.scheduler.running)
+        batch = self.scheduler.schedule(self.structured.drafts(self.scheduler.running, drafts))
+        batch.masks = self.structured.masks(batch.items)
         self._reservations.extend(batch.reservations)
         self.last_num_scheduled = len(batch.items) + len(batch.reservations)
         return batch
@@ -270,11 +272,10 @@ class LLMEngine:
         self.block_manager.check_integrity()
         tracked = {r.request_id for r in self.scheduler.all_requests()}
         tracked.update(r.request_id for r in (*self.handoff.requests(), *self.samples.requests()))
-        if tracked != set(self.requests):
-            raise AssertionError(
-                f"engine and scheduler disagree on live requests: "
-                f"{sorted(tracked ^ set(self.requests))[:5]}"
-            )
+        live = set(self.requests)
+        if tracked != live or not self.structured.active_ids() <= live:
+            diff = sorted(tracked ^ live or self.structured.active_ids() - live)[:5]
+            raise AssertionError(f"engine, scheduler, matchers disagree on live requests: {diff}")
 
     def stats(self) -> dict[str, Any]:
         return engine_stats(
@@ -284,4 +285,5 @@ class LLMEngine:
             self.samples,
             self.block_manager,
             self.speculator,
+            self.structured,
         )

@@ -10,6 +10,7 @@ from cluster.engine.handoff import Handoff
 from cluster.engine.parallel import SampleGroups
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.spec import Speculator
+from cluster.engine.structured import StructuredOutput
 
 
 @dataclass(slots=True)
@@ -30,6 +31,7 @@ def engine_stats(
     samples: SampleGroups,
     block_manager: BlockManager,
     speculator: Speculator,
+    structured: StructuredOutput,
 ) -> dict[str, Any]:
     return {
         "num_running": len(sched.running),
@@ -51,4 +53,5 @@ def engine_stats(
         ),
         "kv": block_manager.stats(),
         "spec": speculator.stats(),
+        "structured": structured.stats(),
     }

@@ -43,7 +43,7 @@ class FakeModelRunner:
         self.block_size = config.cache.block_size
         self.vocab_size = fm.vocab_size
         self.max_model_len = model_limits(config).max_model_len
-        self.tokenizer = FakeTokenizer(fm.vocab_size, fm.eos_token_id)
+        self.tokenizer = FakeTokenizer(fm.vocab_size, fm.eos_token_id, fm.ascii_tokens)
         self.layout = KVLayout(
             model="pdserve-fake",
             dtype="float16",
@@ -101,7 +101,8 @@ class FakeModelRunner:
             first_ctx -= len(it.draft_token_ids)
             rows = range(first_ctx, first_ctx + it.num_sampled_rows)
             contexts.extend((it.block_ids, c) for c in rows)
-        return sample_and_verify(self.logits(self.next_token_bases(contexts)), sampled)
+        logits = self.logits(self.next_token_bases(contexts))
+        return sample_and_verify(logits, sampled, batch.masks)
 
     def next_token_bases(self, contexts: list[tuple[list[int], int]]) -> torch.Tensor:
         """The most likely next token after each (block table, ctx) context: a function of the

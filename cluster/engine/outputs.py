@@ -3,14 +3,16 @@
 ``OutputProcessor`` keeps each live request's incremental detokenizer (only where text is
 wanted: a prefill-role engine streams no text) and decides, per appended token (a step that
 accepted drafts appends several, one by one), whether the request stopped: a stop or EOS token
-(after ``min_tokens``), a stop string in the text, or the length limit (``max_tokens``, the
-model's context).
+(after ``min_tokens``), a stop string in the text, the length limit (``max_tokens``, the
+model's context), or a structured-output grammar complete (``structured``: its matcher advances
+over every appended token).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 from cluster.common.tokenizer import Tokenizer
 from cluster.engine.detokenizer import IncrementalDetokenizer
@@ -56,13 +58,27 @@ class RequestOutput:
     first_token_time: float | None = None
 
 
+class GrammarTracker(Protocol):
+    """Structured output's per-request matchers (``structured.StructuredOutput``)."""
+
+    def add(self, req: Request) -> None: ...
+    def forget(self, request_id: str) -> None: ...
+    def advance(
+        self, req: Request, token_id: int, status: RequestStatus | None
+    ) -> RequestStatus | None: ...
+
+
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, max_model_len: int, structured: GrammarTracker
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.structured = structured
         self._detok: dict[str, IncrementalDetokenizer] = {}
 
     def add(self, req: Request, with_text: bool) -> None:
+        self.structured.add(req)
         if with_text:
             p = req.params
             self._detok[req.request_id] = IncrementalDetokenizer(
@@ -75,6 +91,7 @@ class OutputProcessor:
 
     def forget(self, request_id: str) -> None:
         self._detok.pop(request_id, None)
+        self.structured.forget(request_id)
 
     def append(
         self,
@@ -111,6 +128,7 @@ class OutputProcessor:
         returns its finished status (None: it goes on) and how many were appended."""
         for i, token_id in enumerate(em.token_ids):
             status = self.append(req, token_id, em.logprobs[i], em.top_logprobs[i])
+            status = self.structured.advance(req, token_id, status)
             if status is not None:
                 return status, i + 1
         return None, len(em.token_ids)

@@ -119,7 +119,7 @@ class TorchModelRunner:
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         inputs = self.prepare(batch)
         logits = self.forward(inputs)
-        return sample_and_verify(logits, inputs.sampled)
+        return sample_and_verify(logits, inputs.sampled, batch.masks)
 
     def forward(self, inputs: ForwardInputs) -> torch.Tensor:
         """Logits [num_sampled, vocab] (fp32) of the rows sampled: each request's last known

@@ -37,6 +37,8 @@ def generate(out_dir: Path = OUT) -> list[Path]:
         raise RuntimeError(f"protoc failed: {' '.join(args)}")
     written = []
     for path in sorted(out_dir.rglob("*_pb2*.py*")):
+        if path.suffix not in (".py", ".pyi"):  # compiled caches (__pycache__/*.pyc)
+            continue
         text = path.read_text()
         # protoc emits absolute imports rooted at protos/; make them package-absolute.
         fixed = re.sub(

@@ -26,6 +26,7 @@ from cluster.common.sampling_params import (
 )
 from cluster.config import RouterConfig
 from cluster.config.model_paths import ModelLimits
+from cluster.router.structured import check_schema, response_format
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 MAX_PROMPT_CHARS = 4 << 20  # raw text, before tokenization (the body limit applies first)
@@ -45,6 +46,7 @@ _COMMON_FIELDS = frozenset(
         "user",
         "stream",
         "stream_options",
+        "response_format",  # text, json_object, json_schema (structured output)
         # Extensions (as vLLM and SGLang accept them; the openai client sends them via
         # ``extra_body``).
         "top_k",
@@ -73,7 +75,6 @@ _UNSUPPORTED = {
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
     "parallel_tool_calls": "tool calling is not supported",
-    "response_format": "structured output (response_format) is not supported",
     "audio": "audio output is not supported",
     "modalities": "only text output is supported",
     "prediction": "predicted outputs are not supported",
@@ -349,6 +350,11 @@ class RequestParser:
             logprobs=opt("logprobs"),
             logit_bias=tuple(s.logit_bias.items()),
             include_stop_str_in_output=opt("include_stop_str_in_output"),
+            json_schema=(
+                check_schema(s.json_schema, "json_schema", self.router.max_json_schema_bytes)
+                if s.HasField("json_schema")
+                else None
+            ),
         )
         n = 1 if opt("n") is None else opt("n")
         if not 1 <= n <= MAX_SAMPLES:
@@ -451,6 +457,9 @@ class RequestParser:
             logprobs=logprobs,
             logit_bias=self._logit_bias(body),
             include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
+            json_schema=response_format(
+                body.get("response_format"), self.router.max_json_schema_bytes
+            ),
         )
 
     @staticmethod

@@ -29,6 +29,7 @@ EXPECTED_KEYS = {
     "prefix": {"ttft_speedup", "miss_vs_hf", "no_share_regression"},
     "chunked-prefill": {"p99_itl_ratio", "long_ttft_cost"},
     "spec": {"speedup_b1", "speedup_b8", "no_copy_ratio", "acceptance", "greedy_identical"},
+    "structured": {"mask_overhead_b8", "forced_token_speedup", "greedy_identical"},
     # --smoke leaves out transfer_share_of_prefill_*: they time a prefill on the real model.
     # --smoke leaves out b1_vs_llamacpp: llama.cpp runs the real GGUF file only.
     "quant": {"b1_vs_fp32", "b32_vs_fp32", "kv_bytes_ratio", "kv_capacity_ratio"},

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from cluster.engine.batch import ScheduledRequest
+from cluster.engine.batch import ScheduledRequest, TokenMasks
 from cluster.engine.runner import RunnerOutput
 from cluster.engine.sampler import SampleRequest, sample
 
@@ -46,8 +46,11 @@ def sample_request(item: ScheduledRequest, row: int = 0) -> SampleRequest:
     )
 
 
-def sample_and_verify(logits: torch.Tensor, items: Sequence[ScheduledRequest]) -> RunnerOutput:
-    """logits: [sum of items' num_sampled_rows, V] fp32, each item's rows in order.
+def sample_and_verify(
+    logits: torch.Tensor, items: Sequence[ScheduledRequest], masks: TokenMasks | None = None
+) -> RunnerOutput:
+    """logits: [sum of items' num_sampled_rows, V] fp32, each item's rows in order; ``masks``:
+    grammar masks of constrained rows (structured output), applied before anything is sampled.
 
     Returns one entry per emitted token (``RunnerOutput``): per item its accepted drafts, then
     the correction or bonus token; an item without drafts emits exactly one.
@@ -58,6 +61,8 @@ def sample_and_verify(logits: torch.Tensor, items: Sequence[ScheduledRequest]) -
         first_row.append(num_rows)
         num_rows += 1 + len(it.draft_token_ids)
     assert num_rows == logits.shape[0], (num_rows, tuple(logits.shape))
+    if masks is not None:
+        logits = masks.apply(logits, items)
     emitted: list[list[tuple[int, float, list[tuple[int, float]]]]] = [[] for _ in items]
     want_logprobs = any(it.request.params.logprobs is not None for it in items)
     live = list(range(len(items)))  # items whose rows so far all matched their drafts

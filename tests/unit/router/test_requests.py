@@ -211,7 +211,7 @@ def test_chat_defaults_and_logprobs(parser: RequestParser) -> None:
     ("body", "code", "field"),
     [
         ({"prompt": "x", "tools": [{"type": "function"}]}, ErrorCode.INVALID_ARGUMENT, "tools"),
-        ({"prompt": "x", "response_format": {"type": "json_object"}}, None, "response_format"),
+        ({"prompt": "x", "response_format": {"type": "grammar"}}, None, "response_format"),
         ({"prompt": "x", "n": 0}, ErrorCode.INVALID_ARGUMENT, "n"),
         ({"prompt": "x", "n": 17}, ErrorCode.INVALID_ARGUMENT, "n"),
         ({"prompt": "x", "n": 2, "best_of": 1}, ErrorCode.INVALID_ARGUMENT, "best_of"),

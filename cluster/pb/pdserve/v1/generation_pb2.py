@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xeb\x05\n\x12SamplingParameters\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x03H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x03\x12\x17\n\nignore_eos\x18\r \x01(\x08H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x03H\x0b\x88\x01\x01\x12\x0e\n\x01n\x18\x14 \x01(\x03H\x0c\x88\x01\x01\x12\x41\n\nlogit_bias\x18\x15 \x03(\x0b\x32-.pdserve.v1.SamplingParameters.LogitBiasEntry\x12\'\n\x1ainclude_stop_str_in_output\x18\x16 \x01(\x08H\r\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x04\n\x02_nB\x1d\n\x1b_include_stop_str_in_output\"\xf3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12\x30\n\x08sampling\x18\x05 \x01(\x0b\x32\x1e.pdserve.v1.SamplingParameters\x12\x17\n\ntimeout_ms\x18\x06 \x01(\x03H\x01\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_timeout_ms\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"B\n\x08Logprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x01\x12%\n\x03top\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\x94\x01\n\nPhaseTimes\x12\x17\n\x0frouter_queue_ms\x18\x01 \x01(\x01\x12\x17\n\x0f\x64\x65\x63ode_queue_ms\x18\x02 \x01(\x01\x12\x18\n\x10prefill_queue_ms\x18\x03 \x01(\x01\x12\x12\n\nprefill_ms\x18\x04 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x05 \x01(\x01\x12\x11\n\tdecode_ms\x18\x06 \x01(\x01\"\xc3\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x15\n\rcached_tokens\x18\x03 \x01(\x03\x12\x14\n\x0cprefill_mode\x18\x04 \x01(\t\x12&\n\x06phases\x18\x05 \x01(\x0b\x32\x16.pdserve.v1.PhaseTimes\x12\x14\n\x0c\x64raft_tokens\x18\x06 \x01(\x03\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x07 \x01(\x03\"\xd1\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12&\n\x08logprobs\x18\x04 \x03(\x0b\x32\x14.pdserve.v1.Logprobs\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\r\n\x05index\x18\x07 \x01(\x03\"\x12\n\x10ModelInfoRequest\"Y\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x03\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x12\n\nblock_size\x18\x04 \x01(\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x9a\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x43\n\x0cGetModelInfo\x12\x1c.pdserve.v1.ModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\x95\x06\n\x12SamplingParameters\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x03H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x03\x12\x17\n\nignore_eos\x18\r \x01(\x08H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x03H\x0b\x88\x01\x01\x12\x0e\n\x01n\x18\x14 \x01(\x03H\x0c\x88\x01\x01\x12\x41\n\nlogit_bias\x18\x15 \x03(\x0b\x32-.pdserve.v1.SamplingParameters.LogitBiasEntry\x12\'\n\x1ainclude_stop_str_in_output\x18\x16 \x01(\x08H\r\x88\x01\x01\x12\x18\n\x0bjson_schema\x18\x17 \x01(\tH\x0e\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x04\n\x02_nB\x1d\n\x1b_include_stop_str_in_outputB\x0e\n\x0c_json_schema\"\xf3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12\x30\n\x08sampling\x18\x05 \x01(\x0b\x32\x1e.pdserve.v1.SamplingParameters\x12\x17\n\ntimeout_ms\x18\x06 \x01(\x03H\x01\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_timeout_ms\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"B\n\x08Logprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x01\x12%\n\x03top\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\x94\x01\n\nPhaseTimes\x12\x17\n\x0frouter_queue_ms\x18\x01 \x01(\x01\x12\x17\n\x0f\x64\x65\x63ode_queue_ms\x18\x02 \x01(\x01\x12\x18\n\x10prefill_queue_ms\x18\x03 \x01(\x01\x12\x12\n\nprefill_ms\x18\x04 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x05 \x01(\x01\x12\x11\n\tdecode_ms\x18\x06 \x01(\x01\"\xc3\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x15\n\rcached_tokens\x18\x03 \x01(\x03\x12\x14\n\x0cprefill_mode\x18\x04 \x01(\t\x12&\n\x06phases\x18\x05 \x01(\x0b\x32\x16.pdserve.v1.PhaseTimes\x12\x14\n\x0c\x64raft_tokens\x18\x06 \x01(\x03\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x07 \x01(\x03\"\xd1\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12&\n\x08logprobs\x18\x04 \x03(\x0b\x32\x14.pdserve.v1.Logprobs\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\r\n\x05index\x18\x07 \x01(\x03\"\x12\n\x10ModelInfoRequest\"Y\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x03\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x12\n\nblock_size\x18\x04 \x01(\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x9a\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x43\n\x0cGetModelInfo\x12\x1c.pdserve.v1.ModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1960
-  _globals['_FINISHREASON']._serialized_end=2080
+  _globals['_FINISHREASON']._serialized_start=2002
+  _globals['_FINISHREASON']._serialized_end=2122
   _globals['_CHATMESSAGE']._serialized_start=43
   _globals['_CHATMESSAGE']._serialized_end=87
   _globals['_CHATMESSAGES']._serialized_start=89
@@ -42,25 +42,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=148
   _globals['_TOKENIDS']._serialized_end=171
   _globals['_SAMPLINGPARAMETERS']._serialized_start=174
-  _globals['_SAMPLINGPARAMETERS']._serialized_end=921
-  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_start=657
-  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_end=705
-  _globals['_GENERATEREQUEST']._serialized_start=924
-  _globals['_GENERATEREQUEST']._serialized_end=1167
-  _globals['_TOKENLOGPROB']._serialized_start=1169
-  _globals['_TOKENLOGPROB']._serialized_end=1218
-  _globals['_LOGPROBS']._serialized_start=1220
-  _globals['_LOGPROBS']._serialized_end=1286
-  _globals['_PHASETIMES']._serialized_start=1289
-  _globals['_PHASETIMES']._serialized_end=1437
-  _globals['_USAGE']._serialized_start=1440
-  _globals['_USAGE']._serialized_end=1635
-  _globals['_GENERATERESPONSE']._serialized_start=1638
-  _globals['_GENERATERESPONSE']._serialized_end=1847
-  _globals['_MODELINFOREQUEST']._serialized_start=1849
-  _globals['_MODELINFOREQUEST']._serialized_end=1867
-  _globals['_MODELINFO']._serialized_start=1869
-  _globals['_MODELINFO']._serialized_end=1958
-  _globals['_GENERATION']._serialized_start=2083
-  _globals['_GENERATION']._serialized_end=2237
+  _globals['_SAMPLINGPARAMETERS']._serialized_end=963
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_start=683
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_end=731
+  _globals['_GENERATEREQUEST']._serialized_start=966
+  _globals['_GENERATEREQUEST']._serialized_end=1209
+  _globals['_TOKENLOGPROB']._serialized_start=1211
+  _globals['_TOKENLOGPROB']._serialized_end=1260
+  _globals['_LOGPROBS']._serialized_start=1262
+  _globals['_LOGPROBS']._serialized_end=1328
+  _globals['_PHASETIMES']._serialized_start=1331
+  _globals['_PHASETIMES']._serialized_end=1479
+  _globals['_USAGE']._serialized_start=1482
+  _globals['_USAGE']._serialized_end=1677
+  _globals['_GENERATERESPONSE']._serialized_start=1680
+  _globals['_GENERATERESPONSE']._serialized_end=1889
+  _globals['_MODELINFOREQUEST']._serialized_start=1891
+  _globals['_MODELINFOREQUEST']._serialized_end=1909
+  _globals['_MODELINFO']._serialized_start=1911
+  _globals['_MODELINFO']._serialized_end=2000
+  _globals['_GENERATION']._serialized_start=2125
+  _globals['_GENERATION']._serialized_end=2279
 # @@protoc_insertion_point(module_scope)

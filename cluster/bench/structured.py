@@ -1,0 +1,257 @@
+"""``structured``: grammar-constrained decoding (a JSON Schema through llguidance) vs none.
+
+How (issue 11; BENCHMARKS.md has no entry for it yet: README's benchmarks section describes it):
+  1. One runner (the config's model; the tiny random one in ``--smoke``), engines on it that
+     differ only in what the cell compares. Same weights, same memory, same threads; the arms of
+     a cell run as a pair, interleaved (A B, then B A in the next pair), a pair in which an arm
+     got < 93% of its cores run again (at most twice).
+  2. ``mask_overhead_b8``: 8 requests decoded together, greedy, EOS ignored, exactly
+     ``max_tokens`` new tokens (128; quick 64). Arm ``free``: unconstrained. Arm ``json``: each
+     request constrained to ``RECORDS_SCHEMA`` (an array of 50 records: integers, fixed-length
+     strings, a pattern, booleans: longer than ``max_tokens``, so both arms decode the same
+     number of tokens), with the grammar's forced tokens *not* proposed as drafts (the cell
+     times the masks, not drafting). Key: the median decode-step time (steps in which all 8
+     decode) of ``json`` / ``free``. Target <= 1.10.
+  3. ``forced_token_speedup``: ``FIXED_KEYS_SCHEMA`` (long fixed keys and constants), 8
+     requests (quick 4) one at a time, greedy, each ended by its grammar. Arms ``drafts_off``
+     (``decode.speculative.grammar_drafts: false``) and ``drafts_on`` (forced tokens proposed
+     as drafts, verified). Key: decode tok/s (tokens after the first / time after the first
+     token) of on / off, the median over pairs. Target >= 1.3. ``greedy_identical``: 1 when
+     every request produced the same tokens in both arms (verification is exact).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.bench.harness import BenchContext, BenchReport
+from cluster.bench.workloads import CpuMeter, bench_threads, make_engine, make_runner, run_pair
+from cluster.common.sampling_params import SamplingParams
+from cluster.engine.engine import LLMEngine
+
+RECORD: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 999999},
+        "name": {"type": "string", "minLength": 24, "maxLength": 24},
+        "email": {"type": "string", "pattern": "^[a-z]{4,12}@example\\.com$"},
+        "active": {"type": "boolean"},
+    },
+    "required": ["id", "name", "email", "active"],
+    "additionalProperties": False,
+}
+RECORDS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"records": {"type": "array", "items": RECORD, "minItems": 50, "maxItems": 50}},
+    "required": ["records"],
+    "additionalProperties": False,
+}
+FIXED_KEYS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "document_schema_version_identifier": {"const": "customer-profile/2024-06-01"},
+        "customer_account_reference_number": {"type": "integer", "minimum": 0, "maximum": 9999},
+        "is_subscription_currently_active_and_paid": {"type": "boolean"},
+        "preferred_contact_channel_for_notifications": {"enum": ["email", "phone", "postal"]},
+        "account_region_and_data_residency_zone": {"enum": ["eu-west", "us-east", "ap-south"]},
+        "number_of_support_tickets_opened_this_year": {
+            "type": "integer",
+            "minimum": 0,
+            "maximum": 99,
+        },
+    },
+    "required": [
+        "document_schema_version_identifier",
+        "customer_account_reference_number",
+        "is_subscription_currently_active_and_paid",
+        "preferred_contact_channel_for_notifications",
+        "account_region_and_data_residency_zone",
+        "number_of_support_tickets_opened_this_year",
+    ],
+    "additionalProperties": False,
+}
+PEOPLE = ["Ada", "Grace", "Alan", "Edsger", "Barbara", "Donald", "Frances", "Ken"]
+
+
+@dataclass
+class ArmRun:
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    full_step_s: list[float] = field(default_factory=list)  # steps with the whole batch decoding
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    cpu_util: float = 1.0
+
+    @property
+    def step_ms(self) -> float:
+        return 1e3 * statistics.median(self.full_step_s) if self.full_step_s else float("nan")
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s else float("nan")
+
+
+def _group(
+    engine: LLMEngine, prompts: dict[str, list[int]], params: SamplingParams, run: ArmRun
+) -> None:
+    """Send ``prompts`` together; time every step and the tokens after each first token."""
+    for rid, p in prompts.items():
+        engine.add(rid, p, params)
+    first: float | None = None
+    last = time.perf_counter()
+    while engine.has_unfinished_requests():
+        decoding = sum(1 for r in engine.scheduler.running if r.output_token_ids)
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        now = time.perf_counter()
+        if decoding == len(prompts) and engine.last_num_scheduled == len(prompts):
+            run.full_step_s.append(now - t0)
+        for out in outputs:
+            if out.new_token_ids:
+                run.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                last = now
+        if first is None and all(rid in run.tokens for rid in prompts):
+            first = now
+    assert first is not None
+    run.decode_tokens += sum(len(run.tokens[rid]) for rid in prompts) - len(prompts)
+    run.decode_s += last - first
+
+
+def _arm(
+    ctx: BenchContext,
+    engine: LLMEngine,
+    prompts: dict[str, list[int]],
+    batch: int,
+    params: SamplingParams,
+) -> ArmRun:
+    run = ArmRun()
+    engine.reset_prefix_cache()  # the arms share one KV pool (one runner)
+    meter = CpuMeter(bench_threads(ctx))
+    ids = list(prompts)
+    for i in range(0, len(ids), batch):
+        _group(engine, {rid: prompts[rid] for rid in ids[i : i + batch]}, params, run)
+    run.cpu_util = meter.utilisation()
+    engine.check_integrity()
+    assert engine.stats()["kv"]["num_used_blocks"] == 0
+    assert engine.structured.active_ids() == set()
+    return run
+
+
+def _cell(
+    ctx: BenchContext,
+    arms: dict[str, tuple[LLMEngine, SamplingParams]],
+    prompts: dict[str, list[int]],
+    batch: int,
+    num_pairs: int,
+    disturbed: list[dict[str, float]],
+) -> list[dict[str, ArmRun]]:
+    pairs = []
+    for pair in range(num_pairs):
+
+        def one(arm: str, pair: int = pair) -> ArmRun:
+            engine, params = arms[arm]
+            ids = {f"{rid}-{arm}-{pair}": p for rid, p in prompts.items()}
+            return _arm(ctx, engine, ids, batch, params)
+
+        def describe(r: ArmRun) -> str:
+            return (
+                f"step {r.step_ms:.2f} ms ({len(r.full_step_s)} full steps), decode "
+                f"{r.decode_tok_s:.1f} tok/s, cpu util {r.cpu_util:.2f}"
+            )
+
+        pairs.append(run_pair(ctx, pair, num_pairs, list(arms), one, describe, disturbed))
+    return pairs
+
+
+def run(ctx: BenchContext) -> BenchReport:
+    max_tokens = ctx.pick(128, 64, 12)
+    num_forced = ctx.pick(8, 4, 2)
+    num_pairs = ctx.pick(3, 2, 1)
+    ctx.progress("loading the runner")
+    runner = make_runner(ctx)
+    off = {"decode.speculative.grammar_drafts": False}
+    engines = {
+        "free": make_engine(ctx, off, runner=runner),
+        "json": make_engine(ctx, off, runner=runner),
+        "drafts_off": make_engine(ctx, off, runner=runner),
+        "drafts_on": make_engine(ctx, {"decode.speculative.grammar_drafts": True}, runner=runner),
+    }
+    tok = engines["free"].tokenizer
+
+    def chat(text: str) -> list[int]:
+        return list(tok.encode_chat([{"role": "user", "content": text}]))
+
+    records = {
+        f"rec{i}": chat(f"List 50 customer records like {n}'s.") for i, n in enumerate(PEOPLE)
+    }
+    profiles = {
+        f"prof{i}": chat(f"Write the customer profile of {n} as JSON.")
+        for i, n in enumerate(PEOPLE[:num_forced])
+    }
+    exact = {"temperature": 0.0, "max_tokens": max_tokens, "min_tokens": max_tokens}
+    free = SamplingParams(**exact, ignore_eos=True)
+    constrained = SamplingParams(**exact, ignore_eos=True, json_schema=json.dumps(RECORDS_SCHEMA))
+    fixed = SamplingParams(
+        temperature=0.0, max_tokens=256, json_schema=json.dumps(FIXED_KEYS_SCHEMA)
+    )
+    arms_mask = {"free": (engines["free"], free), "json": (engines["json"], constrained)}
+    arms_forced = {
+        "drafts_off": (engines["drafts_off"], fixed),
+        "drafts_on": (engines["drafts_on"], fixed),
+    }
+    ctx.progress("warm-up (grammar compile, first-call allocations)")
+    for arms in (arms_mask, arms_forced):
+        for name, (eng, params) in arms.items():
+            _arm(ctx, eng, {f"warm-{name}": records["rec0"]}, 1, params)
+    disturbed: list[dict[str, float]] = []
+    mask_pairs = _cell(ctx, arms_mask, records, 8, num_pairs, disturbed)
+    forced_pairs = _cell(ctx, arms_forced, profiles, 1, num_pairs, disturbed)
+
+    step_ratios = [d["json"].step_ms / d["free"].step_ms for d in mask_pairs]
+    speedups = [d["drafts_on"].decode_tok_s / d["drafts_off"].decode_tok_s for d in forced_pairs]
+    mismatches = [
+        rid
+        for d in forced_pairs
+        for rid, toks in d["drafts_off"].tokens.items()
+        if d["drafts_on"].tokens[rid.replace("-drafts_off-", "-drafts_on-")] != toks
+    ]
+    table = []
+    for cell, pairs in (("mask b8", mask_pairs), ("forced b1", forced_pairs)):
+        for arm in pairs[0]:
+            runs = [d[arm] for d in pairs]
+            table.append(
+                {
+                    "cell": cell,
+                    "arm": arm,
+                    "step_ms": statistics.median(r.step_ms for r in runs),
+                    "decode_tok_s": statistics.median(r.decode_tok_s for r in runs),
+                    "tokens": sum(len(t) for t in runs[0].tokens.values()),
+                }
+            )
+    on = engines["drafts_on"].stats()
+    return BenchReport(
+        keys={
+            "mask_overhead_b8": statistics.median(step_ratios),
+            "forced_token_speedup": statistics.median(speedups),
+            "greedy_identical": float(not mismatches),
+        },
+        table=table,
+        targets={
+            "mask_overhead_b8": "<= 1.10",
+            "forced_token_speedup": ">= 1.3",
+            "greedy_identical": "== 1",
+        },
+        details={
+            "threads": bench_threads(ctx),
+            "max_tokens": max_tokens,
+            "step_ratios_per_pair": step_ratios,
+            "speedups_per_pair": speedups,
+            "forced_drafts": on["structured"]["num_forced_drafts"],
+            "spec_acceptance_drafts_on": on["spec"]["acceptance_rate"],
+            "mismatched_requests": mismatches,
+            "disturbed_pairs": disturbed,
+        },
+    )

@@ -1,0 +1,125 @@
+"""Compiling JSON Schemas for llguidance: the vocabulary and the per-replica grammar cache.
+
+A schema compiles once per replica (``GrammarCache``, keyed by the SHA-256 of its text): the
+cached entry is a fresh matcher, and each request gets a ``deep_copy`` of it (cheap: the
+lexer and parser tables are shared). The vocabulary (``LLTokenizer``) is built once, on the
+first structured request: every token's bytes, from the model's fast tokenizer or the fake
+runner's ``FakeTokenizer``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections import OrderedDict
+from typing import Any
+
+import llguidance
+
+# Compact JSON, no freedom in whitespace: a small model cannot wander into endless spaces.
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+_FAKE_WORD = re.compile(rb" t(\d+)")
+
+
+def json_grammar(schema_text: str, max_bytes: int) -> str:
+    """The llguidance grammar of a JSON Schema; ``ValueError`` naming the problem."""
+    if len(schema_text.encode()) > max_bytes:
+        raise ValueError(
+            f"json_schema: {len(schema_text.encode())} bytes, over the limit of {max_bytes} "
+            "(router.max_json_schema_bytes)"
+        )
+    try:
+        schema = json.loads(schema_text)
+    except ValueError as e:
+        raise ValueError(f"json_schema: not valid JSON ({e})") from None
+    if not isinstance(schema, dict):
+        raise ValueError(
+            f"json_schema: a JSON Schema must be an object, got {type(schema).__name__}"
+        )
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            schema_text,
+            overrides=JSON_OPTIONS,  # type: ignore[arg-type]
+        )
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+    except ValueError as e:
+        error = str(e)
+    if error:
+        raise ValueError(f"json_schema: unsupported or invalid JSON Schema: {error}")
+    return grammar
+
+
+class _FakeVocab:
+    """The fake runner's tokens as llguidance's ``TokenizerWrapper`` wants them."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self.eos_token_id = tokenizer.eos_token_ids[0]
+        self.bos_token_id = None
+        self.special_token_ids = list(tokenizer.eos_token_ids)
+        self.tokens = [
+            b"<eos>" if t in tokenizer.eos_token_ids else tokenizer.token_text(t).encode()
+            for t in range(vocab_size)
+        ]
+        self._ascii = tokenizer.ascii_tokens
+        self._vocab_size = vocab_size
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        """The canonical tokens of ``text``: `` t<id>`` words, else (ASCII mode) single bytes."""
+        data = text.encode() if isinstance(text, str) else text
+        ids: list[int] = []
+        i = 0
+        while i < len(data):
+            m = _FAKE_WORD.match(data, i)
+            if (
+                m is not None
+                and int(m[1]) < self._vocab_size
+                and (int(m[1]) >= 128 or not self._ascii)
+            ):
+                ids.append(int(m[1]))
+                i = m.end()
+                continue
+            if self._ascii and 0 < data[i] < 128:
+                ids.append(data[i])
+            i += 1  # a byte no token spells: dropped (llguidance falls back to its own)
+        return ids
+
+
+def build_vocab(tokenizer: Any, vocab_size: int) -> llguidance.LLTokenizer:
+    """The llguidance vocabulary of the model's tokenizer (``vocab_size``: the logits' width)."""
+    if hasattr(tokenizer, "token_text"):  # the fake runner's FakeTokenizer
+        return llguidance.LLTokenizer(
+            llguidance.TokenizerWrapper(_FakeVocab(tokenizer, vocab_size))
+        )
+    hf = tokenizer._tok  # the tokenizers.Tokenizer behind cluster.common.tokenizer.Tokenizer
+    return llguidance.LLTokenizer(
+        hf.to_str(), n_vocab=vocab_size, eos_token=list(tokenizer.eos_token_ids)
+    )
+
+
+class GrammarCache:
+    """Schema text -> a fresh matcher of its grammar (LRU, ``capacity`` entries)."""
+
+    def __init__(self, vocab: llguidance.LLTokenizer, max_bytes: int, capacity: int = 128) -> None:
+        self.vocab = vocab
+        self.max_bytes = max_bytes
+        self.capacity = capacity
+        self._entries: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self.num_compiled = 0
+
+    def matcher(self, schema_text: str) -> llguidance.LLMatcher:
+        """A new matcher at the start of the schema's grammar; ``ValueError`` if it is bad."""
+        key = hashlib.sha256(schema_text.encode()).hexdigest()
+        template = self._entries.get(key)
+        if template is None:
+            template = llguidance.LLMatcher(
+                self.vocab, json_grammar(schema_text, self.max_bytes), log_level=0
+            )
+            if template.is_error():
+                raise ValueError(f"json_schema: {template.get_error()}")
+            self.num_compiled += 1
+            self._entries[key] = template
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+        self._entries.move_to_end(key)
+        return template.deep_copy()

@@ -1,0 +1,245 @@
+"""Grammar-constrained decoding (``cluster.engine.structured``, llguidance) in the engine.
+
+The fake model's logits are random-ish (a function of the KV it reads back), so its outputs are
+JSON only because the mask forces them to be. Outputs that end ``stop`` must parse and validate
+against their schema; one cut by ``max_tokens`` (``length``) cannot be complete JSON, so it is
+counted apart and must still be a prefix the grammar accepts (the fake model's greedy argmax
+can spin in an endless fraction of zeros: a length cut, never an invalid token).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import llguidance
+import pytest
+
+from cluster.common.sampling_params import SamplingParams
+from cluster.common.tokenizer import Tokenizer
+from cluster.engine.engine import LLMEngine
+from cluster.engine.structured import build_vocab
+from tests.helpers import fake_config, make_config
+from tests.structured_schemas import BAD_SCHEMAS, SCHEMAS
+
+ASCII = {"testing.fake_model.ascii_tokens": True, "cache.num_blocks": 512}
+SEEDS = range(8)
+
+
+def _params(schema: dict[str, Any], seed: int | None, max_tokens: int = 300) -> SamplingParams:
+    return SamplingParams(
+        temperature=0.0 if seed is None else 0.8,
+        seed=seed,
+        max_tokens=max_tokens,
+        json_schema=json.dumps(schema),
+    )
+
+
+def _run(engine: LLMEngine) -> dict[str, tuple[str, list[int], str | None]]:
+    """Step until idle: request id -> (text, tokens, finish reason)."""
+    got: dict[str, tuple[str, list[int], str | None]] = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            text, toks, _ = got.get(o.request_id, ("", [], None))
+            got[o.request_id] = (text + o.new_text, toks + o.new_token_ids, o.finish_reason)
+    return got
+
+
+def check_outputs(
+    got: dict[str, tuple[str, list[int], str | None]], schemas: dict[str, dict[str, Any]]
+) -> tuple[int, int]:
+    """Every ``stop`` output validates against its schema; returns (valid, cut by length)."""
+    valid = cut = 0
+    for rid, (text, _toks, reason) in got.items():
+        schema = schemas[rid]
+        if reason == "length":
+            cut += 1
+            continue
+        assert reason == "stop", (rid, reason, text)
+        jsonschema.validate(json.loads(text), schema)
+        valid += 1
+    return valid, cut
+
+
+def _assert_prefixes_accepted(
+    engine: LLMEngine, got: dict[str, tuple[str, list[int], str | None]], schemas: dict[str, Any]
+) -> None:
+    """A length-cut output is still a sequence of tokens the grammar allows."""
+    for rid, (_text, toks, reason) in got.items():
+        if reason == "length":
+            m = engine.structured.cache.matcher(json.dumps(schemas[rid]))
+            assert m.consume_tokens(toks), (rid, m.get_error())
+
+
+def test_every_schema_greedy_and_sampled_validates_on_the_fake_model() -> None:
+    engine = LLMEngine(fake_config(**ASCII))
+    schemas: dict[str, dict[str, Any]] = {}
+    for name, schema in SCHEMAS.items():
+        for seed in [None, *SEEDS]:
+            rid = f"{name}/{seed}"
+            schemas[rid] = schema
+            engine.add(rid, [5, 6, 7, 8 + (seed or 0)], _params(schema, seed))
+    got = _run(engine)
+    valid, cut = check_outputs(got, schemas)
+    _assert_prefixes_accepted(engine, got, schemas)
+    assert len(SCHEMAS) >= 12 and valid + cut == len(SCHEMAS) * 9
+    assert cut <= 2, cut  # the fake greedy argmax in an endless fraction (see the docstring)
+    stats = engine.stats()["structured"]
+    assert stats["num_active"] == 0 and stats["num_compiled"] == len(SCHEMAS)
+    engine.check_integrity()
+
+
+def test_forced_tokens_as_drafts_change_nothing_but_the_step_count() -> None:
+    """Greedy and seeded outputs with the grammar's forced tokens proposed as drafts equal the
+    run without (verification is exact), in fewer steps."""
+    runs = []
+    for drafts in (True, False):
+        engine = LLMEngine(fake_config(**ASCII, **{"decode.speculative.grammar_drafts": drafts}))
+        for name in ("long_fixed_keys", "nested_address", "union_shapes"):
+            for seed in (None, 3):
+                engine.add(f"{name}/{seed}", [9, 8, 7], _params(SCHEMAS[name], seed))
+        got = _run(engine)
+        runs.append((got, engine.counters.num_steps, engine.stats()))
+        engine.check_integrity()
+    (with_drafts, steps_with, stats_with), (without, steps_without, stats_without) = runs
+    assert {k: v[1] for k, v in with_drafts.items()} == {k: v[1] for k, v in without.items()}
+    assert stats_with["structured"]["num_forced_drafts"] > 0
+    assert stats_without["structured"]["num_forced_drafts"] == 0
+    assert stats_with["spec"]["num_accepted_tokens"] > 0
+    assert steps_with < steps_without * 0.8, (steps_with, steps_without)
+
+
+def test_prompt_lookup_drafts_are_cut_where_the_grammar_refuses() -> None:
+    """ngram drafts on a constrained request: outputs equal the run without speculation."""
+    spec = {"decode.speculative.method": "ngram", "decode.speculative.grammar_drafts": False}
+    runs = []
+    for extra in ({}, spec):
+        engine = LLMEngine(fake_config(**ASCII, **extra))
+        # A prompt that spells JSON, so prompt lookup proposes JSON-looking and other drafts.
+        prompt = [ord(c) for c in '{"code":"ABC-123","tags":["x"]} {"code":"AB'] + [300, 301]
+        for seed in (None, 1, 2):
+            engine.add(f"r{seed}", prompt, _params(SCHEMAS["pattern_codes"], seed))
+        runs.append(_run(engine))
+        engine.check_integrity()
+    assert {k: v[1] for k, v in runs[0].items()} == {k: v[1] for k, v in runs[1].items()}
+    check_outputs(runs[1], dict.fromkeys(runs[1], SCHEMAS["pattern_codes"]))
+
+
+def test_prefill_replica_constrains_the_first_token_decode_replica_replays_it() -> None:
+    """PD: only the schema and the tokens cross; the decode engine's matcher is rebuilt from
+    the first token, and the result equals a colocated run."""
+    schema = SCHEMAS["array_of_objects"]
+    prompt = [7 + i % 50 for i in range(45)]
+    for seed in (None, 5):
+        local = LLMEngine(fake_config(**ASCII))
+        local.add("x", prompt, _params(schema, seed), seed=11)
+        expected = _run(local)["x"]
+        pre = LLMEngine(fake_config(**ASCII), role="prefill")
+        dec = LLMEngine(fake_config(**ASCII), role="decode")
+        pre.add("x", prompt, _params(schema, seed), seed=11)
+        (first,) = [o for o in pre.step() + pre.step() + pre.step() if o.request_id == "x"]
+        assert first.held_block_ids is not None and pre.structured.active_ids() == set()
+        dec.add("x", prompt, _params(schema, seed), prefill="remote", seed=11)
+        dec.step()
+        (res,) = dec.take_reservations()
+        dec.runner.kv_cache[res.block_ids] = pre.runner.kv_cache[first.held_block_ids]
+        assert pre.release("x")
+        dec.accept_first_token("x", first.new_token_ids[0])
+        dec.kv_arrived("x")
+        rest = _run(dec)["x"]
+        assert first.new_token_ids + rest[1] == expected[1]
+        assert rest[2] == "stop"
+        jsonschema.validate(json.loads(expected[0]), schema)
+        for e in (local, pre, dec):
+            e.check_integrity()
+            assert e.structured.active_ids() == set()
+
+
+def test_bad_schemas_are_refused_naming_the_problem_and_nothing_is_held() -> None:
+    engine = LLMEngine(fake_config(**ASCII, **{"router.max_json_schema_bytes": 4096}))
+    for name, (text, phrase) in BAD_SCHEMAS.items():
+        with pytest.raises(ValueError, match="json_schema") as e:
+            engine.add(name, [1, 2], SamplingParams(json_schema=text))
+        assert phrase in str(e.value), (name, str(e.value))
+    big = json.dumps({"enum": [f"value-{i}" for i in range(1000)]})
+    with pytest.raises(ValueError, match=r"json_schema: \d+ bytes, over the limit of 4096"):
+        engine.add("big", [1, 2], SamplingParams(json_schema=big))
+    assert not engine.requests and engine.structured.active_ids() == set()
+    engine.check_integrity()
+
+
+def test_abort_mid_stream_frees_the_matcher() -> None:
+    engine = LLMEngine(fake_config(**ASCII))
+    engine.add("a", [3, 4, 5], _params(SCHEMAS["array_of_objects"], 1))
+    engine.add("b", [3, 4, 6], _params(SCHEMAS["person"], None))
+    engine.step()
+    engine.step()
+    assert engine.structured.active_ids() == {"a", "b"}
+    engine.abort_request("a")
+    assert engine.structured.active_ids() == {"b"}
+    got = _run(engine)
+    assert got["a"][2] == "abort" and got["b"][2] == "stop"
+    assert engine.structured.active_ids() == set()
+    engine.check_integrity()
+
+
+def test_json_mode_on_a_vocabulary_that_cannot_spell_json_ends_with_eos() -> None:
+    """The default fake vocabulary (every token reads `` t<id>``) has no ``{``: the grammar
+    allows no token, so EOS ends the request at once instead of sampling from nothing."""
+    engine = LLMEngine(fake_config())
+    engine.add("x", [3, 4], SamplingParams(max_tokens=20, json_schema='{"type":"object"}'))
+    got = _run(engine)
+    assert got["x"][1] == [0] and got["x"][2] == "stop"
+    engine.check_integrity()
+
+
+def test_the_tiny_llama_tokenizer_builds_a_vocabulary_and_constrains(
+    tiny_model_dir: Path,
+) -> None:
+    vocab = build_vocab(Tokenizer(tiny_model_dir), 512)
+    assert vocab.vocab_size == 512
+    engine = LLMEngine(
+        make_config(
+            **{"model.path": str(tiny_model_dir), "model.num_threads": 1, "cache.num_blocks": 256}
+        )
+    )
+    schemas: dict[str, dict[str, Any]] = {}
+    for name in ("person", "enums", "recursive_tree", "long_fixed_keys"):
+        for seed in (None, 0, 1):
+            rid = f"{name}/{seed}"
+            schemas[rid] = SCHEMAS[name]
+            engine.add(
+                rid, engine.tokenizer.encode("Answer in JSON: "), _params(SCHEMAS[name], seed)
+            )
+    got = _run(engine)
+    valid, cut = check_outputs(got, schemas)
+    _assert_prefixes_accepted(engine, got, schemas)
+    assert valid >= len(schemas) - 2, (valid, cut)
+    engine.check_integrity()
+
+
+def test_a_fake_word_tokenizes_back_to_its_id() -> None:
+    """The fake vocabulary's canonical tokenization (forced tokens are tokenized with it)."""
+    from cluster.common.tokenizer import FakeTokenizer
+
+    vocab = build_vocab(FakeTokenizer(512, 0, ascii_tokens=True), 512)
+    assert vocab.tokenize_str('{"a": t300}') == [ord(c) for c in '{"a":'] + [300, ord("}")]
+    assert isinstance(vocab, llguidance.LLTokenizer)
+
+
+def test_preemption_by_recompute_keeps_the_grammar_state() -> None:
+    """Forced preemption every few steps: the matcher's state is the accepted tokens', so the
+    recomputed requests produce exactly what an undisturbed run does."""
+    runs = []
+    for extra in ({}, {"testing.force_preempt_interval": 3}):
+        engine = LLMEngine(fake_config(**ASCII, **extra))
+        for i, name in enumerate(("nested_address", "array_of_objects", "union_shapes")):
+            engine.add(name, [4 + i, 5, 6], _params(SCHEMAS[name], i))
+        runs.append(_run(engine))
+        if extra:
+            assert engine.scheduler.num_preemptions > 0
+        engine.check_integrity()
+    assert runs[0] == runs[1]
+    check_outputs(runs[1], {name: SCHEMAS[name] for name in runs[1]})
