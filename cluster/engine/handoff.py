@@ -49,7 +49,7 @@ class KVReservation:
     """Decode role: blocks reserved for a request whose prompt KV comes from a prefill replica."""
 
     request_id: str
-    block_ids: list[int]  # the whole table (prefix hits first)
+    block_ids: list[int]  # the whole table (prefix hits first), room for the first token too
     num_hit_blocks: int  # leading blocks already cached here: they need no transfer
 
 
@@ -179,7 +179,10 @@ class DecodeHandoff(Handoff):
         while self.kv_waiting and num_running + len(self.kv_reserved) < max_num_seqs:
             req = self.kv_waiting[0]
             hits = bm.match_prefix(req.update_block_hashes(self.block_size), req.prompt_token_ids)
-            needed = bm.blocks_needed(req.num_prompt_tokens) - len(hits)
+            # The prompt's blocks and room for the first token's KV: a prompt that fills its
+            # last block needs one more block to decode at all, and kv-arrived requests that
+            # cannot take a step are not running, so nothing could be preempted to make room.
+            needed = bm.blocks_needed(req.num_prompt_tokens + 1) - len(hits)
             if not bm.can_allocate(needed, hits):
                 break
             self.kv_waiting.popleft()

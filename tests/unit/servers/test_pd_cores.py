@@ -7,6 +7,7 @@ completes oracle-identical proves its KV arrived intact. Every test ends clean o
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -244,6 +245,44 @@ def test_two_full_pools_cannot_deadlock() -> None:
             b = asyncio.create_task(one("b"))
             got = await asyncio.wait_for(asyncio.gather(a, b), timeout=30)
             return dict(zip(("a", "b"), got))
+
+        assert asyncio.run(main()) == expected
+        pair.wait_idle_clean()
+    finally:
+        pair.close()
+
+
+def test_prompts_that_fill_their_last_block_cannot_stall_a_full_decode_pool() -> None:
+    """12 remote prompts of exactly 5 blocks (4 groups sharing 4-block prefixes) into pools of 20
+    blocks. A reservation of the prompt's blocks alone left each arrived request one block short
+    of its first decode step; with every block reserved none could run, so none could be
+    preempted, and the pool stalled. A reservation holds room for the first token's KV too."""
+    rng = random.Random(8)
+    prefixes = [[rng.randrange(1, 500) for _ in range(64)] for _ in range(4)]
+    prompts = {
+        f"g{g}-{i}": prefixes[g] + [rng.randrange(1, 500) for _ in range(16)]
+        for g in range(4)
+        for i in range(3)
+    }
+    expected = _oracle(prompts, 8)
+    pair = Pair(
+        **{
+            "cache.num_blocks": 20,
+            "decode.local_prefill_threshold": 0,
+            "scheduler.max_num_batched_tokens": 256,
+            "scheduler.chunk_size": 64,
+        }
+    )
+    try:
+
+        async def main() -> dict[str, list[int]]:
+            calls = [_call(rid, p, 8) for rid, p in prompts.items()]
+            outs = await asyncio.wait_for(
+                asyncio.gather(*(_collect(pair.decode, c) for c in calls)), timeout=60
+            )
+            return {
+                c.request_id: [t for ch in o for t in ch.token_ids] for c, o in zip(calls, outs)
+            }
 
         assert asyncio.run(main()) == expected
         pair.wait_idle_clean()
