@@ -256,7 +256,9 @@ def test_f15_prefill_scale_down_with_published_leases_loses_none(
             **CFG,
             "router.num_replicas": 1,
             "decode.num_replicas": 1,
-            "scheduler.max_num_seqs": 1,  # remote requests queue on decode, leases held
+            # Each remote request stops before its pull, its lease published and held (the
+            # decode replica reserves first, so leases wait only between reply and pull).
+            "testing.fault_points": [f"d.after_alloc_before_pull:{i}=pause" for i in range(1, 11)],
             "decode.max_ongoing_requests": 16,
             "router.grpc_port": free_port(),
         }
@@ -300,7 +302,20 @@ def test_f15_prefill_scale_down_with_published_leases_loses_none(
             )  # routing spreads the calls over the two replicas
 
         assert wait_until(lambda: leases() >= 8, 60, 0.1), "the leases were not published"
-        serve.run(build(1), name=name, route_prefix="/")  # scale down: one replica drains
+        # Scale down (serve.run returns once the drained replica is gone, which waits for its
+        # leases: so from a thread); once a prefill replica is STOPPING, let the pulls go.
+        scale_down = threading.Thread(
+            target=serve.run, args=(build(1),), kwargs={"name": name, "route_prefix": "/"}
+        )
+        scale_down.start()
+
+        def stopping() -> bool:
+            dep = serve.status().applications[name].deployments["PrefillServer"]
+            return dep.replica_states.get("STOPPING", 0) > 0
+
+        assert wait_until(stopping, 60, 0.1), "the prefill pool did not start draining"
+        decode_h.release_fault.remote("d.after_alloc_before_pull").result(timeout_s=30)
+        scale_down.join(120)
         for s in streams.values():
             s.thread.join(120)
         errors = {rid: s.error for rid, s in streams.items() if s.error is not None}
