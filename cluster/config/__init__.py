@@ -21,6 +21,7 @@ from cluster.config.environment import (
     cpu_count,
     curve_keys,
     ray_auth_disabled,
+    replica_allocator_env,
     transfer_hmac_secret,
 )
 from cluster.config.loading import config_from_dict, flat_key_index, load_config, parse_override
@@ -68,5 +69,6 @@ __all__ = [
     "load_config",
     "parse_override",
     "ray_auth_disabled",
+    "replica_allocator_env",
     "transfer_hmac_secret",
 ]

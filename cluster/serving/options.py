@@ -3,7 +3,8 @@
 ``max_ongoing_requests`` sized to the batch (not Serve's default 5), ``max_queued_requests`` for a
 fast RESOURCE_EXHAUSTED / 429, fractional CPUs, ``graceful_shutdown_timeout_s`` above the KV
 lease, health checks, the pools' request router, and each pool's autoscaling (Ray Serve's
-``autoscaling_config`` with pdserve's policy for that pool, when ``autoscaling.enabled``).
+``autoscaling_config`` with pdserve's policy for that pool, when ``autoscaling.enabled``), and
+the allocator settings each replica process starts with.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from ray.serve.config import RequestRouterConfig
 
-from cluster.config import ClusterConfig, PoolConfig, PrefillPoolConfig
+from cluster.config import ClusterConfig, PoolConfig, PrefillPoolConfig, replica_allocator_env
 from cluster.serving.routers import (
     CACHE_AWARE_ROUTER,
     LEAST_LOADED_ROUTER,
@@ -22,7 +23,7 @@ from cluster.serving.routers import (
 
 
 def _pool_options(pool: PoolConfig, max_ongoing: int, role: str, block_size: int) -> dict[str, Any]:
-    actor: dict[str, Any] = {"num_cpus": pool.num_cpus}
+    actor: dict[str, Any] = {"num_cpus": pool.num_cpus, "runtime_env": _runtime_env()}
     if pool.num_gpus:
         actor["num_gpus"] = pool.num_gpus
     if pool.resources:  # node-group placement: multi-node configs only
@@ -81,10 +82,17 @@ def deployment_options(config: ClusterConfig) -> dict[str, dict[str, Any]]:
             "graceful_shutdown_timeout_s": r.graceful_shutdown_timeout_s,
             "ray_actor_options": {
                 "num_cpus": r.num_cpus,
+                "runtime_env": _runtime_env(),
                 **({"resources": dict(r.resources)} if r.resources else {}),
             },
         },
     }
+
+
+def _runtime_env() -> dict[str, Any]:
+    """Every replica's process environment: glibc's allocator tuned for long-lived, many-threaded
+    servers (``config.environment.replica_allocator_env``; without it the soak's RSS crept)."""
+    return {"env_vars": replica_allocator_env()}
 
 
 def _router_config(pool: PoolConfig, role: str, block_size: int) -> Any:

@@ -181,3 +181,17 @@ def test_declared_formats_name_the_weights_and_kv_formats() -> None:
         "weights": "dense (bfloat16)",
         "kv_cache": "bfloat16",
     }
+
+
+def test_replicas_start_with_the_allocator_tuned(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cluster.config.environment import REPLICA_ALLOCATOR_ENV
+    from cluster.serving.options import deployment_options
+
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    for name, opts in deployment_options(ClusterConfig()).items():
+        assert opts["ray_actor_options"]["runtime_env"]["env_vars"] == REPLICA_ALLOCATOR_ENV, name
+    # The launching environment's own setting is passed on, not overridden.
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    env = deployment_options(ClusterConfig())["Router"]["ray_actor_options"]["runtime_env"]
+    assert env["env_vars"]["MALLOC_ARENA_MAX"] == "4"
