@@ -24,14 +24,28 @@ class PDServeClient:
         target: str = "127.0.0.1:9000",
         api_key: str | None = None,
         max_message_bytes: int = 4 << 20,
+        *,
+        tls_ca_file: str | None = None,
+        tls_client_cert_file: str | None = None,
+        tls_client_key_file: str | None = None,
     ) -> None:
-        self.channel = grpc.insecure_channel(
-            target,
-            options=[
-                ("grpc.max_receive_message_length", max_message_bytes),
-                ("grpc.max_send_message_length", max_message_bytes),
-            ],
-        )
+        """``tls_ca_file``: TLS, trusting that CA's certificates (the router's
+        ``router.tls_cert_file``); with the client pair as well: mTLS."""
+        options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        if tls_ca_file is None:
+            if tls_client_cert_file or tls_client_key_file:
+                raise ValueError("a client certificate needs TLS: give tls_ca_file as well")
+            self.channel = grpc.insecure_channel(target, options=options)
+        else:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=_read(tls_ca_file),
+                private_key=_read(tls_client_key_file) if tls_client_key_file else None,
+                certificate_chain=_read(tls_client_cert_file) if tls_client_cert_file else None,
+            )
+            self.channel = grpc.secure_channel(target, creds, options=options)
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.metadata = [("authorization", f"Bearer {api_key}")] if api_key else []
@@ -67,3 +81,8 @@ class PDServeClient:
 
     def close(self) -> None:
         self.channel.close()
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()

@@ -1,6 +1,8 @@
 """`pdserve serve` as a process (its own local Ray, the fake model): public listeners without API
 keys are refused before anything starts unless explicitly allowed (then with a warning), the
-listeners follow ``router.host``, and a SIGKILLed launcher leaves no process behind (F13).
+listeners follow ``router.host``, both serve TLS from ``router.tls_*`` (S6: gRPC on the router's
+own listener and HTTPS on Serve's proxy, real handshakes; plaintext refused), and a SIGKILLed
+launcher leaves no process behind (F13).
 """
 
 from __future__ import annotations
@@ -9,9 +11,12 @@ import contextlib
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -19,6 +24,7 @@ import pytest
 
 from cluster.client import PDServeClient
 from tests.serve_fixtures import free_port
+from tests.tls_certs import cert, pem
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -79,12 +85,21 @@ def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
     return left
 
 
-def test_opt_in_warns_follows_router_host_and_a_killed_launcher_leaves_nothing(
+def test_opt_in_warns_follows_router_host_serves_tls_and_a_killed_launcher_leaves_nothing(
     tmp_path: Path,
 ) -> None:
     http_port, grpc_port = free_port(), free_port()
     log_path = tmp_path / "serve.log"
-    args = ("--allow-unauthenticated", "--set", "router.host=0.0.0.0")
+    ca = cert("pdserve test CA", None, True)
+    files = {"ca": pem(*ca)[0], **dict(zip(("cert", "key"), pem(*cert("router", ca, False))))}
+    for name, data in files.items():
+        (tmp_path / f"{name}.pem").write_bytes(data)
+    ca_file = str(tmp_path / "ca.pem")
+    args = (
+        *("--allow-unauthenticated", "--set", "router.host=0.0.0.0"),
+        *("--set", f"router.tls_cert_file={tmp_path / 'cert.pem'}"),
+        *("--set", f"router.tls_key_file={tmp_path / 'key.pem'}"),
+    )
     ports = ("--set", f"router.http_port={http_port}", "--set", f"router.grpc_port={grpc_port}")
     with log_path.open("w") as log:
         proc = subprocess.Popen(
@@ -104,11 +119,19 @@ def test_opt_in_warns_follows_router_host_and_a_killed_launcher_leaves_nothing(
             time.sleep(1)
         text = log_path.read_text()
         assert "WARNING: serving on 0.0.0.0" in text and "WITHOUT authentication" in text
-        client = PDServeClient(f"127.0.0.1:{grpc_port}")
+        client = PDServeClient(f"localhost:{grpc_port}", tls_ca_file=ca_file)
+        plain = PDServeClient(f"localhost:{grpc_port}")
         try:
             assert [m.text for m in client.generate("t5 t6 t7", max_tokens=3, timeout=60)]
+            assert not plain.is_serving(timeout=5)  # no plaintext gRPC
         finally:
             client.close()
+            plain.close()
+        https = ssl.create_default_context(cafile=ca_file)
+        with urllib.request.urlopen(f"https://localhost:{http_port}/health", context=https) as r:
+            assert r.status == 200
+        with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
+            urllib.request.urlopen(f"http://localhost:{http_port}/health", timeout=10)
         tree = psutil.Process(proc.pid).children(recursive=True)
         bound = listening({proc.pid, *(p.pid for p in tree)})
         on = {port: {ip for ip, p in bound if p == port} for port in (grpc_port, http_port)}
@@ -126,8 +149,9 @@ def test_opt_in_warns_follows_router_host_and_a_killed_launcher_leaves_nothing(
             time.sleep(0.2)
         survivors = [(p.pid, p.name()) for p in alive(tree)]
         assert not survivors, survivors
-        for port in (grpc_port, http_port):  # released
-            with socket.socket() as s:
+        for port in (grpc_port, http_port):  # released (connections may linger in TIME_WAIT,
+            with socket.socket() as s:  # which a restarted server's SO_REUSEADDR binds over)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 s.bind(("0.0.0.0", port))
     finally:
         if proc.poll() is None:

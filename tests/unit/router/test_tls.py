@@ -6,8 +6,6 @@ are all refused; the right client gets SERVING."""
 from __future__ import annotations
 
 import asyncio
-import datetime
-import ipaddress
 import socket
 import threading
 from collections.abc import Iterator
@@ -21,59 +19,19 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cluster.config import RouterConfig
 from cluster.router.grpc_server import GrpcListener
 
-x509 = pytest.importorskip("cryptography.x509")
-from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
-from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
-from cryptography.x509.oid import NameOID  # noqa: E402
-
-Pem = tuple[bytes, bytes]  # (certificate, key)
-
-
-def _cert(name: str, issuer: tuple[Any, Any] | None, ca: bool) -> tuple[Any, Any]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    issuer_cert, issuer_key = issuer if issuer else (None, key)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(issuer_cert.subject if issuer_cert else subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-    )
-    if not ca:
-        builder = builder.add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
-            critical=False,
-        )
-    return builder.sign(issuer_key, hashes.SHA256()), key
-
-
-def _pem(cert: Any, key: Any) -> Pem:
-    return (
-        cert.public_bytes(serialization.Encoding.PEM),
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        ),
-    )
+pytest.importorskip("cryptography.x509")
+from tests.tls_certs import Pem, cert, pem
 
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pem]:
-    ca, rogue = _cert("pdserve test CA", None, True), _cert("another CA", None, True)
+    ca, rogue = cert("pdserve test CA", None, True), cert("another CA", None, True)
     return {
-        "ca": _pem(*ca),
-        "rogue_ca": _pem(*rogue),
-        "server": _pem(*_cert("router", ca, False)),
-        "client": _pem(*_cert("client", ca, False)),
-        "rogue_client": _pem(*_cert("client", rogue, False)),
+        "ca": pem(*ca),
+        "rogue_ca": pem(*rogue),
+        "server": pem(*cert("router", ca, False)),
+        "client": pem(*cert("client", ca, False)),
+        "rogue_client": pem(*cert("client", rogue, False)),
     }
 
 
