@@ -128,11 +128,8 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-        )
+        penalties = (self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
+        return penalties != (1.0, 0.0, 0.0)
 
     def to_dict(self) -> dict[str, object]:
         return {name: getattr(self, name) for name in _WIRE_FIELDS}

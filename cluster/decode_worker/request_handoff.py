@@ -32,6 +32,7 @@ from cluster.decode_worker.kv_pull import KVPull
 from cluster.engine.client import Added, EngineClient
 from cluster.engine.engine import RequestOutput
 from cluster.engine.handoff import KVReservation
+from cluster.engine.parallel import sample_ids
 from cluster.engine.step_loop import EngineDeadError
 from cluster.kv_transfer import KVReceiver, KVTransferError, KVTransferParams
 from cluster.serving.calls import within_deadline
@@ -153,6 +154,7 @@ class RequestHandoff:
             decode_endpoint=self.ctx.receiver.instance_id,
             deadline=self.call.deadline,
             kv_layout=self.ctx.receiver.pool.layout.to_dict(),
+            n=self.call.n,
         )
 
     async def _remote_handoff(
@@ -186,6 +188,11 @@ class RequestHandoff:
             self.rid, reply.first_token_id, reply.first_logprob, reply.first_top_logprobs
         )
         yield self._chunk(first)  # the first token, before any (more) KV moves
+        # The samples' first tokens (a full last block): they then share every prompt block.
+        for sid, (token, lp, top) in zip(
+            sample_ids(self.rid, self.call.n)[1:], reply.sample_first_tokens, strict=False
+        ):
+            yield self._chunk(await ctx.engine.accept_first_token(sid, token, lp, top))
         if first.finished or reply.kv is None:
             return
         await self._pull(KVTransferParams.from_dict(reply.kv), reservation, pull)

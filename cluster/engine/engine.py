@@ -110,7 +110,7 @@ class LLMEngine:
         admission = self.handoff.admit(req, prefill)
         if not admission.remote:
             self.scheduler.add(req)
-        for r in (req, *self.samples.add(req, n)):
+        for r in (req, *self.samples.add(req, self.handoff.num_samples(req, n))):
             self.requests[r.request_id] = r
             self.outputs.add(r, with_text=self.handoff.streams_text)
         self.counters.num_prompt_tokens += len(prompt)
@@ -210,6 +210,7 @@ class LLMEngine:
         drafts = self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule(self.structured.drafts(self.scheduler.running, drafts))
         batch.masks = self.structured.masks(batch.items)
+        self.samples.fan_out(batch.items)  # samples drawing their first token with the leader
         self._reservations.extend(batch.reservations)
         self.last_num_scheduled = len(batch.items) + len(batch.reservations)
         return batch
@@ -244,7 +245,8 @@ class LLMEngine:
         if status is not None:
             self._finish(req, status)
         elif held is not None:  # this engine's part is over; the blocks wait for a pull
-            self.scheduler.remove(req)
+            if not self.scheduler.remove(req):
+                self.samples.take(req)  # a sample's first token (prefill role): nothing held
             self._forget(req)
         return out
 
