@@ -20,6 +20,7 @@ from typing import Any
 
 from cluster.common.sampling_params import SamplingParams, validate_prompt
 from cluster.config import ClusterConfig
+from cluster.engine import prompt_logprobs
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.engine_stats import EngineCounters, engine_stats
 from cluster.engine.handoff import (
@@ -221,6 +222,7 @@ class LLMEngine:
         if result is None:
             return outputs
         emitted = result.per_request()
+        prompt_logprobs.record(self.requests, result.prompt_logprobs)  # before the outputs
         for item in batch.items:
             # Drafts up to the first mismatch were accepted: their positions' KV is verified;
             # the rest is rolled back (not computed; the slots are overwritten later).

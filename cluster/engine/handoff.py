@@ -179,6 +179,10 @@ class DecodeHandoff(Handoff):
         remote = prefill == "remote" or (
             prefill == "auto" and req.num_prompt_tokens - num_cached > self.threshold
         )
+        if remote and req.params.prompt_logprobs is not None:  # computed where it prefills
+            if prefill == "remote":
+                raise ValueError("prompt_logprobs: needs the prompt prefilled here, not remote")
+            remote = False
         if remote:
             req.status = RequestStatus.WAITING_FOR_KV
             self.kv_waiting.append(req)
