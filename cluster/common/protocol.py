@@ -112,3 +112,4 @@ class StreamChunk:
     finish_reason: str | None = None  # set on the last chunk
     usage: Usage | None = None  # set on the last chunk
     index: int = 0  # which of the call's n samples (finish_reason: that sample's end)
+    prompt_logprobs: list[Any] | None = None  # a sample's first: RequestOutput.prompt_logprobs
