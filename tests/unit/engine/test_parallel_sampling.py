@@ -158,11 +158,12 @@ def test_each_sample_is_a_separate_request_with_its_seed(
     _idle_clean(eng)
 
 
+@pytest.mark.parametrize("prompt_len", [130, 128])  # the last block partial, or full
 @pytest.mark.parametrize("when", ["waiting", "prefilling", "decoding"])
-def test_cancelling_frees_every_sample(when: str) -> None:
+def test_cancelling_frees_every_sample(when: str, prompt_len: int) -> None:
     eng = LLMEngine(fake_config(**{"cache.num_blocks": 200, "scheduler.max_num_seqs": 16}))
     eng.add("keep", _prompt(30, 1), greedy(40))
-    eng.add("r", _prompt(130), _sampled(40), n=8)
+    eng.add("r", _prompt(prompt_len), _sampled(40), n=8)
     finals: dict[str, str | None] = {}
     steps = {"waiting": 0, "prefilling": 2, "decoding": 14}[when]
     for _ in range(steps):
