@@ -54,6 +54,7 @@ class PrefillCall:
     deadline: float | None = None
     exclude_replicas: tuple[str, ...] = ()  # replicas that failed this request already
     kv_layout: dict[str, object] | None = None  # the caller's KVLayout: refused unless equal
+    n: int = 1  # samples: with a full last block the reply has 1..n-1's first tokens (parallel)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +85,7 @@ class PrefillReply:
     num_cached_tokens: int  # the prefill replica's own prefix-cache hit
     prefill_queue_ms: float
     prefill_ms: float
+    sample_first_tokens: list[tuple[int, Any, Any]] = field(default_factory=list)  # PrefillCall.n
 
 
 @dataclass(slots=True)
@@ -93,8 +95,7 @@ class Usage:
     cached_tokens: int = 0
     prefill_mode: str = ""  # "remote" | "local"
     phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
-    # Speculative decoding in the decode phase: draft tokens verified, and how many were
-    # accepted (each saved a decode step); 0 and 0 without speculation.
+    # Speculative decoding: drafts verified and accepted (each saved a step); 0, 0 without it.
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
 
@@ -111,3 +112,4 @@ class StreamChunk:
     finish_reason: str | None = None  # set on the last chunk
     usage: Usage | None = None  # set on the last chunk
     index: int = 0  # which of the call's n samples (finish_reason: that sample's end)
+    prompt_logprobs: list[Any] | None = None  # a sample's first: RequestOutput.prompt_logprobs

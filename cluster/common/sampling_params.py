@@ -55,6 +55,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) pairs
     include_stop_str_in_output: bool = False  # a matched stop string stays in the text
     json_schema: str | None = None  # a JSON Schema (its JSON text): the output must match it
+    prompt_logprobs: int | None = None  # k: each prompt token's logprob and top k (no caching)
     extra: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -106,10 +107,10 @@ class SamplingParams:
             _integer("stop_token_ids", t)
             if t < 0:
                 raise _bad("stop_token_ids", f"token ids must be >= 0, got {t}")
-        if self.logprobs is not None:
-            _integer("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise _bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (type(k) is not int or not 0 <= k <= MAX_LOGPROBS):
+                raise _bad(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         for t, b in (p if isinstance(p, tuple | list) and len(p) == 2 else (p, 0) for p in bias):
             _integer("logit_bias", t)
@@ -128,11 +129,8 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-        )
+        penalties = (self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
+        return penalties != (1.0, 0.0, 0.0)
 
     def to_dict(self) -> dict[str, object]:
         return {name: getattr(self, name) for name in _WIRE_FIELDS}

@@ -32,6 +32,7 @@ from cluster.decode_worker.kv_pull import KVPull
 from cluster.engine.client import Added, EngineClient
 from cluster.engine.engine import RequestOutput
 from cluster.engine.handoff import KVReservation
+from cluster.engine.parallel import sample_ids
 from cluster.engine.step_loop import EngineDeadError
 from cluster.kv_transfer import KVReceiver, KVTransferError, KVTransferParams
 from cluster.serving.calls import within_deadline
@@ -76,6 +77,8 @@ class RequestHandoff:
         self.pull: KVPull | None = None  # the prompt's KV, pulled into its reservation
         self.remote_cached_tokens: int | None = None
         self.failure: str | None = None  # why the hand-off failed the request, in client words
+        self.prompt_logprobs: list[Any] | None = None  # sample 0's, sent with each one's first
+        self.started: set[int] = set()  # samples whose first chunk went out
 
     async def stream(self) -> AsyncIterator[StreamChunk]:
         ctx = self.ctx
@@ -153,6 +156,7 @@ class RequestHandoff:
             decode_endpoint=self.ctx.receiver.instance_id,
             deadline=self.call.deadline,
             kv_layout=self.ctx.receiver.pool.layout.to_dict(),
+            n=self.call.n,
         )
 
     async def _remote_handoff(
@@ -186,6 +190,11 @@ class RequestHandoff:
             self.rid, reply.first_token_id, reply.first_logprob, reply.first_top_logprobs
         )
         yield self._chunk(first)  # the first token, before any (more) KV moves
+        # The samples' first tokens (a full last block): they then share every prompt block.
+        for sid, (token, lp, top) in zip(
+            sample_ids(self.rid, self.call.n)[1:], reply.sample_first_tokens, strict=False
+        ):
+            yield self._chunk(await ctx.engine.accept_first_token(sid, token, lp, top))
         if first.finished or reply.kv is None:
             return
         await self._pull(KVTransferParams.from_dict(reply.kv), reservation, pull)
@@ -246,7 +255,8 @@ class RequestHandoff:
             outs = await self._next_outputs()
             error = outs.pop() if outs[-1].error is not None else None
             if outs:
-                for out in outs:
+                for out in outs:  # (sample 0's prompt logprobs, for every sample's first chunk)
+                    self.prompt_logprobs = self.prompt_logprobs or out.prompt_logprobs
                     for _ in out.new_token_ids:
                         await self.ctx.faults.hit_async("d.mid_decode_token_k")
                 chunks = [self._chunk(out) for out in outs]
@@ -288,6 +298,9 @@ class RequestHandoff:
         if out.finished:
             self.ended[out.index] = out
             self.finished = len(self.ended) == self.call.n
+        first = out.index not in self.started and bool(out.new_token_ids)
+        if first:
+            self.started.add(out.index)
         return StreamChunk(
             request_id=self.rid,
             token_ids=list(out.new_token_ids),
@@ -297,6 +310,7 @@ class RequestHandoff:
             finish_reason=out.finish_reason if out.finished else None,
             usage=self._final_usage(out) if self.finished else None,
             index=out.index,
+            prompt_logprobs=self.prompt_logprobs if first else None,
         )
 
     def _final_usage(self, out: RequestOutput) -> Usage:
@@ -344,6 +358,7 @@ def merge_chunks(chunks: list[StreamChunk]) -> StreamChunk:
         finish_reason=last.finish_reason,
         usage=last.usage,
         index=first.index,
+        prompt_logprobs=next((c.prompt_logprobs for c in chunks if c.prompt_logprobs), None),
     )
 
 

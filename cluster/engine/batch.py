@@ -28,6 +28,9 @@ class ScheduledRequest:
     block_ids: list[int]  # the request's live block table (read-only for the runner)
     # Proposed tokens after the request's last one (decoding only): fed after it and verified.
     draft_token_ids: list[int] = field(default_factory=list)
+    # Samples of the request (``parallel``) whose first token is drawn from this item's last
+    # row too, each with its own seed: the prompt's last block is full, so they share all of it.
+    fanout: list[Request] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:

@@ -20,6 +20,7 @@ from typing import Any
 
 from cluster.common.sampling_params import SamplingParams, validate_prompt
 from cluster.config import ClusterConfig
+from cluster.engine import prompt_logprobs
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.engine_stats import EngineCounters, engine_stats
 from cluster.engine.handoff import (
@@ -110,7 +111,7 @@ class LLMEngine:
         admission = self.handoff.admit(req, prefill)
         if not admission.remote:
             self.scheduler.add(req)
-        for r in (req, *self.samples.add(req, n)):
+        for r in (req, *self.samples.add(req, self.handoff.num_samples(req, n))):
             self.requests[r.request_id] = r
             self.outputs.add(r, with_text=self.handoff.streams_text)
         self.counters.num_prompt_tokens += len(prompt)
@@ -210,6 +211,7 @@ class LLMEngine:
         drafts = self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule(self.structured.drafts(self.scheduler.running, drafts))
         batch.masks = self.structured.masks(batch.items)
+        self.samples.fan_out(batch.items)  # samples drawing their first token with the leader
         self._reservations.extend(batch.reservations)
         self.last_num_scheduled = len(batch.items) + len(batch.reservations)
         return batch
@@ -220,6 +222,7 @@ class LLMEngine:
         if result is None:
             return outputs
         emitted = result.per_request()
+        prompt_logprobs.record(self.requests, result.prompt_logprobs)  # before the outputs
         for item in batch.items:
             # Drafts up to the first mismatch were accepted: their positions' KV is verified;
             # the rest is rolled back (not computed; the slots are overwritten later).
@@ -244,7 +247,8 @@ class LLMEngine:
         if status is not None:
             self._finish(req, status)
         elif held is not None:  # this engine's part is over; the blocks wait for a pull
-            self.scheduler.remove(req)
+            if not self.scheduler.remove(req):
+                self.samples.take(req)  # a sample's first token (prefill role): nothing held
             self._forget(req)
         return out
 

@@ -19,6 +19,7 @@ from cluster.common.kv_layout import KVLayout
 from cluster.common.tokenizer import FakeTokenizer
 from cluster.config import ClusterConfig
 from cluster.config.model_paths import model_limits
+from cluster.engine import prompt_logprobs
 from cluster.engine.runner import (
     KVAllocator,
     RunnerOutput,
@@ -102,7 +103,19 @@ class FakeModelRunner:
             rows = range(first_ctx, first_ctx + it.num_sampled_rows)
             contexts.extend((it.block_ids, c) for c in rows)
         logits = self.logits(self.next_token_bases(contexts))
-        return sample_and_verify(logits, sampled, batch.masks)
+        out = sample_and_verify(logits, sampled, batch.masks)
+        scored = [s for s in map(prompt_logprobs.positions, batch.items) if s is not None]
+        if scored:  # each scored position's logits: those of the context up to it
+            tables = {it.request.request_id: it.block_ids for it in batch.items}
+            ctxs = [
+                (tables[s.request_id], s.start + j + 1)
+                for s in scored
+                for j in range(len(s.targets))
+            ]
+            out.prompt_logprobs = prompt_logprobs.score(
+                self.logits(self.next_token_bases(ctxs)), scored
+            )
+        return out
 
     def next_token_bases(self, contexts: list[tuple[list[int], int]]) -> torch.Tensor:
         """The most likely next token after each (block table, ctx) context: a function of the

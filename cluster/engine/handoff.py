@@ -69,6 +69,10 @@ class Handoff:
             raise ValueError("prefill: remote prefill needs an engine in the decode role")
         return Admission(self.num_cached_blocks(req) * self.block_size, remote=False)
 
+    def num_samples(self, req: Request, n: int) -> int:
+        """How many of a request's n samples this engine runs (``parallel``)."""
+        return n
+
     def reserve(self, num_running: int, max_num_seqs: int) -> list[KVReservation]:
         return []
 
@@ -127,10 +131,18 @@ class PrefillHandoff(Handoff):
     def take_outputs(self) -> list[RequestOutput]:
         return self.stream.take_outputs()
 
+    def num_samples(self, req: Request, n: int) -> int:
+        """The samples' first tokens are drawn here when the prompt fills its last block (they
+        share all of it; the reply carries them); otherwise each sample recomputes the prompt's
+        tail on the decode replica, and none of them exists here."""
+        return n if req.num_prompt_tokens % self.block_size == 0 else 1
+
     def ends_here(self, req: Request) -> bool:
         return req.num_output_tokens >= 1
 
     def hold(self, req: Request) -> list[int]:
+        if not self.block_manager.has_table(req.request_id):
+            return []  # a sample's first token: its KV is its leader's, held under the leader
         self.held.add(req.request_id)
         return self.stream.table(req)  # a streamed prompt: the announced blocks first
 
@@ -167,6 +179,10 @@ class DecodeHandoff(Handoff):
         remote = prefill == "remote" or (
             prefill == "auto" and req.num_prompt_tokens - num_cached > self.threshold
         )
+        if remote and req.params.prompt_logprobs is not None:  # computed where it prefills
+            if prefill == "remote":
+                raise ValueError("prompt_logprobs: needs the prompt prefilled here, not remote")
+            remote = False
         if remote:
             req.status = RequestStatus.WAITING_FOR_KV
             self.kv_waiting.append(req)

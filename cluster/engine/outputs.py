@@ -46,6 +46,9 @@ class RequestOutput:
     num_draft_tokens: int = 0  # speculative drafts verified for the request so far
     num_accepted_tokens: int = 0  # ... of which were accepted
     error: str | None = None
+    # params.prompt_logprobs, on sample 0's first output: None for the first prompt token, then
+    # each next one's (logprob, top k) (``prompt_logprobs``)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
     # Prefill role: the request's part here ended with this output and these blocks (its whole
     # table, prompt order) are held for a decode replica's pull; finish_reason is then None.
     held_block_ids: list[int] | None = None
@@ -150,6 +153,8 @@ class OutputProcessor:
             out.new_logprobs = [lp or 0.0 for lp in em.logprobs[:num_appended]]
             out.new_top_logprobs = [top or [] for top in em.top_logprobs[:num_appended]]
         out.held_block_ids = held_block_ids
+        if req.params.prompt_logprobs is not None and req.num_output_tokens == num_appended:
+            out.prompt_logprobs = [None, *req.prompt_logprobs] if not req.sample_index else None
         return out
 
     def final(self, req: Request) -> RequestOutput:

@@ -4,20 +4,32 @@ A request with n samples is n engine requests. The leader keeps the caller's id 
 goes wherever its prompt goes (prefilled here, or its KV pulled from a prefill replica: one
 prefill and one transfer for all n). Samples 1..n-1 (ids ``rid#i``, seeds ``sample_seed(seed,
 i)``) wait here (``WAITING_FOR_KV``) until the leader's prompt KV is computed, then are forked
-from it: a sample's block table starts with the leader's first ``(P - 1) // block_size`` blocks,
-shared by reference count (as prefix-cache hits are), and the sample computes only the rest of
-the prompt (1 to ``block_size`` tokens, into a block of its own) and draws its first token with
-its own seed.
+from it: a sample's block table starts with the leader's prompt blocks, shared by reference
+count (as prefix-cache hits are). What copy-on-write would do, by the prompt's last block:
 
-That tail recompute stands in for copying the last partial block on write: each sample owns its
-copy of the block its output starts in, as with copy-on-write, with no KV copy kernel in the
-runners; and every sample's first token comes from logits of its own row, so sample i is token
-for token a separate request with seed ``sample_seed(seed, i)``. Cost: up to ``block_size``
-prompt tokens computed per extra sample; memory: a prompt that fills its last block exactly has
-that block held n times instead of once (n - 1 blocks over copy-on-write).
+* **Full** (``P % block_size == 0``): every prompt block is shared and nothing is copied, since
+  each sample's output starts in a new block. The samples' first tokens are drawn from the
+  leader's last-position logits, in the leader's step (``ScheduledRequest.fanout``, sampled
+  by ``spec.verify``), each with its own seed; forked with all P tokens computed, a sample
+  then only decodes. In PD the prefill replica does the same draw (``n`` in the prefill call;
+  its engine's samples end with their first token: ``PrefillHandoff.hold``) and ships the
+  n - 1 tokens in its reply; the decode replica accepts them (``accept_first_token``) before
+  the pulled KV arrives. Chosen over recomputing the last position on the decode side without
+  writing its KV: that needs a no-write path in every runner and attention kernel, and the
+  decode side's logits would come from another kernel than the prefill replica's, which a
+  separate request's first token comes from.
+* **Partial**: the samples share the leader's first ``(P - 1) // block_size`` blocks and each
+  recomputes the rest of the prompt (1 to ``block_size - 1`` tokens) into a block of its own,
+  then draws its first token from its own row. That costs one own block per sample, exactly
+  what copying the partial block would, with no KV copy kernel in the runners; the price is
+  up to ``block_size - 1`` prompt tokens computed per extra sample.
+
+Either way sample i is token for token a separate request with seed ``sample_seed(seed, i)``:
+its first token comes from the logits of the same prompt, drawn with its own seed.
 
 A leader that ends before its KV is computed (its first token stopped it, or the KV never came)
-leaves its samples to prefill on their own (the prefix cache may still serve them).
+leaves its samples to prefill on their own (the prefix cache may still serve them); one whose
+samples already have their first tokens recomputes them the way a preempted request would.
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from cluster.common.sampling_params import MAX_SAMPLES
+from cluster.engine.batch import ScheduledRequest
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.sampler import draw_seed
@@ -96,19 +109,37 @@ class SampleGroups:
                 out.append(s)
         return out
 
-    def _shared_blocks(self, req: Request) -> int:
-        return (req.num_prompt_tokens - 1) // self.block_size
+    def fan_out(self, items: Iterable[ScheduledRequest]) -> None:
+        """Give each leader's step that draws its first token from a full last prompt block
+        its samples to draw theirs from the same row (``ScheduledRequest.fanout``)."""
+        for it in items:
+            leader = it.request
+            samples = self._pending.get(leader.request_id)
+            if samples and self._full(leader) and it.samples and not leader.output_token_ids:
+                it.fanout = [s for s in samples if not s.output_token_ids]
+
+    def _full(self, req: Request) -> bool:
+        return req.num_prompt_tokens % self.block_size == 0
+
+    def _shared_blocks(self, leader: Request, sample: Request) -> int:
+        """All the prompt's blocks for a sample with its first token (a full last block), else
+        the full ones before the block its tail is recomputed into."""
+        if sample.output_token_ids:
+            return leader.num_prompt_tokens // self.block_size
+        return (leader.num_prompt_tokens - 1) // self.block_size
 
     def _kv_ready(self, leader: Request) -> bool:
         bm = self.block_manager
+        p = leader.num_prompt_tokens
+        needed = p if self._full(leader) else (p - 1) // self.block_size * self.block_size
         return (
             leader.status in (RequestStatus.WAITING, RequestStatus.RUNNING)
             and bm.has_table(leader.request_id)
-            and leader.num_computed_tokens >= self._shared_blocks(leader) * self.block_size
+            and leader.num_computed_tokens >= needed
         )
 
     def _fork(self, leader: Request, sample: Request) -> None:
-        h = self._shared_blocks(leader)
+        h = self._shared_blocks(leader, sample)
         if h == 0:
             return  # a prompt within one block: nothing whole to share
         shared = self.block_manager.block_table(leader.request_id)[:h]

@@ -60,6 +60,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # params.prompt_logprobs: position p's (logprob of prompt token p + 1, top k), p < P - 1
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     # Tokens whose KV is in the cache (prompt first, then outputs). All state derives from it.
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at admission (for metrics)

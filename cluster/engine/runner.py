@@ -13,7 +13,7 @@ every transfer relies on:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -37,6 +37,8 @@ class RunnerOutput:
     token_ids: list[int]
     logprobs: list[float] | None
     top_logprobs: list[list[tuple[int, float]]] | None
+    # Requests asking for prompt logprobs: (first position scored, entries) (``prompt_logprobs``)
+    prompt_logprobs: dict[str, tuple[int, list[Any]]] = field(default_factory=dict)
 
     def per_request(self) -> dict[str, EmittedTokens]:
         """The entries grouped by request, in order."""

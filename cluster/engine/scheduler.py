@@ -160,6 +160,8 @@ class Scheduler:
             return n
         # Keep at least one token to compute: its logits give the next token.
         max_hit_blocks = (req.num_tokens - 1) // self.block_size
+        if req.params.prompt_logprobs is not None:  # every position's logits are wanted
+            max_hit_blocks = 0
         hashes = req.update_block_hashes(self.block_size)[:max_hit_blocks]
         hits = bm.match_prefix(hashes, req.all_token_ids)
         num_hit_tokens = len(hits) * self.block_size

@@ -13,6 +13,7 @@ from cluster.common.kv_layout import SCHEMES, KVLayout
 from cluster.common.tokenizer import Tokenizer
 from cluster.config import ClusterConfig
 from cluster.config.model_paths import model_name
+from cluster.engine import prompt_logprobs
 from cluster.engine.attention import AttentionMetadata, PrefillSeq, decode_row_index
 from cluster.engine.kernels import load_paged_decode
 from cluster.engine.kv_codec import kv_codec_for
@@ -119,13 +120,20 @@ class TorchModelRunner:
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         inputs = self.prepare(batch)
         logits = self.forward(inputs)
-        return sample_and_verify(logits, inputs.sampled, batch.masks)
+        s = inputs.sample_rows.shape[0]
+        out = sample_and_verify(logits[:s], inputs.sampled, batch.masks)
+        out.prompt_logprobs = prompt_logprobs.score(logits[s:], inputs.prompt)
+        return out
 
     def forward(self, inputs: ForwardInputs) -> torch.Tensor:
-        """Logits [num_sampled, vocab] (fp32) of the rows sampled: each request's last known
-        token's and, with drafts, each draft's (``ScheduledRequest.num_sampled_rows``)."""
+        """Logits (fp32) of the rows sampled: each request's last known token's and, with
+        drafts, each draft's (``ScheduledRequest.num_sampled_rows``); then the prompt rows
+        scored for prompt logprobs (``prompt_logprobs``)."""
         hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache)
-        return self.model.compute_logits(hidden[inputs.sample_rows])
+        rows = inputs.sample_rows
+        if inputs.prompt:
+            rows = torch.cat([rows, inputs.prompt_rows])
+        return self.model.compute_logits(hidden[rows])
 
     def prepare(self, batch: ScheduledBatch) -> ForwardInputs:
         bs = self.block_size
@@ -138,10 +146,13 @@ class TorchModelRunner:
         positions: list[int] = []
         sample_rows: list[int] = []
         sampled: list[ScheduledRequest] = []
+        prompt: list[prompt_logprobs.PromptRows] = []
+        prompt_rows: list[int] = []
         # Decode rows (a token each, its own context length), attended in one batched pass.
         dec_tables: list[list[int]] = []
         dec_lens: list[int] = []
         for it in decodes:
+            self._score_prompt(it, len(ids), prompt, prompt_rows)
             for p, token in enumerate(it.input_token_ids(), it.request.num_computed_tokens):
                 ids.append(token)
                 positions.append(p)
@@ -160,6 +171,7 @@ class TorchModelRunner:
             end = start + n
             ids.extend(it.input_token_ids())
             row0 = len(positions)
+            self._score_prompt(it, row0, prompt, prompt_rows)
             positions.extend(range(start, end))
             table = it.block_ids[: -(-end // bs)]
             slot_blocks.extend(table[p // bs] for p in range(start, end))
@@ -200,7 +212,18 @@ class TorchModelRunner:
             meta=meta,
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
             sampled=sampled,
+            prompt_rows=torch.tensor(prompt_rows, dtype=torch.long, device=dev),
+            prompt=prompt,
         )
+
+    @staticmethod
+    def _score_prompt(
+        it: ScheduledRequest, row0: int, out: list[prompt_logprobs.PromptRows], rows: list[int]
+    ) -> None:
+        scored = prompt_logprobs.positions(it)
+        if scored is not None:
+            out.append(scored)
+            rows.extend(range(row0, row0 + len(scored.targets)))
 
 
 @dataclass(slots=True)
@@ -210,3 +233,5 @@ class ForwardInputs:
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # [S]: rows whose logits are sampled
     sampled: list[ScheduledRequest]  # the requests of those rows, same order (num_sampled_rows)
+    prompt_rows: torch.Tensor  # rows scored for prompt logprobs, ``prompt``'s in order
+    prompt: list[prompt_logprobs.PromptRows]

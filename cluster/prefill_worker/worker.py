@@ -158,7 +158,9 @@ class PrefillWorker:
         self._leases[rid] = (aloop, ended, outputs)
         try:
             try:
-                await self.engine.add(rid, call.prompt_token_ids, call.params, sink, seed=call.seed)
+                await self.engine.add(
+                    rid, call.prompt_token_ids, call.params, sink, seed=call.seed, n=call.n
+                )
             except ValueError as e:
                 in_engine = False
                 raise PDServeError(ErrorCode.INVALID_ARGUMENT, str(e), call.request_id) from None
@@ -167,8 +169,13 @@ class PrefillWorker:
                 raise PDServeError(
                     ErrorCode.UNAVAILABLE, "the prefill replica is unavailable", call.request_id
                 ) from None
+            samples: list[RequestOutput] = []  # samples' first tokens (a full last block)
             while True:
                 out = await outputs.get()
+                if out is not None and out.index > 0:
+                    if out.new_token_ids:  # the same step's, just before the leader's
+                        samples.append(out)
+                    continue
                 if out is None or out.streamed_block_ids is None:
                     break
                 progress = self._stream(rid, call, out.streamed_block_ids, leased)
@@ -187,6 +194,7 @@ class PrefillWorker:
                 )
             self.num_prefills += 1
             reply = self._reply(call, out, arrival)
+            reply.sample_first_tokens = [_first(o) for o in sorted(samples, key=_index)]
             if out.held_block_ids is None:  # the first token finished it: nothing to pull
                 in_engine = False  # a streamed prompt's pins go with its lease, aborted below
                 yield reply
@@ -257,8 +265,8 @@ class PrefillWorker:
         return PrefillReply(
             request_id=call.request_id,
             first_token_id=out.new_token_ids[0],
-            first_logprob=out.new_logprobs[0] if out.new_logprobs else None,
-            first_top_logprobs=out.new_top_logprobs[0] if out.new_top_logprobs else None,
+            first_logprob=_first(out)[1],
+            first_top_logprobs=_first(out)[2],
             kv=None,
             finish_reason=out.finish_reason,
             num_cached_tokens=out.num_cached_tokens,
@@ -289,3 +297,13 @@ class PrefillWorker:
             "endpoint": self.endpoint,
             "instance_id": self.instance_id,
         }
+
+
+def _first(out: RequestOutput) -> tuple[int, float | None, list[tuple[int, float]] | None]:
+    """An output's first token, with its logprob and top logprobs when asked for."""
+    lp = out.new_logprobs[0] if out.new_logprobs else None
+    return out.new_token_ids[0], lp, out.new_top_logprobs[0] if out.new_top_logprobs else None
+
+
+def _index(out: RequestOutput) -> int:
+    return out.index

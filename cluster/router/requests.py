@@ -7,6 +7,7 @@ types, ranges, token ids outside the vocabulary, prompt + max_tokens beyond the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -510,13 +511,13 @@ class RequestParser:
         n, best_of = self._samples(body, stream)
         logprobs = _int(body, "logprobs")
         echo = bool(_bool(body, "echo"))
-        if echo and logprobs is not None:
-            raise invalid("echo: with logprobs (the prompt's logprobs) is not supported")
         prompt = self._completion_prompt(body.get("prompt"))
         max_tokens = _int(body, "max_tokens")
         # best_of ranks samples by their total logprob: asked for, if the client did not.
         ranked = 0 if logprobs is None and best_of > n else logprobs
         params = self._common_params(body, 16 if max_tokens is None else max_tokens, ranked)
+        if echo and logprobs is not None:  # the prompt's logprobs too (engine: prompt_logprobs)
+            params = dataclasses.replace(params, prompt_logprobs=logprobs)
         deadline = self.deadline(_int(body, "timeout_ms"))
         parsed = self.finish(rid, prompt, params, deadline, "completion", stream, include_usage)
         parsed.n, parsed.best_of = n, best_of

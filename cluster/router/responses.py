@@ -7,6 +7,7 @@ The OpenAI shapes follow the public API reference (``text_completion``, ``chat.c
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -145,8 +146,10 @@ class _TokenText:
 
 
 def _completion_logprobs(
-    chunk: StreamChunk, text_of: _TokenText, offset: int
+    chunk: StreamChunk, text_of: _TokenText, offset: int, prompt: list[int] | None = None
 ) -> dict[str, Any] | None:
+    """OpenAI's legacy logprobs; with ``echo`` (``prompt``: its token ids) the chunk that
+    starts the choice leads with the prompt's tokens: null for the first, offsets from 0."""
     if chunk.logprobs is None:
         return None
     tokens = [text_of(t) for t in chunk.token_ids]
@@ -155,12 +158,28 @@ def _completion_logprobs(
         offsets.append(offset)
         offset += len(tok)
     tops = chunk.top_logprobs or [[] for _ in chunk.logprobs]
-    return {
+    out: dict[str, Any] = {
         "tokens": tokens,
         "token_logprobs": list(chunk.logprobs),
         "top_logprobs": [{text_of(t): v for t, v in top} for top in tops],
         "text_offset": offsets,
     }
+    if prompt is None or chunk.prompt_logprobs is None:
+        return out
+    entries = chunk.prompt_logprobs
+    ptokens = [text_of(t) for t in prompt]
+    poffsets = [0, *itertools.accumulate(len(t) for t in ptokens)][:-1]
+    out["tokens"] = ptokens + out["tokens"]
+    out["token_logprobs"] = [e[0] if e else None for e in entries] + out["token_logprobs"]
+    ptops = [{text_of(t): v for t, v in e[1]} if e else None for e in entries]
+    out["top_logprobs"] = ptops + out["top_logprobs"]
+    out["text_offset"] = poffsets + offsets
+    return out
+
+
+def _echoed(parsed: ParsedRequest) -> list[int] | None:
+    """The prompt's ids when its logprobs are echoed (completions, echo with logprobs)."""
+    return parsed.prompt_token_ids if parsed.params.prompt_logprobs is not None else None
 
 
 def _chat_logprobs(chunk: StreamChunk, text_of: _TokenText) -> dict[str, Any] | None:
@@ -186,8 +205,10 @@ def _merge(chunks: Iterable[StreamChunk]) -> tuple[StreamChunk, Usage | None]:
     lps: list[float] | None = None
     tops: list[list[tuple[int, float]]] | None = None
     finish, usage, index = None, None, 0
+    prompt_logprobs = None
     for c in chunks:
         rid, index = c.request_id, c.index
+        prompt_logprobs = prompt_logprobs or c.prompt_logprobs
         ids.extend(c.token_ids)
         texts.append(c.text)
         if c.logprobs is not None:
@@ -196,6 +217,7 @@ def _merge(chunks: Iterable[StreamChunk]) -> tuple[StreamChunk, Usage | None]:
         finish = c.finish_reason or finish
         usage = c.usage or usage
     merged = StreamChunk(rid, ids, "".join(texts), lps, tops, finish, usage, index)
+    merged.prompt_logprobs = prompt_logprobs
     return merged, usage
 
 
@@ -236,7 +258,9 @@ def aggregate_completion(
             {
                 "index": c.index,
                 "text": echo + c.text,
-                "logprobs": _completion_logprobs(c, _TokenText(tokenizer), len(echo)),
+                "logprobs": _completion_logprobs(
+                    c, _TokenText(tokenizer), len(echo), _echoed(parsed)
+                ),
                 "finish_reason": c.finish_reason or "stop",
             }
             for c in merged
@@ -322,7 +346,7 @@ class CompletionStream(_Stream):
         offset = self.offsets.get(chunk.index)
         text = chunk.text if offset is not None else (self.parsed.echo or "") + chunk.text
         offset = offset if offset is not None else len(text) - len(chunk.text)
-        logprobs = _completion_logprobs(chunk, self.text_of, offset)
+        logprobs = _completion_logprobs(chunk, self.text_of, offset, _echoed(self.parsed))
         self.offsets[chunk.index] = offset + len(chunk.text)
         return {
             "index": chunk.index,

@@ -26,6 +26,7 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cluster.common.sampling_params import SamplingParams
 from cluster.engine.engine import LLMEngine
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from tests.helpers import fake_config, greedy, run_until_done
@@ -292,8 +293,48 @@ def test_tokenize_detokenize_echo_logit_bias_and_stop_strings(app: App) -> None:
         head = plain.choices[0].text[: plain.choices[0].text.index(stop)]
         assert cut.choices[0].text == (head + stop if include else head)
         assert cut.choices[0].finish_reason == "stop"
-    status, err = http(app, "/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1})
-    assert status == 400 and err["error"]["param"] == "echo"
+    app.assert_clean()
+
+
+def test_echo_with_logprobs_returns_the_prompts_logprobs(app: App) -> None:
+    """Completions with echo and logprobs (engine: prompt_logprobs, prefilled where the decode
+    replica is): the prompt's tokens lead each choice's logprobs, streamed or not, through the
+    official client, equal to an offline engine's; the completion's part equals a request
+    without echo."""
+    p = prompt(6, 40)  # long enough for a remote prefill: such requests prefill locally
+    engine = LLMEngine(app.config)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    engine.add("ref", p, params)
+    ref = None
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        ref = ref or next((o.prompt_logprobs for o in outs if o.prompt_logprobs), None)
+    assert ref is not None and len(ref) == len(p)
+
+    client = openai.OpenAI(base_url=app.cluster.http_url + "/v1", api_key=KEY)
+    model = client.models.list().data[0].id
+    kw: dict[str, Any] = {"model": model, "max_tokens": 4, "temperature": 0, "logprobs": 2}
+    kw["extra_body"] = {"ignore_eos": True}
+    plain = client.completions.create(prompt=p, **kw).choices[0]
+    echoed = client.completions.create(prompt=p, echo=True, **kw).choices[0]
+    lp, base = echoed.logprobs, plain.logprobs
+    assert lp is not None and base is not None and base.tokens is not None
+    assert echoed.text.endswith(plain.text) and len(echoed.text) > len(plain.text)
+    assert lp.tokens is not None and len(lp.tokens) == len(p) + 4
+    assert lp.tokens[len(p) :] == base.tokens
+    assert lp.token_logprobs is not None and lp.token_logprobs[len(p) :] == base.token_logprobs
+    expected = [None] + [pytest.approx(e[0], abs=1e-6) for e in ref[1:]]
+    assert lp.token_logprobs[: len(p)] == expected
+    assert lp.top_logprobs is not None and lp.top_logprobs[0] is None
+    assert all(1 <= len(t) <= 2 for t in lp.top_logprobs[1:])
+    assert lp.text_offset is not None and lp.text_offset[0] == 0
+    assert lp.text_offset == sorted(lp.text_offset)
+    streamed = list(client.completions.create(prompt=p, echo=True, stream=True, **kw))
+    first = streamed[0].choices[0]
+    assert first.text.startswith(echoed.text[:10]) and first.logprobs is not None
+    assert first.logprobs.token_logprobs is not None
+    assert first.logprobs.token_logprobs[: len(p)] == expected
+    assert "".join(c.choices[0].text for c in streamed) == echoed.text
     app.assert_clean()
 
 

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from cluster.engine.batch import ScheduledRequest, TokenMasks
+from cluster.engine.request import Request
 from cluster.engine.runner import RunnerOutput
 from cluster.engine.sampler import SampleRequest, sample
 
@@ -83,7 +84,9 @@ def sample_and_verify(
         live = still
         j += 1
     result = RunnerOutput([], [], [] if want_logprobs else None, [] if want_logprobs else None)
-    for it, tokens in zip(items, emitted, strict=True):
+    for i, (it, tokens) in enumerate(zip(items, emitted, strict=True)):
+        if it.fanout:  # its samples' first tokens, before its own (``parallel``)
+            _fan_out(logits[first_row[i]], it.fanout, result)
         for token, lp, top in tokens:
             result.request_ids.append(it.request.request_id)
             result.token_ids.append(token)
@@ -91,3 +94,16 @@ def sample_and_verify(
                 result.logprobs.append(lp)
                 result.top_logprobs.append(top)
     return result
+
+
+def _fan_out(row: torch.Tensor, samples: Sequence[Request], result: RunnerOutput) -> None:
+    """Each sample's first token from its leader's last prompt row (masked already), drawn
+    with the sample's own seed: what a request of its own would draw from the same logits."""
+    rows = [sample_request(ScheduledRequest(s, 0, [])) for s in samples]
+    out = sample(row.unsqueeze(0).expand(len(rows), -1), rows)
+    for k, s in enumerate(samples):
+        result.request_ids.append(s.request_id)
+        result.token_ids.append(out.token_ids[k])
+        if result.logprobs is not None and result.top_logprobs is not None:
+            result.logprobs.append(out.logprobs[k] if out.logprobs is not None else 0.0)
+            result.top_logprobs.append(out.top_logprobs[k] if out.top_logprobs is not None else [])

@@ -43,9 +43,15 @@ def _run_peak(eng: LLMEngine) -> tuple[dict[str, list[int]], int]:
     return tokens, peak
 
 
+@pytest.mark.parametrize("max_tokens", [64, 16])
 @pytest.mark.parametrize("caching", [True, False])
 @pytest.mark.parametrize("prompt_len", [512, 500])
-def test_n8_on_a_512_token_prompt_holds_the_block_bound(caching: bool, prompt_len: int) -> None:
+def test_n8_on_a_512_token_prompt_holds_the_block_bound(
+    caching: bool, prompt_len: int, max_tokens: int
+) -> None:
+    """512 tokens fill their last block: the samples share all 32 prompt blocks, nothing is
+    recomputed; 500 do not: each sample recomputes its 4-token tail into a block of its own
+    (what copying the partial block would hold)."""
     overrides = {
         "cache.num_blocks": 400,
         "cache.enable_prefix_caching": caching,
@@ -53,19 +59,31 @@ def test_n8_on_a_512_token_prompt_holds_the_block_bound(caching: bool, prompt_le
         "scheduler.max_num_seqs": 16,
     }
     eng = LLMEngine(fake_config(**overrides))
-    max_tokens = 64
     eng.add("r", _prompt(prompt_len), _sampled(max_tokens), n=8)
+    fed: list[int] = []
+    execute = eng.runner.execute
+    eng.runner.execute = lambda b: fed.append(b.num_batched_tokens) or execute(b)  # type: ignore[method-assign]
     tokens, peak = _run_peak(eng)
+    # The prompt once, then 8 x (max_tokens - 1) decodes; a partial last block adds 7 tails.
+    tails = 7 * (prompt_len % 16)
+    assert sum(fed) == prompt_len + tails + 8 * (max_tokens - 1), sum(fed)
     assert sorted(tokens) == sorted(sample_ids("r", 8))
     assert all(len(t) == max_tokens for t in tokens.values())
     bm = eng.block_manager
     one_prompt_plus_8_outputs = bm.blocks_needed(prompt_len) + 8 * bm.blocks_needed(max_tokens)
-    assert peak <= 1.15 * one_prompt_plus_8_outputs, (peak, one_prompt_plus_8_outputs)
+    if prompt_len == 512 or max_tokens == 64:  # the issue's bound (512: at any output length)
+        assert peak <= 1.15 * one_prompt_plus_8_outputs, (peak, one_prompt_plus_8_outputs)
     # Unshared, the 8 samples would hold 8 prompts.
     assert peak < 8 * bm.blocks_needed(prompt_len + max_tokens) / 3
-    # Only the prompt's last block is computed per extra sample: 7 x at most 16 tokens.
-    computed = eng.stats()["num_prompt_tokens"]
-    assert computed == prompt_len  # the prompt counts once
+    if prompt_len % bm.block_size == 0:  # copy-on-write's count: nothing to copy
+        assert peak == one_prompt_plus_8_outputs, (peak, one_prompt_plus_8_outputs)
+    else:  # one own (tail) block per sample, its outputs continuing in it: 500 tokens with
+        # 16-token outputs hold 47 blocks, 1.175x, as copying the tail block would (31 shared,
+        # then 4 prompt + 12 output tokens in each copy and 4 more in a block after it)
+        tail = prompt_len % bm.block_size
+        own = bm.blocks_needed(tail + max_tokens)
+        assert peak == bm.blocks_needed(prompt_len) - 1 + 8 * own, peak
+    assert eng.stats()["num_prompt_tokens"] == prompt_len  # the prompt counts once
     _idle_clean(eng)
 
 
@@ -140,11 +158,12 @@ def test_each_sample_is_a_separate_request_with_its_seed(
     _idle_clean(eng)
 
 
+@pytest.mark.parametrize("prompt_len", [130, 128])  # the last block partial, or full
 @pytest.mark.parametrize("when", ["waiting", "prefilling", "decoding"])
-def test_cancelling_frees_every_sample(when: str) -> None:
+def test_cancelling_frees_every_sample(when: str, prompt_len: int) -> None:
     eng = LLMEngine(fake_config(**{"cache.num_blocks": 200, "scheduler.max_num_seqs": 16}))
     eng.add("keep", _prompt(30, 1), greedy(40))
-    eng.add("r", _prompt(130), _sampled(40), n=8)
+    eng.add("r", _prompt(prompt_len), _sampled(40), n=8)
     finals: dict[str, str | None] = {}
     steps = {"waiting": 0, "prefilling": 2, "decoding": 14}[when]
     for _ in range(steps):
@@ -173,10 +192,12 @@ def test_bad_n_is_refused_naming_the_field() -> None:
     _idle_clean(eng)
 
 
-def test_decode_role_forks_the_samples_from_the_one_pulled_prompt() -> None:
+@pytest.mark.parametrize("prompt_len", [45, 48])  # the last block partial, or full
+def test_decode_role_forks_the_samples_from_the_one_pulled_prompt(prompt_len: int) -> None:
     """PD on one decode engine: the leader's KV is copied in once (one prefill, one transfer);
-    the other samples fork from it when it arrives, and equal a colocated run."""
-    p = _prompt(45)
+    the other samples fork from it when it arrives, and equal a colocated run. A full last
+    block: the prefill engine draws the samples' first tokens too, and none is recomputed."""
+    p = _prompt(prompt_len)
     params = _sampled(10)
     local = LLMEngine(fake_config())
     local.add("x", p, params, seed=7, n=3)
@@ -184,22 +205,39 @@ def test_decode_role_forks_the_samples_from_the_one_pulled_prompt() -> None:
 
     pre = LLMEngine(fake_config(), role="prefill")
     dec = LLMEngine(fake_config(**{"cache.num_blocks": 40}), role="decode")
-    pre.add("x", p, params, seed=7)
+    pre.add("x", p, params, seed=7, n=3)
     first = None
+    sample_firsts: dict[str, list[int]] = {}
     while pre.has_unfinished_requests() and first is None:
-        first = next((o for o in pre.step() if o.held_block_ids), None)
+        for o in pre.step():
+            if o.index:
+                assert o.finished and o.held_block_ids == []  # nothing of its own held
+                sample_firsts[o.request_id] = o.new_token_ids
+            elif o.held_block_ids:
+                first = o
     assert first is not None and first.held_block_ids is not None
+    full = prompt_len % 16 == 0
+    assert sorted(sample_firsts) == (sample_ids("x", 3)[1:] if full else [])
     assert dec.add("x", p, params, prefill="remote", seed=7, n=3).remote
     dec.step()
     (res,) = dec.take_reservations()  # one reservation, one transfer, for the three samples
-    dec.runner.kv_cache[res.block_ids] = pre.runner.kv_cache[first.held_block_ids]
+    held = first.held_block_ids  # the reservation has room for the first token's KV too
+    dec.runner.kv_cache[res.block_ids[: len(held)]] = pre.runner.kv_cache[held]
     assert pre.release("x")
     dec.accept_first_token("x", first.new_token_ids[0])
+    for sid, tokens in sample_firsts.items():
+        dec.accept_first_token(sid, tokens[0])
     assert dec.stats()["num_samples_waiting"] == 2
     dec.kv_arrived("x")
+    fed: list[int] = []
+    execute = dec.runner.execute
+    dec.runner.execute = lambda b: fed.append(b.num_batched_tokens) or execute(b)  # type: ignore[method-assign]
     rest = run_until_done(dec)
-    rest["x"] = first.new_token_ids + rest["x"]
+    for rid, tokens in (("x", first.new_token_ids), *sample_firsts.items()):
+        rest[rid] = tokens + rest[rid]
     assert rest == expected
+    # Decode steps only (9 more tokens each), plus each sample's recomputed tail if partial.
+    assert sum(fed) == 3 * 9 + (0 if full else 2 * (prompt_len % 16))
     assert dec.stats()["num_prompt_tokens"] == len(p)
     _idle_clean(dec)
     pre.check_integrity()

@@ -243,3 +243,25 @@ def test_preemption_by_recompute_keeps_the_grammar_state() -> None:
         engine.check_integrity()
     assert runs[0] == runs[1]
     check_outputs(runs[1], {name: SCHEMAS[name] for name in runs[1]})
+
+
+def test_n_samples_of_a_full_last_block_each_follow_the_grammar() -> None:
+    """n = 4 on a 32-token prompt: the samples' first tokens are drawn from the leader's masked
+    row (``parallel``), each matcher then advances on its own; a separate seeded request per
+    sample gives the same outputs."""
+    from cluster.engine.parallel import sample_ids, sample_seed
+
+    name, schema = next(iter(SCHEMAS.items()))
+    prompt = [5 + i % 50 for i in range(32)]
+    params = SamplingParams(temperature=0.8, max_tokens=200, json_schema=json.dumps(schema))
+    alone = LLMEngine(fake_config(**ASCII, **{"cache.enable_prefix_caching": False}))
+    for i in range(4):
+        alone.add(f"a{i}", prompt, params, seed=sample_seed(21, i))
+    expected = _run(alone)
+    engine = LLMEngine(fake_config(**ASCII))
+    engine.add("r", prompt, params, seed=21, n=4)
+    got = _run(engine)
+    assert [got[rid] for rid in sample_ids("r", 4)] == [expected[f"a{i}"] for i in range(4)]
+    valid, cut = check_outputs(got, dict.fromkeys(got, schema))
+    assert valid + cut == 4, name
+    engine.check_integrity()

@@ -216,7 +216,6 @@ def test_chat_defaults_and_logprobs(parser: RequestParser) -> None:
         ({"prompt": "x", "n": 17}, ErrorCode.INVALID_ARGUMENT, "n"),
         ({"prompt": "x", "n": 2, "best_of": 1}, ErrorCode.INVALID_ARGUMENT, "best_of"),
         ({"prompt": "x", "best_of": 3, "stream": True}, ErrorCode.INVALID_ARGUMENT, "best_of"),
-        ({"prompt": "x", "echo": True, "logprobs": 1}, ErrorCode.INVALID_ARGUMENT, "echo"),
         ({"prompt": "x", "logit_bias": [1]}, ErrorCode.INVALID_ARGUMENT, "logit_bias"),
         ({"prompt": "x", "logit_bias": {"a": 1}}, ErrorCode.INVALID_ARGUMENT, "logit_bias"),
         ({"prompt": "x", "logit_bias": {"5": "1"}}, ErrorCode.INVALID_ARGUMENT, "logit_bias"),
@@ -337,6 +336,11 @@ def test_n_best_of_echo_logit_bias_and_stop_strings_map_onto_the_call(
     assert code_of(parser.from_grpc, grpc_req(prompt="hi", sampling={"n": 0}))[1].startswith("n:")
     ids = parser.from_completion({"prompt": [5, 6], "echo": True})
     assert ids.echo == " t5 t6"  # token ids echo as their text
+    assert ids.params.prompt_logprobs is None
+    scored = parser.from_completion({"prompt": [5, 6], "echo": True, "logprobs": 2})
+    assert (scored.params.prompt_logprobs, scored.params.logprobs) == (2, 2)
+    plain = parser.from_completion({"prompt": [5, 6], "logprobs": 2})
+    assert plain.params.prompt_logprobs is None  # without echo the prompt's are not computed
 
 
 def test_tokenize_and_detokenize(parser: RequestParser) -> None:

@@ -242,5 +242,32 @@ def test_echo_prepends_the_prompt_to_each_choice() -> None:
     assert texts == {0: "t1 t2 t3 t7 t10 t11", 1: "t1 t2 t3 t8 t9"}
 
 
+def test_echo_with_logprobs_leads_each_choice_with_the_prompt_tokens() -> None:
+    """OpenAI's legacy shape: the prompt's tokens first (null logprob for the first), their
+    offsets from 0, then the completion's; streamed, the choice's first chunk carries them."""
+    prompt_lps = [None, (-1.0, [(2, -0.5)]), (-2.0, [(1, -0.25)])]
+    stream = [
+        StreamChunk("r", [7], " t7", [-0.5], [[(7, -0.5)]], prompt_logprobs=prompt_lps),
+        StreamChunk("r", [8], " t8", [-0.25], [[(8, -0.25)]], "length", Usage(3, 2)),
+    ]
+    p = parsed("completion", echo=True, logprobs=1)
+    assert p.params.prompt_logprobs == 1
+    # (openai's pydantic types declare float items, though the API sends that null: the client
+    # does not validate responses, so it is checked here as JSON; tests/serve reads it back.)
+    choice = aggregate_completion(p, "m", stream, TOK)["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"] == "t1 t2 t3 t7 t8"
+    assert lp["tokens"] == [" t1", " t2", " t3", " t7", " t8"]
+    assert lp["token_logprobs"] == [None, -1.0, -2.0, -0.5, -0.25]
+    tops = [None, {" t2": -0.5}, {" t1": -0.25}, {" t7": -0.5}, {" t8": -0.25}]
+    assert lp["top_logprobs"] == tops
+    assert lp["text_offset"] == [0, 3, 6, 8, 11]
+    fmt = CompletionStream(parsed("completion", echo=True, logprobs=1, stream=True), "m", TOK)
+    events = [e for ch in stream for e in fmt.events(ch)] + list(fmt.finish())
+    first, second = (x["choices"][0]["logprobs"] for x in sse_payloads(events))
+    assert first["tokens"] == [" t1", " t2", " t3", " t7"] and first["token_logprobs"][0] is None
+    assert second["tokens"] == [" t8"] and second["text_offset"] == [11]
+
+
 def test_grpc_chunk_carries_the_sample_index() -> None:
     assert [grpc_chunk(c).index for c in sample_chunks()] == [0, 1, 1, 0]

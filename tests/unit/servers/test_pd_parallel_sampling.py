@@ -5,6 +5,7 @@ once, at the very end; cancelling mid-stream frees every sample in both pools.""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -35,11 +36,30 @@ def _by_index(chunks: list[StreamChunk], n: int) -> list[list[int]]:
     return tokens
 
 
-@pytest.mark.parametrize("prompt_len", [6, 45])  # local prefill (short), remote prefill
+def _count_decode_steps(pair: Pair) -> dict[str, int]:
+    """Wraps the decode engine's runner: prompt tokens it computes, its peak blocks in use."""
+    eng = pair.decode.engine._engine
+    execute = eng.runner.execute
+    seen = {"prompt_tokens": 0, "peak_blocks": 0}
+
+    def counting(batch: Any) -> Any:
+        for it in batch.items:
+            r = it.request
+            seen["prompt_tokens"] += max(0, r.num_prompt_tokens - r.num_computed_tokens)
+        seen["peak_blocks"] = max(seen["peak_blocks"], eng.block_manager.num_used_blocks)
+        return execute(batch)
+
+    eng.runner.execute = counting
+    return seen
+
+
+# local prefill (short); remote, the last block partial; remote, the last block full
+@pytest.mark.parametrize("prompt_len", [6, 45, 48])
 def test_n_samples_one_prefill_one_transfer(prompt_len: int) -> None:
     prompt = _prompt(prompt_len, 4)
     expected = _oracle(prompt, 4)
     pair = Pair()
+    decode_steps = _count_decode_steps(pair)
     try:
         call = GenerateCall("x", prompt, hash_block_tokens(prompt, 16), PARAMS, n=4)
         chunks = asyncio.run(_collect(pair.decode, call))
@@ -55,6 +75,32 @@ def test_n_samples_one_prefill_one_transfer(prompt_len: int) -> None:
         assert usage.prefill_mode == ("remote" if remote else "local")
         assert pair.client.calls == int(remote)  # one prefill for all four
         assert pair.decode.stats()["transfer"].get("transfers_ok", 0) == int(remote)
+        if remote and prompt_len % 16 == 0:
+            # The prefill replica drew all four first tokens: nothing of the prompt is computed
+            # here, and the samples share all 3 prompt blocks (+ one own block each).
+            assert decode_steps["prompt_tokens"] == 0
+            assert decode_steps["peak_blocks"] == 3 + 4
+        elif remote:  # each extra sample recomputes the 13-token tail into a block of its own
+            assert decode_steps["prompt_tokens"] == 3 * (prompt_len % 16)
+        pair.wait_idle_clean()
+    finally:
+        pair.close()
+
+
+def test_n8_on_a_512_token_prompt_holds_the_block_bound_through_pd() -> None:
+    prompt = _prompt(512, 3)
+    params = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True, seed=9)
+    pair = Pair(**{"model.max_model_len": 1024})
+    decode_steps = _count_decode_steps(pair)
+    try:
+        call = GenerateCall("b", prompt, hash_block_tokens(prompt, 16), params, n=8)
+        chunks = asyncio.run(_collect(pair.decode, call))
+        assert [len(t) for t in _by_index(chunks, 8)] == [16] * 8
+        one_prompt_plus_8_outputs = 512 // 16 + 8 * 1
+        assert decode_steps["peak_blocks"] <= 1.15 * one_prompt_plus_8_outputs, decode_steps
+        assert decode_steps["peak_blocks"] == one_prompt_plus_8_outputs  # copy-on-write's count
+        assert decode_steps["prompt_tokens"] == 0
+        assert pair.client.calls == 1
         pair.wait_idle_clean()
     finally:
         pair.close()
