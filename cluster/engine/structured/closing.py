@@ -10,15 +10,16 @@ The plan is built one token at a time by a fixed rule, a function of the grammar
 (so a decode replica that replays the same tokens gets the same plan):
 
   1. the state accepts: done;
-  2. the grammar forces tokens (``compute_ff_tokens``): the first of them (forced bytes are on
-     every completion; one forced token can carry several of them);
-  3. else the first allowed of a short candidate list of single-character tokens, in an order
-     that shortens the document: ``}`` and ``]`` when they close a structure (a ``"`` cannot
-     follow them; inside a string they are content and skipped), ``"`` (ends a string, or
-     starts the empty one), ``,`` (a required property or item is still missing: more digits
-     would only lengthen a number), digits (``0`` first: the shortest number), ``t f n``
-     (``true``, ``false``, ``null``, the rest forced), ``[ {``, then letters and the rest of
-     printable ASCII (an enum, a pattern, a ``minLength``);
+  2. the grammar forces bytes (``compute_ff_bytes``): their tokens (the vocabulary's own
+     tokenization, as far as the grammar allows it; forced bytes are on every completion);
+  3. else the first allowed of a short list of single-character tokens, in an order that
+     shortens the document: ``}`` and ``]`` when they close a structure (a ``"`` cannot follow
+     them; inside a string they are content and skipped), ``"`` (ends a string, or starts the
+     empty one), ``t n f`` (``true``, ``null``, ``false``, the rest forced), the other letters
+     but ``e E`` (string content, an enum, a pattern), ``,`` (a property or item is still
+     missing: a digit would only lengthen the number), digits (``0`` first: the shortest
+     number; the first after which the number may end, so ``-0.0`` does not spin in zeros),
+     ``[ {``, ``e E``, then the rest of printable ASCII;
   4. else (the vocabulary has no such single-character token) the lowest allowed token.
 
 Greedy, not a search: the plan is short (a closing brace per open structure, one shortest
@@ -53,6 +54,8 @@ class Closer:
         self._structural = [single[b] for b in _STRUCTURAL if b in single]
         self._quote = single.get(ord('"'))
         self._order = [single[b] for b in _ORDER if b in single]
+        self._digits = {single[b] for b in b"0123456789" if b in single}
+        self._terminators = [single[b] for b in b',}]"' if b in single]
         self.num_plans = 0
         self.num_plan_tokens = 0
 
@@ -91,14 +94,26 @@ class Closer:
         for token in self._structural:
             if m.validate_tokens([token]) == 1 and self._closes(m, token):
                 return [token]
+        fallback: int | None = None
         for token in self._order:
             if m.validate_tokens([token]) == 1:
-                return [token]
+                if token not in self._digits or self._ends_after(m, token):
+                    return [token]
+                fallback = token if fallback is None else fallback
+        if fallback is not None:  # no digit lets the number end yet (``-0.0``): the first
+            return [fallback]
         allowed = np.flatnonzero(
             np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")
         )
         allowed = allowed[allowed != self.eos]
         return [int(allowed[0])] if allowed.size else []
+
+    def _ends_after(self, m: llguidance.LLMatcher, token: int) -> bool:
+        """After the digit ``token`` the number may end (``0`` again would spin: ``-0.000``)."""
+        m.consume_token(token)
+        ends = m.is_accepting() or any(m.validate_tokens([t]) == 1 for t in self._terminators)
+        m.rollback(1)
+        return ends
 
     def _closes(self, m: llguidance.LLMatcher, token: int) -> bool:
         """``}`` / ``]`` ends a structure (not string content): no ``"`` may follow it."""
