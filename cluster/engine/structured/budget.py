@@ -69,9 +69,7 @@ class BudgetGuard:
                 self.num_lost += 1
         return None if track.lost else track.plan
 
-    def choose(
-        self, request_id: str, matcher: llguidance.LLMatcher, token: int, left: int
-    ) -> int:
+    def choose(self, request_id: str, matcher: llguidance.LLMatcher, token: int, left: int) -> int:
         """The token to append for a sampled ``token`` with ``left`` tokens of budget left."""
         track = self._tracks.get(request_id)
         if track is None or left - 1 >= track.window or matcher.is_stopped():

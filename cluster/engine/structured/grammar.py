@@ -3,9 +3,9 @@
 A schema compiles once per replica (``GrammarCache``, keyed by the SHA-256 of its text): the
 cached entry is a fresh matcher, and each request gets a ``deep_copy`` of it (cheap: the
 lexer and parser tables are shared), and the closing of its empty document (``closing``: the
-schema's shortest document, what admission checks ``max_tokens`` against). The vocabulary (``LLTokenizer``) is built once, on the
-first structured request: every token's bytes, from the model's fast tokenizer or the fake
-runner's ``FakeTokenizer``.
+schema's shortest document, what admission checks ``max_tokens`` against). The vocabulary
+(``LLTokenizer``) is built once, on the first structured request: every token's bytes, from the
+model's fast tokenizer or the fake runner's ``FakeTokenizer``.
 """
 
 from __future__ import annotations
