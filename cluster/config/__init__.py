@@ -9,8 +9,9 @@ variables) returns where they are used.
 
 One module per section: ``model`` (model, cache), ``scheduler``, ``transfer``, ``pools``
 (prefill, decode: routing, autoscaling), ``speculative`` (the decode pool's drafts), ``router``,
-``paths``, ``testing``; ``tree`` joins them into ``ClusterConfig``; ``loading`` turns YAML and
-overrides into it; ``model_paths`` says where models live on disk.
+``structured`` (grammar-constrained decoding), ``paths``, ``testing``; ``tree`` joins them into
+``ClusterConfig``; ``loading`` turns YAML and overrides into it; ``model_paths`` says where
+models live on disk.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from cluster.config.pools import (
 from cluster.config.router import RouterConfig
 from cluster.config.scheduler import SchedulerConfig
 from cluster.config.speculative import SPECULATIVE_METHODS, SpeculativeConfig
+from cluster.config.structured import StructuredConfig
 from cluster.config.testing import FakeModelConfig, TestingConfig
 from cluster.config.transfer import _TRANSPORTS, TransferConfig
 from cluster.config.tree import ClusterConfig
@@ -58,6 +60,7 @@ __all__ = [
     "RoutingConfig",
     "SchedulerConfig",
     "SpeculativeConfig",
+    "StructuredConfig",
     "TestingConfig",
     "TransferConfig",
     "advertise_host",

@@ -13,6 +13,7 @@ from cluster.config.pools import DecodePoolConfig, PoolConfig, PrefillPoolConfig
 from cluster.config.router import RouterConfig
 from cluster.config.scheduler import SchedulerConfig
 from cluster.config.schema import apply_dotted, build_dataclass, to_plain
+from cluster.config.structured import StructuredConfig
 from cluster.config.testing import TestingConfig
 from cluster.config.transfer import TransferConfig
 from cluster.config.validation import check
@@ -27,6 +28,7 @@ class ClusterConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     prefill: PrefillPoolConfig = field(default_factory=PrefillPoolConfig)
     decode: DecodePoolConfig = field(default_factory=DecodePoolConfig)
+    structured: StructuredConfig = field(default_factory=StructuredConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     testing: TestingConfig = field(default_factory=TestingConfig)
 

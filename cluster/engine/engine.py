@@ -59,7 +59,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.handoff)
         self.speculator = create_speculator(config.decode.speculative)
         self.samples = SampleGroups(self.block_manager)  # n > 1: samples on shared blocks
-        self.structured = StructuredOutput(config, self.tokenizer, self.vocab_size)
+        self.structured = StructuredOutput(
+            config, self.tokenizer, self.vocab_size, self.max_model_len
+        )
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len, self.structured)
         self.requests: dict[str, Request] = {}
         self._pending_outputs: list[RequestOutput] = []

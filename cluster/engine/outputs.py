@@ -61,11 +61,18 @@ class RequestOutput:
     first_token_time: float | None = None
 
 
+def _logprob_of(token_id: int, top: list[tuple[int, float]] | None) -> float:
+    """A token the model did not sample: its logprob among the step's top ones, else -9999.0
+    (OpenAI's floor for a negligible probability)."""
+    return next((lp for t, lp in top or [] if t == token_id), -9999.0)
+
+
 class GrammarTracker(Protocol):
     """Structured output's per-request matchers (``structured.StructuredOutput``)."""
 
     def add(self, req: Request) -> None: ...
     def forget(self, request_id: str) -> None: ...
+    def choose(self, req: Request, token_id: int) -> int: ...
     def advance(
         self, req: Request, token_id: int, status: RequestStatus | None
     ) -> RequestStatus | None: ...
@@ -129,7 +136,12 @@ class OutputProcessor:
     def append_all(self, req: Request, em: EmittedTokens) -> tuple[RequestStatus | None, int]:
         """Append a step's tokens one by one (each checked for stops) until one ends ``req``;
         returns its finished status (None: it goes on) and how many were appended."""
-        for i, token_id in enumerate(em.token_ids):
+        for i, sampled in enumerate(em.token_ids):
+            token_id = self.structured.choose(req, sampled)  # the grammar's, to close in budget
+            if token_id != sampled:  # only ever the step's last token (its KV is not computed)
+                em.token_ids[i] = token_id
+                if em.logprobs[i] is not None:
+                    em.logprobs[i] = _logprob_of(token_id, em.top_logprobs[i])
             status = self.append(req, token_id, em.logprobs[i], em.top_logprobs[i])
             status = self.structured.advance(req, token_id, status)
             if status is not None:

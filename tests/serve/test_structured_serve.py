@@ -2,11 +2,13 @@
 
 Every schema of the acceptance set, greedy and 8 seeds at temperature 0.8, over HTTP (the
 official openai client, ``response_format``) and gRPC (``json_schema``), remote- and locally-
-prefilled: every output that ends ``stop`` parses and validates; gRPC outputs equal an engine
-run in this process token for token (the decode replica rebuilt the grammar state from the
-prefill replica's first token alone). A ``length`` cut is counted apart (see
-tests/unit/engine/test_structured.py). Bad schemas get a 400 / INVALID_ARGUMENT naming the
-problem without reaching any worker; afterwards no matcher, block or lease is left anywhere.
+prefilled: every output parses and validates, those the budget ended (``length``: the engine
+closes the document within ``max_tokens``, ``structured.close_at_budget``) too, also at budgets
+just over each schema's shortest document; gRPC outputs equal an engine run in this process
+token for token (the decode replica rebuilt the grammar state, and closes the document, from
+the prefill replica's first token alone). Bad schemas get a 400 / INVALID_ARGUMENT naming the
+problem without reaching any worker, and so does a ``max_tokens`` below the schema's shortest
+document (from the engine, naming the minimum); afterwards no matcher, block or lease is left.
 """
 
 from __future__ import annotations
@@ -70,12 +72,17 @@ def _sampling(seed: int | None) -> dict[str, Any]:
 
 
 def _validate(text: str, reason: str | None, schema: dict[str, Any]) -> bool:
-    """True: a valid ``stop`` output; False: cut by ``length`` (counted apart)."""
-    if reason == "length":
-        return False
-    assert reason == "stop", (reason, text)
+    """Every output parses and validates; True: the grammar ended it (``stop``), False: the
+    budget did (``length``: closed within it)."""
+    assert reason in ("stop", "length"), (reason, text)
     jsonschema.validate(json.loads(text), schema)
-    return True
+    return reason == "stop"
+
+
+def _shortest() -> dict[str, int]:
+    """Each schema's shortest document, in tokens (what admission checks max_tokens against)."""
+    cache = LLMEngine(fake_config(**CFG)).structured.cache
+    return {name: len(cache.shortest(json.dumps(s)) or []) for name, s in SCHEMAS.items()}
 
 
 def _structured_stats(app: App) -> list[dict[str, Any]]:
@@ -83,29 +90,32 @@ def _structured_stats(app: App) -> list[dict[str, Any]]:
     return [s["engine"]["structured"] for r in roles for s in app.stats(r).values()]
 
 
-def test_grpc_outputs_validate_and_equal_the_engine(app: App) -> None:
+@pytest.mark.parametrize("budget", ["ample", "tight"])
+def test_grpc_outputs_validate_and_equal_the_engine(app: App, budget: str) -> None:
+    """``ample``: max_tokens 300; ``tight``: each schema's shortest document + 2 tokens."""
+    shortest = _shortest()
+    first = 0 if budget == "ample" else 120  # other prompts: no prefix-cache hit, some remote
     jobs = []
     for i, (name, schema) in enumerate(SCHEMAS.items()):
         for k, seed in enumerate(RUNS):
-            jobs.append((f"{name}.{seed}", _prompt(i * 9 + k, remote=k % 2 == 0), seed, schema))
+            n = MAX_TOKENS if budget == "ample" else shortest[name] + 2
+            jobs.append(
+                (f"{name}.{seed}.{budget}", _prompt(i * 9 + k + first, k % 2 == 0), seed, schema, n)
+            )
     engine = LLMEngine(fake_config(**CFG))
-    for rid, p, seed, schema in jobs:
+    for rid, p, seed, schema, n in jobs:
         engine.add(
-            rid,
-            p,
-            SamplingParams(
-                max_tokens=MAX_TOKENS, json_schema=json.dumps(schema), **_sampling(seed)
-            ),
+            rid, p, SamplingParams(max_tokens=n, json_schema=json.dumps(schema), **_sampling(seed))
         )
     expected: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         for o in engine.step():
             expected.setdefault(o.request_id, []).extend(o.new_token_ids)
 
-    def call(job: tuple[str, list[int], int | None, dict[str, Any]]) -> list[pb.GenerateResponse]:
-        rid, p, seed, schema = job
+    def call(job: tuple[str, list[int], int | None, Any, int]) -> list[pb.GenerateResponse]:
+        rid, p, seed, schema, n = job
         sampling = pb.SamplingParameters(
-            max_tokens=MAX_TOKENS, json_schema=json.dumps(schema), **_sampling(seed)
+            max_tokens=n, json_schema=json.dumps(schema), **_sampling(seed)
         )
         return app.generate(
             pb.GenerateRequest(request_id=rid, token_ids=pb.TokenIds(ids=p), sampling=sampling),
@@ -116,7 +126,7 @@ def test_grpc_outputs_validate_and_equal_the_engine(app: App) -> None:
         results = list(pool.map(call, jobs))
     valid = cut = 0
     modes = set()
-    for (rid, _p, _seed, schema), msgs in zip(jobs, results, strict=True):
+    for (rid, _p, _seed, schema, _n), msgs in zip(jobs, results, strict=True):
         assert [t for m in msgs for t in m.token_ids] == expected[rid], rid
         reason = pb.FinishReason.Name(msgs[-1].finish_reason)
         ok = _validate(
@@ -127,27 +137,31 @@ def test_grpc_outputs_validate_and_equal_the_engine(app: App) -> None:
         valid, cut = valid + ok, cut + (not ok)
         modes.add(msgs[-1].usage.prefill_mode)
     assert modes == {"local", "remote"}
-    assert valid + cut == len(jobs) and cut <= 2, (valid, cut)
+    assert valid + cut == len(jobs), (valid, cut)  # every one parsed and validated
+    assert cut > 0 or budget == "ample"
     app.assert_clean()
     assert all(s["num_active"] == 0 for s in _structured_stats(app))
 
 
-def test_openai_client_outputs_validate_local_and_remote(app: App) -> None:
+@pytest.mark.parametrize("budget", ["ample", "tight"])
+def test_openai_client_outputs_validate_local_and_remote(app: App, budget: str) -> None:
     client = openai.OpenAI(base_url=app.cluster.http_url + "/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
+    shortest = _shortest()
     jobs = []
     for i, (name, schema) in enumerate(SCHEMAS.items()):
         for k, seed in enumerate(RUNS):
             words = 2 if k % 2 else THRESHOLD + 4  # the chat template adds a few: remote
-            content = " ".join(f"w{i}x{j}" for j in range(words))
-            jobs.append((name, seed, schema, content))
+            content = " ".join(f"w{i}x{j}{budget}" for j in range(words))
+            n = MAX_TOKENS if budget == "ample" else shortest[name] + 2
+            jobs.append((name, seed, schema, content, n))
 
-    def call(job: tuple[str, int | None, dict[str, Any], str]) -> tuple[str, str | None, str]:
-        name, seed, schema, content = job
+    def call(job: tuple[str, int | None, Any, str, int]) -> tuple[str, str | None, str]:
+        name, seed, schema, content, n = job
         reply = client.chat.completions.create(
             model=model,
             messages=[{"role": "user", "content": content}],
-            max_tokens=MAX_TOKENS,
+            max_tokens=n,
             response_format={
                 "type": "json_schema",
                 "json_schema": {"name": name, "schema": schema, "strict": True},
@@ -160,11 +174,15 @@ def test_openai_client_outputs_validate_local_and_remote(app: App) -> None:
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(call, jobs))
     valid = cut = 0
-    for (_name, _seed, schema, _c), (text, reason, _mode) in zip(jobs, results, strict=True):
+    for (_name, _seed, schema, _c, _n), (text, reason, _mode) in zip(jobs, results, strict=True):
         ok = _validate(text, reason, schema)
         valid, cut = valid + ok, cut + (not ok)
     assert {mode for _t, _r, mode in results} == {"local", "remote"}
-    assert valid + cut == len(jobs) and cut <= 2, (valid, cut)
+    assert valid + cut == len(jobs), (valid, cut)  # every one parsed and validated
+    assert cut > 0 or budget == "ample"
+    if budget == "tight":
+        app.assert_clean()
+        return
     # JSON mode and plain text (the OpenAI default many clients send) work too.
     reply = client.chat.completions.create(
         model=model,
@@ -173,8 +191,7 @@ def test_openai_client_outputs_validate_local_and_remote(app: App) -> None:
         temperature=0,
         response_format={"type": "json_object"},
     )
-    if reply.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(reply.choices[0].message.content or ""), dict)
+    assert isinstance(json.loads(reply.choices[0].message.content or ""), dict)
     reply = client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": "hi"}],
@@ -221,3 +238,26 @@ def test_bad_schemas_are_refused_before_any_worker(app: App) -> None:
         e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "over the limit" in e.value.details()
     )
     assert calls() == before  # no worker was touched
+
+
+def test_max_tokens_below_the_shortest_document_is_refused_naming_the_minimum(app: App) -> None:
+    need = _shortest()["long_fixed_keys"]
+    schema = SCHEMAS["long_fixed_keys"]
+    sampling = pb.SamplingParameters(max_tokens=need - 1, json_schema=json.dumps(schema))
+    with pytest.raises(grpc.RpcError) as e:
+        app.generate(pb.GenerateRequest(prompt="x", sampling=sampling))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+    assert f"max_tokens must be >= {need}" in e.value.details(), e.value.details()
+    client = openai.OpenAI(base_url=app.cluster.http_url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=need - 1,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "keys", "schema": schema},
+            },
+        )
+    assert f"max_tokens must be >= {need}" in str(bad.value), str(bad.value)
+    app.assert_clean()

@@ -2,9 +2,10 @@
 
 A schema compiles once per replica (``GrammarCache``, keyed by the SHA-256 of its text): the
 cached entry is a fresh matcher, and each request gets a ``deep_copy`` of it (cheap: the
-lexer and parser tables are shared). The vocabulary (``LLTokenizer``) is built once, on the
-first structured request: every token's bytes, from the model's fast tokenizer or the fake
-runner's ``FakeTokenizer``.
+lexer and parser tables are shared), and the closing of its empty document (``closing``: the
+schema's shortest document, what admission checks ``max_tokens`` against). The vocabulary
+(``LLTokenizer``) is built once, on the first structured request: every token's bytes, from the
+model's fast tokenizer or the fake runner's ``FakeTokenizer``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from collections import OrderedDict
 from typing import Any
 
 import llguidance
+
+from cluster.engine.structured.closing import Closer
 
 # Compact JSON, no freedom in whitespace: a small model cannot wander into endless spaces.
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
@@ -98,28 +101,40 @@ def build_vocab(tokenizer: Any, vocab_size: int) -> llguidance.LLTokenizer:
 
 
 class GrammarCache:
-    """Schema text -> a fresh matcher of its grammar (LRU, ``capacity`` entries)."""
+    """Schema text -> a fresh matcher of its grammar and its shortest document's tokens (LRU,
+    ``capacity`` entries)."""
 
     def __init__(self, vocab: llguidance.LLTokenizer, max_bytes: int, capacity: int = 128) -> None:
         self.vocab = vocab
+        self.closer = Closer(vocab)
         self.max_bytes = max_bytes
         self.capacity = capacity
-        self._entries: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[llguidance.LLMatcher, list[int] | None]] = (
+            OrderedDict()
+        )
         self.num_compiled = 0
 
-    def matcher(self, schema_text: str) -> llguidance.LLMatcher:
-        """A new matcher at the start of the schema's grammar; ``ValueError`` if it is bad."""
+    def _entry(self, schema_text: str) -> tuple[llguidance.LLMatcher, list[int] | None]:
         key = hashlib.sha256(schema_text.encode()).hexdigest()
-        template = self._entries.get(key)
-        if template is None:
+        entry = self._entries.get(key)
+        if entry is None:
             template = llguidance.LLMatcher(
                 self.vocab, json_grammar(schema_text, self.max_bytes), log_level=0
             )
             if template.is_error():
                 raise ValueError(f"json_schema: {template.get_error()}")
             self.num_compiled += 1
-            self._entries[key] = template
+            entry = self._entries[key] = (template, self.closer.plan(template))
             while len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
         self._entries.move_to_end(key)
-        return template.deep_copy()
+        return entry
+
+    def matcher(self, schema_text: str) -> llguidance.LLMatcher:
+        """A new matcher at the start of the schema's grammar; ``ValueError`` if it is bad."""
+        return self._entry(schema_text)[0].deep_copy()
+
+    def shortest(self, schema_text: str) -> list[int] | None:
+        """The tokens of the schema's shortest document (the closing of the empty one; None:
+        none within ``Closer.max_steps``)."""
+        return self._entry(schema_text)[1]
