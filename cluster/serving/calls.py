@@ -143,8 +143,18 @@ async def retrying_stream(
             if on_retry is not None:
                 on_retry()
         finally:
-            response.cancel()
+            _cancel(response)
     raise PDServeError(ErrorCode.UNAVAILABLE, "no replica answered", request_id)
+
+
+def _cancel(response: PoolResponse) -> None:
+    """Cancel the call on its replica, best effort. A call Serve never assigned (refused by its
+    backpressure, say) has nothing to cancel, and Ray's ``cancel`` re-raises that refusal: it
+    must not replace the error already on its way to the client (RESOURCE_EXHAUSTED -> INTERNAL)."""
+    try:
+        response.cancel()
+    except Exception as e:  # the call's own outcome is what the caller gets
+        logger.debug("cancelling a pool call: %s", type(e).__name__)
 
 
 async def _next(

@@ -92,3 +92,30 @@ def test_a_silent_replica_after_progress_is_unavailable_within_the_timeout() -> 
     assert "stopped responding" in str(e.value)
     assert hung.cancelled
     assert time.monotonic() - t0 < 3.0
+
+
+class RefusedResponse(FakeResponse):
+    """A call Serve refused before assigning it (its backpressure): the first item raises, and
+    so does ``cancel``, as Ray's ``DeploymentResponseGenerator.cancel`` re-raises the refusal."""
+
+    def __init__(self) -> None:
+        super().__init__("", [])
+
+    async def __anext__(self) -> Any:
+        from ray.serve.exceptions import BackPressureError
+
+        raise BackPressureError(num_queued_requests=32, max_queued_requests=32)
+
+    def cancel(self) -> None:
+        from ray.serve.exceptions import BackPressureError
+
+        self.cancelled = True
+        raise BackPressureError(num_queued_requests=32, max_queued_requests=32)
+
+
+def test_a_call_refused_by_backpressure_stays_resource_exhausted() -> None:
+    refused = RefusedResponse()
+    with pytest.raises(PDServeError) as e:
+        collect([refused], stall_s=0.3)
+    assert e.value.code == ErrorCode.RESOURCE_EXHAUSTED  # not INTERNAL from the cancel
+    assert refused.cancelled
