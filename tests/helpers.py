@@ -39,6 +39,35 @@ def fake_config(**overrides: Any) -> ClusterConfig:
     return make_config(**defaults)
 
 
+def tiny_config(model_dir: Any, **overrides: Any) -> ClusterConfig:
+    """The tiny random Llama at ``model_dir`` (exactness tests): one thread, 16-token chunks."""
+    defaults: dict[str, Any] = {
+        "model.path": str(model_dir),
+        "model.num_threads": 1,
+        "scheduler.chunk_size": 16,
+        "scheduler.max_num_batched_tokens": 64,
+    }
+    defaults.update(overrides)
+    return make_config(**defaults)
+
+
+def remote_prefill(pre: Any, dec: Any, rid: str, prompt: list[int], params: Any, seed: int) -> Any:
+    """Drive one request through a prefill-role and a decode-role engine by hand, as the pools
+    do (prefill, reserve, copy the KV, release, first token, arrival); returns the prefill
+    replica's output, its first token included. ``dec`` then decodes the rest."""
+    pre.add(rid, prompt, params, seed=seed)
+    (first,) = [o for o in pre.step() + pre.step() + pre.step() if o.request_id == rid]
+    assert first.held_block_ids is not None
+    dec.add(rid, prompt, params, prefill="remote", seed=seed)
+    dec.step()
+    (res,) = dec.take_reservations()
+    dec.runner.kv_cache[res.block_ids] = pre.runner.kv_cache[first.held_block_ids]
+    assert pre.release(rid)
+    dec.accept_first_token(rid, first.new_token_ids[0])
+    dec.kv_arrived(rid)
+    return first
+
+
 def greedy(max_tokens: int, **kw: Any) -> SamplingParams:
     """Greedy with EOS ignored: a fixed number of tokens, comparable with a reference."""
     return SamplingParams(

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from cluster.engine.engine import LLMEngine
-from tests.helpers import greedy, make_config, run_until_done
+from tests.helpers import greedy, run_until_done, tiny_config
 from tests.reference import Reference, capture_logits, check_run_against_references, hf_greedy
 
 NUM_NEW = 24
@@ -23,15 +23,7 @@ TEXT = (
 
 
 def _engine(model_dir: Path, **overrides: Any) -> LLMEngine:
-    base = {
-        "model.path": str(model_dir),
-        "model.num_threads": 1,
-        "scheduler.chunk_size": 16,
-        "scheduler.max_num_batched_tokens": 64,
-        "cache.num_blocks": 512,
-    }
-    base.update(overrides)
-    return LLMEngine(make_config(**base))
+    return LLMEngine(tiny_config(model_dir, **{"cache.num_blocks": 512, **overrides}))
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.engine import LLMEngine
 from cluster.engine.parallel import sample_ids, sample_seed
-from tests.helpers import fake_config, greedy, make_config, run_until_done
+from tests.helpers import fake_config, greedy, run_until_done, tiny_config
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:
@@ -125,15 +125,7 @@ def test_seeded_samples_repeat_and_differ_from_each_other() -> None:
 
 
 def _tiny(model_dir: Path, **overrides: Any) -> LLMEngine:
-    base = {
-        "model.path": str(model_dir),
-        "model.num_threads": 1,
-        "scheduler.chunk_size": 16,
-        "scheduler.max_num_batched_tokens": 64,
-        "cache.num_blocks": 256,
-    }
-    base.update(overrides)
-    return LLMEngine(make_config(**base))
+    return LLMEngine(tiny_config(model_dir, **{"cache.num_blocks": 256, **overrides}))
 
 
 @pytest.mark.parametrize("prompt_len", [32, 45])  # the last block full, or partial

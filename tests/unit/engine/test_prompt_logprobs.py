@@ -12,7 +12,7 @@ import torch
 
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.engine import LLMEngine, RequestOutput
-from tests.helpers import fake_config, greedy, make_config
+from tests.helpers import fake_config, greedy, tiny_config
 
 K = 3
 
@@ -22,15 +22,7 @@ def _params(max_tokens: int = 4, k: int | None = K) -> SamplingParams:
 
 
 def _tiny(model_dir: Path, **overrides: Any) -> LLMEngine:
-    base = {
-        "model.path": str(model_dir),
-        "model.num_threads": 1,
-        "scheduler.chunk_size": 16,
-        "scheduler.max_num_batched_tokens": 64,
-        "cache.num_blocks": 128,
-    }
-    base.update(overrides)
-    return LLMEngine(make_config(**base))
+    return LLMEngine(tiny_config(model_dir, **{"cache.num_blocks": 128, **overrides}))
 
 
 def _run(eng: LLMEngine) -> dict[str, list[RequestOutput]]:

@@ -21,7 +21,7 @@ from cluster.common.sampling_params import SamplingParams
 from cluster.common.tokenizer import Tokenizer
 from cluster.engine.engine import LLMEngine
 from cluster.engine.structured import build_vocab
-from tests.helpers import fake_config, make_config
+from tests.helpers import fake_config, make_config, remote_prefill
 from tests.structured_schemas import BAD_SCHEMAS, SCHEMAS
 
 ASCII = {"testing.fake_model.ascii_tokens": True, "cache.num_blocks": 512}
@@ -128,16 +128,8 @@ def test_prefill_replica_constrains_the_first_token_decode_replica_replays_it() 
         expected = _run(local)["x"]
         pre = LLMEngine(fake_config(**ASCII), role="prefill")
         dec = LLMEngine(fake_config(**ASCII), role="decode")
-        pre.add("x", prompt, _params(schema, seed), seed=11)
-        (first,) = [o for o in pre.step() + pre.step() + pre.step() if o.request_id == "x"]
-        assert first.held_block_ids is not None and pre.structured.active_ids() == set()
-        dec.add("x", prompt, _params(schema, seed), prefill="remote", seed=11)
-        dec.step()
-        (res,) = dec.take_reservations()
-        dec.runner.kv_cache[res.block_ids] = pre.runner.kv_cache[first.held_block_ids]
-        assert pre.release("x")
-        dec.accept_first_token("x", first.new_token_ids[0])
-        dec.kv_arrived("x")
+        first = remote_prefill(pre, dec, "x", prompt, _params(schema, seed), seed=11)
+        assert pre.structured.active_ids() == set()
         rest = _run(dec)["x"]
         assert first.new_token_ids + rest[1] == expected[1]
         assert rest[2] == "stop"

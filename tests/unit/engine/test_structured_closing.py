@@ -17,7 +17,7 @@ from cluster.common.tokenizer import FakeTokenizer
 from cluster.engine.engine import LLMEngine
 from cluster.engine.structured import GrammarCache, build_vocab
 from cluster.engine.structured.closing import Closer
-from tests.helpers import fake_config
+from tests.helpers import fake_config, remote_prefill
 from tests.structured_schemas import SCHEMAS
 from tests.unit.engine.test_structured import ASCII, SEEDS, _params, _run, check_outputs
 
@@ -155,16 +155,7 @@ def test_a_decode_replica_closes_exactly_as_a_colocated_engine(seed: int | None)
         expected = _run(local)["x"]
         pre = LLMEngine(fake_config(**ASCII), role="prefill")
         dec = LLMEngine(fake_config(**ASCII), role="decode")
-        pre.add("x", prompt, params, seed=11)
-        (first,) = [o for o in pre.step() + pre.step() + pre.step() if o.request_id == "x"]
-        assert first.held_block_ids is not None
-        dec.add("x", prompt, params, prefill="remote", seed=11)
-        dec.step()
-        (res,) = dec.take_reservations()
-        dec.runner.kv_cache[res.block_ids] = pre.runner.kv_cache[first.held_block_ids]
-        assert pre.release("x")
-        dec.accept_first_token("x", first.new_token_ids[0])
-        dec.kv_arrived("x")
+        first = remote_prefill(pre, dec, "x", prompt, params, seed=11)
         rest = _run(dec)["x"]
         assert first.new_token_ids + rest[1] == expected[1], name
         jsonschema.validate(json.loads(expected[0]), SCHEMAS[name])
