@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from cluster.engine.kernels.quant import BLOCK, Q4_0, Q4_1, Q8_0
+from cluster.engine.models.gguf_index import GGUFIndex, GGUFTensor, read_gguf_index
 from cluster.engine.models.layer_ops import LayerOps
 from cluster.engine.models.llama import LayerWeights, LlamaArch, LlamaModel
 from cluster.engine.models.loader import build_model, read_arch
@@ -68,14 +69,9 @@ def expected_shapes(arch: LlamaArch) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _field(reader: Any, key: str) -> Any:
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
-
-
-def check_gguf(reader: Any, path: Path, arch: LlamaArch) -> dict[str, Any]:
+def check_gguf(index: GGUFIndex, path: Path, arch: LlamaArch) -> dict[str, GGUFTensor]:
     """The tensors to load by name, after checking architecture, names, types and shapes."""
-    gguf_arch = _field(reader, "general.architecture")
+    gguf_arch = index.field("general.architecture")
     if gguf_arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(
             f"{path.name}: GGUF architecture {gguf_arch!r} is not one the quantized loader knows "
@@ -84,7 +80,7 @@ def check_gguf(reader: Any, path: Path, arch: LlamaArch) -> dict[str, Any]:
         )
     if arch.qkv_bias:
         raise ValueError(f"{path.name}: q/k/v biases are not supported by the quantized loader")
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {t.name: t for t in index.tensors}
     shapes = expected_shapes(arch)
     if not arch.tie_word_embeddings:
         shapes["output.weight"] = (arch.vocab_size, arch.hidden_size)
@@ -115,7 +111,7 @@ def rope_row_permutation(rows: int, num_heads: int) -> torch.Tensor:
     return torch.arange(rows).view(num_heads, dim, 2).transpose(1, 2).reshape(rows)
 
 
-def _tensor(t: Any, dtype: torch.dtype, device: torch.device) -> Weight:
+def _tensor(t: GGUFTensor, dtype: torch.dtype, device: torch.device) -> Weight:
     data = torch.from_numpy(np.array(t.data))  # a copy: the file's memory map is let go
     kind = t.tensor_type.name
     if kind in PACKED_TYPES:
@@ -147,11 +143,8 @@ def load_gguf_llama(
     max_model_len: int | None,
     ops: LayerOps,
 ) -> tuple[LlamaModel, Any]:
-    from gguf import GGUFReader
-
     arch, hf_config = read_arch(config_dir)
-    reader = GGUFReader(str(gguf_path))
-    tensors = check_gguf(reader, gguf_path, arch)
+    tensors = check_gguf(read_gguf_index(gguf_path), gguf_path, arch)
 
     def w(name: str) -> Weight:
         return _tensor(tensors[name], dtype, device)
@@ -180,7 +173,7 @@ def load_gguf_llama(
     embed = w("token_embd.weight")
     lm_head = embed if arch.tie_word_embeddings else w("output.weight")
     final_norm = norm("output_norm.weight")
-    tensors.clear()  # the reader and its memory map go with this frame
+    tensors.clear()  # the index and its memory map go with this frame
     model = build_model(
         arch,
         hf_config,

@@ -26,9 +26,79 @@ _MODEL_TYPES = {
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 
 
-def read_hf_config(model_dir: Path) -> Any:
-    from transformers import AutoConfig
+# The transformers config classes' defaults for the fields the loader reads: config.json may
+# leave out a field equal to its class's default. tests/unit/engine/test_checkpoint_config.py
+# checks these against transformers itself. (Llama's num_key_value_heads and head_dim, when
+# absent, follow from the attention heads, as in transformers.)
+_CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "intermediate_size": 11008,
+        "vocab_size": 32000,
+        "rms_norm_eps": 1e-06,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "max_position_embeddings": 2048,
+        "hidden_act": "silu",
+    },
+    "MistralForCausalLM": {
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "vocab_size": 32000,
+        "rms_norm_eps": 1e-06,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 131072,
+        "hidden_act": "silu",
+        "sliding_window": 4096,
+    },
+    "Qwen2ForCausalLM": {
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,  # Qwen2's own default (null still means the heads)
+        "intermediate_size": 22016,
+        "vocab_size": 151936,
+        "rms_norm_eps": 1e-06,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 32768,
+        "hidden_act": "silu",
+        "use_sliding_window": False,
+    },
+}
 
+
+class CheckpointConfig:
+    """A checkpoint's config.json over its architecture's defaults, read as attributes.
+
+    Importing transformers to parse config.json costs about 4 s of one core at every replica
+    start; the loader needs a dozen numbers from it. Only a RoPE scaling that transformers
+    computes (llama3, yarn, ...) loads the transformers config (``transformers_config``)."""
+
+    def __init__(self, model_dir: Path, values: dict[str, Any]) -> None:
+        self.model_dir = model_dir
+        self._values = values
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.__dict__["_values"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self._values)
+
+    def transformers_config(self) -> Any:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.model_dir, local_files_only=True)
+
+
+def read_hf_config(model_dir: Path) -> tuple[CheckpointConfig, str]:
     with (model_dir / "config.json").open() as f:
         raw = json.load(f)
     archs = raw.get("architectures") or []
@@ -40,7 +110,8 @@ def read_hf_config(model_dir: Path) -> Any:
             f"model.path: unsupported architecture {archs or raw.get('model_type')!r} in "
             f"{model_dir}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    return AutoConfig.from_pretrained(model_dir, local_files_only=True), arch
+    values = {**_CLASS_DEFAULTS[arch], **raw}
+    return CheckpointConfig(model_dir, values), arch
 
 
 def _rope(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -59,6 +130,8 @@ def _rope(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
         return inv_freq, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    if isinstance(hf_config, CheckpointConfig):
+        hf_config = hf_config.transformers_config()
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
     return inv_freq, float(scaling)
 
@@ -99,8 +172,13 @@ class _WeightReader:
 
 
 def read_arch(model_dir: Path) -> tuple[LlamaArch, Any]:
-    """The model's shape from its config.json (and the transformers config itself)."""
+    """The model's shape from its config.json (and the config itself)."""
     hf_config, arch_name = read_hf_config(model_dir)
+    return arch_from_config(hf_config, arch_name), hf_config
+
+
+def arch_from_config(hf_config: Any, arch_name: str) -> LlamaArch:
+    """The shape, from a ``CheckpointConfig`` or a transformers config alike."""
     num_heads = int(hf_config.num_attention_heads)
     head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads)
     arch = LlamaArch(
@@ -120,7 +198,7 @@ def read_arch(model_dir: Path) -> tuple[LlamaArch, Any]:
     )
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise ValueError(f"model: unsupported activation {hf_config.hidden_act!r} (need silu)")
-    return arch, hf_config
+    return arch
 
 
 def build_model(
