@@ -3,6 +3,7 @@ down cleanly on Ctrl-C (or SIGTERM)."""
 
 from __future__ import annotations
 
+import faulthandler
 import signal
 import sys
 import threading
@@ -110,6 +111,8 @@ def serve_forever(
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # `kill -USR1 <pid>` prints every thread's stack (a shutdown that hangs says where).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     warning = check_exposure(config.router)  # refused: nothing starts (ValueError)
     if warning:
         print(f"pdserve: {warning}", file=sys.stderr, flush=True)
@@ -141,6 +144,8 @@ def serve_forever(
         if ray.is_initialized():  # serve.shutdown() alone would start a Ray to shut down
             try:
                 serve.shutdown()
+                print("pdserve: Serve stopped", file=sys.stderr, flush=True)
             finally:
                 ray.shutdown()
+                print("pdserve: Ray stopped", file=sys.stderr, flush=True)
     return 0

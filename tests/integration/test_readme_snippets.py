@@ -97,5 +97,12 @@ def test_ctrl_c_stops_it_cleanly(served: dict) -> None:
     text = served["log"].read_text()
     assert f"127.0.0.1:{served['ports']['grpc']}" in text  # it printed how to call it
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(90) == 0
-    assert "shutting down" in served["log"].read_text()
+    try:
+        code = proc.wait(90)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)  # its threads' stacks, into the log
+        time.sleep(2)
+        raise AssertionError(served["log"].read_text()[-6000:]) from None
+    log = served["log"].read_text()
+    assert code == 0, log[-3000:]
+    assert "shutting down" in log and "Serve stopped" in log and "Ray stopped" in log, log[-3000:]
