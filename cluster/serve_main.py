@@ -136,10 +136,16 @@ def serve_forever(
             ),
             flush=True,
         )
-        stop.wait()
-    except KeyboardInterrupt:
+        # Ctrl-C now sets the event, like SIGTERM, and the wait wakes up to look: a signal the
+        # kernel hands to one of Ray's or gRPC's threads does not interrupt a blocked wait(),
+        # and its Python handler runs only once the main thread runs again.
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:  # Ctrl-C while starting
         pass
     finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C hurries it
         print("pdserve: shutting down", file=sys.stderr, flush=True)
         if ray.is_initialized():  # serve.shutdown() alone would start a Ray to shut down
             try:

@@ -43,11 +43,28 @@ def serve_cluster() -> Iterator[ServeCluster]:
         runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
     )
     serve.start(http_options=HTTPOptions(host="127.0.0.1", port=cluster.http_port))
+    # serve.start returns before the HTTP proxy actor has started. A proxy still importing its
+    # web stack when the first test computes references on both cores misses its start-up
+    # deadline, and Serve kills it under the deploy that waits for it (ActorDiedError: seen).
+    assert wait_until(lambda: _proxy_answers(cluster.http_url), timeout=120), "no Serve proxy"
     try:
         yield cluster
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def _proxy_answers(url: str) -> bool:
+    import urllib.error
+    import urllib.request
+
+    try:  # any answer, 503 "route table not populated" (no app yet) included
+        with urllib.request.urlopen(url + "/-/healthz", timeout=5):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except OSError:
+        return False
 
 
 def wait_until(predicate: Any, timeout: float = 30.0, interval: float = 0.1) -> Any:
