@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
@@ -48,3 +51,16 @@ def test_module_does_not_import_torch(module: str) -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_an_engine_starts_without_importing_transformers(tiny_model_dir: Path) -> None:
+    """A pool replica's engine reads config.json and the weights itself: importing
+    transformers would cost every replica start ~4 s (loader.CheckpointConfig)."""
+    code = (
+        "import sys\n"
+        "from tests.helpers import tiny_config\n"
+        "from cluster.engine.engine import LLMEngine\n"
+        f"LLMEngine(tiny_config({str(tiny_model_dir)!r}))\n"
+        "assert 'transformers' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=ROOT)
