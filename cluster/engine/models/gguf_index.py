@@ -26,6 +26,7 @@ MAX_KEPT_ARRAY = 64  # longer metadata arrays are skipped over, not decoded
 # GGUF value types -> struct format (8 = string and 9 = array are handled apart).
 _SCALARS = dict(enumerate("BbHhIif?")) | {10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+_SKIPPED = object()  # what a skipped array reads as
 _DENSE = {
     GGMLQuantizationType.F32: np.float32,
     GGMLQuantizationType.F16: np.float16,
@@ -103,9 +104,6 @@ class _Cursor:
         else:
             for _ in range(count):
                 self.value(etype)
-
-
-_SKIPPED = object()
 
 
 def read_gguf_index(path: Path) -> GGUFIndex:

@@ -15,6 +15,7 @@ from transformers import AutoConfig, LlamaConfig, MistralConfig, Qwen2Config
 from cluster.config.model_paths import resolve_max_model_len
 from cluster.engine.models.loader import (
     _CLASS_DEFAULTS,
+    _MODEL_TYPES,
     _rope,
     arch_from_config,
     read_hf_config,
@@ -46,8 +47,7 @@ def _same_as_transformers(model_dir: Path) -> None:
         )
 
 
-MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
-MODEL_TYPES["Qwen2ForCausalLM"] = "qwen2"
+MODEL_TYPES = {arch: model_type for model_type, arch in _MODEL_TYPES.items()}
 
 
 def _write(tmp_path: Path, name: str, raw: dict[str, Any]) -> Path:
