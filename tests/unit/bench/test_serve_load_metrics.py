@@ -89,8 +89,11 @@ def _acceptable(errors: list[float]) -> bool:
     return median < 1e-3 and p95 < 3e-3 and ordered[-1] < 25e-3
 
 
+ITEMS = ((10, 6), (15, 4), (40, 8), (3, 1))  # (prompt length, output tokens)
+
+
 def test_client_metrics_match_the_injected_schedule() -> None:
-    items = [WorkItem(list(range(n)), k) for n, k in ((10, 6), (25, 4), (40, 8), (3, 1))]
+    items = [WorkItem(list(range(n)), k) for n, k in ITEMS]
     # A run disturbed by the machine (a scheduler hiccup longer than the bounds) is repeated, at
     # most 3 times; a wrong metric (an off-by-one chunk, the wrong start time) misses every run.
     worst: list[float] = []
@@ -104,6 +107,13 @@ def test_client_metrics_match_the_injected_schedule() -> None:
         raise AssertionError(f"3 runs each missed the bounds; the last run's worst: {worst}")
     m = compute_metrics(records, duration, ttft_slo_s=0.05, tpot_slo_s=0.02)
     assert m["completed"] == 4 and m["failed"] == 0
-    # TTFT <= 50 ms holds for prompts of 10 and 25 (30, 45 ms) and 3 (23 ms), not 40 (60 ms).
-    assert m["slo_attainment"] == pytest.approx(0.75)
-    assert m["itl_s"]["n"] == sum(k - 1 for _, k in ((10, 6), (25, 4), (40, 8), (3, 1)))
+    # The schedule puts TTFT at 23, 30 and 35 ms (prompts of 3, 10, 15: within the 50 ms SLO) and
+    # 60 ms (prompt of 40: a miss, since a sleep never ends early), so an undisturbed run attains
+    # 0.75. A late wake-up on the busy machine can push one of the first three past 50 ms too:
+    # that is a real miss, so attainment is checked against what each request measured
+    # (BENCHMARKS.md: a request is good when TTFT <= its bound and TPOT, if any, <= its bound).
+    by_len = {rec.prompt_len: rec for rec in records}
+    assert by_len[40].ttft > 0.05
+    good = sum(1 for r in records if r.ttft <= 0.05 and (r.tpot is None or r.tpot <= 0.02))
+    assert m["slo_attainment"] == pytest.approx(good / 4)
+    assert m["itl_s"]["n"] == sum(k - 1 for _, k in ITEMS)
