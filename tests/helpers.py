@@ -23,6 +23,17 @@ def make_config(**overrides: Any) -> ClusterConfig:
     return cfg.replace(dotted) if dotted else cfg
 
 
+# A replica going away waits this long before it first checks for calls in flight (Serve's
+# default: 2 s). Tests delete ~40 apps: 1 s each instead of 3. Draining still polls until done.
+SHORT_SHUTDOWN_WAIT = {
+    f"{section}.graceful_shutdown_wait_loop_s": 0.2 for section in ("router", "prefill", "decode")
+}
+# The same as `--set` arguments of a `pdserve` command.
+SHORT_SHUTDOWN_SETS = tuple(
+    a for k, v in SHORT_SHUTDOWN_WAIT.items() for a in ("--set", f"{k}={v}")
+)
+
+
 def fake_config(**overrides: Any) -> ClusterConfig:
     """The fake runner with a small pool, in test mode (orchestration and fault tests: fault
     points and forced preemption may be set)."""
@@ -34,6 +45,7 @@ def fake_config(**overrides: Any) -> ClusterConfig:
         "scheduler.max_num_seqs": 8,
         "scheduler.max_num_batched_tokens": 64,
         "scheduler.chunk_size": 16,
+        **SHORT_SHUTDOWN_WAIT,
     }
     defaults.update(overrides)
     return make_config(**defaults)

@@ -121,6 +121,9 @@ class PoolConfig:
     max_ongoing_requests: int | None = None  # None: sized to the batch (max_num_seqs + leases)
     max_queued_requests: int = 64  # beyond this, callers get RESOURCE_EXHAUSTED / 429 at once
     graceful_shutdown_timeout_s: float = 60.0  # must exceed the KV lease plus drain time
+    # How often a replica going away checks that its calls have finished, after waiting this
+    # long once so that callers stop picking it (Serve's default: 2 s).
+    graceful_shutdown_wait_loop_s: float = 2.0
     health_check_period_s: float = 5.0
     health_check_timeout_s: float = 30.0
     resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources (multi-node)
@@ -141,6 +144,11 @@ class PoolConfig:
         check(
             self.graceful_shutdown_timeout_s > 0,
             f"{name}.graceful_shutdown_timeout_s",
+            "must be > 0",
+        )
+        check(
+            self.graceful_shutdown_wait_loop_s > 0,
+            f"{name}.graceful_shutdown_wait_loop_s",
             "must be > 0",
         )
         check(self.health_check_period_s > 0, f"{name}.health_check_period_s", "must be > 0")

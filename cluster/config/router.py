@@ -28,6 +28,9 @@ class RouterConfig:
     max_queued_requests: int = 256  # HTTP requests Serve's proxy queues for a router replica
     max_streams_per_connection: int = 100  # gRPC calls open at once on one client connection
     graceful_shutdown_timeout_s: float = 20.0  # a router replica going away lets calls finish
+    # How often a replica going away checks that its calls have finished; it waits this long
+    # once before the first check, so the proxies stop sending to it (Serve's default: 2 s).
+    graceful_shutdown_wait_loop_s: float = 2.0
     # Health says SERVING once the pools answer a readiness probe, sent this often.
     readiness_period_s: float = 0.5
     request_timeout_s: float = 600.0  # default deadline of a request that brings none
@@ -70,6 +73,11 @@ class RouterConfig:
         check(
             self.graceful_shutdown_timeout_s > 0,
             "router.graceful_shutdown_timeout_s",
+            "must be > 0",
+        )
+        check(
+            self.graceful_shutdown_wait_loop_s > 0,
+            "router.graceful_shutdown_wait_loop_s",
             "must be > 0",
         )
         check(self.readiness_period_s > 0, "router.readiness_period_s", "must be > 0")

@@ -33,6 +33,7 @@ def _pool_options(pool: PoolConfig, max_ongoing: int, role: str, block_size: int
         "max_ongoing_requests": pool.max_ongoing_requests or max_ongoing,
         "max_queued_requests": pool.max_queued_requests,
         "graceful_shutdown_timeout_s": pool.graceful_shutdown_timeout_s,
+        "graceful_shutdown_wait_loop_s": pool.graceful_shutdown_wait_loop_s,
         "health_check_period_s": pool.health_check_period_s,
         "health_check_timeout_s": pool.health_check_timeout_s,
         "ray_actor_options": actor,
@@ -80,6 +81,7 @@ def deployment_options(config: ClusterConfig) -> dict[str, dict[str, Any]]:
             "max_ongoing_requests": 2 * admitted + 64,
             "max_queued_requests": r.max_queued_requests,
             "graceful_shutdown_timeout_s": r.graceful_shutdown_timeout_s,
+            "graceful_shutdown_wait_loop_s": r.graceful_shutdown_wait_loop_s,
             "ray_actor_options": {
                 "num_cpus": r.num_cpus,
                 "runtime_env": _runtime_env(),

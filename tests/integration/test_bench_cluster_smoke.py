@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import SHORT_SHUTDOWN_SETS
 from tests.serve_fixtures import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -37,6 +38,7 @@ def test_bench_smoke(tmp_path: Path, name: str) -> None:
             *(sys.executable, "-m", "cluster.cli", "bench", name, "--smoke"),
             *("--set", f"router.http_port={free_port()}"),
             *("--set", f"router.grpc_port={free_port()}"),
+            *SHORT_SHUTDOWN_SETS,
         ],
         capture_output=True,
         text=True,

@@ -23,6 +23,7 @@ import psutil
 import pytest
 
 from cluster.client import PDServeClient
+from tests.helpers import SHORT_SHUTDOWN_SETS
 from tests.serve_fixtures import free_port
 from tests.tls_certs import cert, pem
 
@@ -35,6 +36,7 @@ FAKE = [
     *("--set", "cache.num_blocks=128"),
     *("--set", "prefill.num_cpus=0.25"),
     *("--set", "decode.num_cpus=0.25"),
+    *SHORT_SHUTDOWN_SETS,
     *("--metrics-port", "0"),
 ]
 

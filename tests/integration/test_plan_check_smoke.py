@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import SHORT_SHUTDOWN_SETS
 from tests.serve_fixtures import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -28,6 +29,7 @@ def test_plan_validate_smoke(tmp_path: Path) -> None:
             *("--out", str(tmp_path / "results")),
             *("--set", f"router.http_port={free_port()}"),
             *("--set", f"router.grpc_port={free_port()}"),
+            *SHORT_SHUTDOWN_SETS,
         ],
         capture_output=True,
         text=True,

@@ -13,6 +13,7 @@ from cluster.app import build_application
 from cluster.config import ClusterConfig, RouterConfig
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from tests.helpers import SHORT_SHUTDOWN_WAIT
 from tests.serve_fixtures import ServeCluster, free_port, wait_until
 
 
@@ -25,6 +26,11 @@ class App:
     ) -> None:
         if config.router.grpc_port == RouterConfig().grpc_port:
             config = config.replace({"router.grpc_port": free_port()})
+        if (
+            config.router.graceful_shutdown_wait_loop_s
+            == RouterConfig().graceful_shutdown_wait_loop_s
+        ):
+            config = config.replace(SHORT_SHUTDOWN_WAIT)  # real-model configs too
         self.cluster = cluster
         self.config = config
         self.name = name

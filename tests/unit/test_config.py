@@ -195,3 +195,24 @@ def test_replicas_start_with_the_allocator_tuned(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
     env = deployment_options(ClusterConfig())["Router"]["ray_actor_options"]["runtime_env"]
     assert env["env_vars"]["MALLOC_ARENA_MAX"] == "4"
+
+
+def test_each_deployment_gets_its_shutdown_wait_loop() -> None:
+    from cluster.serving.options import deployment_options
+
+    cfg = ClusterConfig().replace(
+        {
+            "router.graceful_shutdown_wait_loop_s": 0.5,
+            "prefill.graceful_shutdown_wait_loop_s": 0.25,
+            "decode.graceful_shutdown_wait_loop_s": 1.5,
+        }
+    )
+    opts = deployment_options(cfg)
+    assert opts["Router"]["graceful_shutdown_wait_loop_s"] == 0.5
+    assert opts["PrefillServer"]["graceful_shutdown_wait_loop_s"] == 0.25
+    assert opts["DecodeServer"]["graceful_shutdown_wait_loop_s"] == 1.5
+    # Serve's own default unless configured.
+    assert deployment_options(ClusterConfig())["Router"]["graceful_shutdown_wait_loop_s"] == 2.0
+    for key in ("router", "prefill", "decode"):
+        with pytest.raises(ValueError, match=f"{key}.graceful_shutdown_wait_loop_s"):
+            ClusterConfig().replace({f"{key}.graceful_shutdown_wait_loop_s": 0})
