@@ -2,9 +2,10 @@
 
 Nine prompts of different lengths (five raw texts; four chats sharing a long system prompt, for
 prefix-cache hits), each with the reference's 64 greedy tokens and their logits, from
-transformers at batch 1 on the fp32 checkpoint, before any engine runs. The exactness tests and
-the GGUF-weights test judge their engines against the same references (the ``real_workload``
-session fixture in tests/conftest.py), so transformers runs them once.
+transformers on the fp32 checkpoint (one left-padded batch: ``hf_greedy_batch``, checked against
+the batch-1 loop in tests/unit/engine/test_exactness_tiny.py), before any engine runs. The
+exactness tests and the GGUF-weights test judge their engines against the same references (the
+``real_workload`` session fixture in tests/conftest.py), so transformers runs them once.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.reference import Reference, hf_greedy, load_hf
+from tests.reference import Reference, hf_greedy_batch, load_hf
 
 NUM_NEW = 64
 SYSTEM = (
@@ -52,6 +53,7 @@ def build_real_workload(real_model_dir: Path) -> RealWorkload:
         msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
         prompts[f"chat{i}"] = tok.encode_chat(msgs)
     hf = load_hf(real_model_dir)
-    refs = {rid: hf_greedy(hf, p, NUM_NEW, tok.eos_token_ids) for rid, p in prompts.items()}
+    batch = hf_greedy_batch(hf, list(prompts.values()), NUM_NEW, tok.eos_token_ids)
+    refs = dict(zip(prompts, batch, strict=True))
     del hf
     return RealWorkload(prompts, refs)

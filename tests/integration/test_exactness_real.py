@@ -3,7 +3,7 @@
 Greedy, 64 new tokens, EOS suppressed (``min_tokens == max_tokens``, as the reference's
 ``min_new_tokens``), a batch of prompts of different lengths submitted together, with 16-token
 chunks, with prefix-cache hits (prompts sharing a long prefix, run twice), and under preemption.
-References are computed first, at batch 1, before any engine runs.
+References are computed first (tests/real_workload.py), before any engine runs.
 """
 
 from __future__ import annotations

@@ -13,7 +13,13 @@ import pytest
 
 from cluster.engine.engine import LLMEngine
 from tests.helpers import greedy, run_until_done, tiny_config
-from tests.reference import Reference, capture_logits, check_run_against_references, hf_greedy
+from tests.reference import (
+    Reference,
+    capture_logits,
+    check_run_against_references,
+    hf_greedy,
+    hf_greedy_batch,
+)
 
 NUM_NEW = 24
 TEXT = (
@@ -43,6 +49,12 @@ def setup(tiny_model_dir: Path) -> tuple[dict[str, list[int]], dict[str, Referen
     hf = load_hf(tiny_model_dir)
     suppress = tuple(eng.eos_token_ids)
     refs = {rid: hf_greedy(hf, p, NUM_NEW, suppress) for rid, p in prompts.items()}
+    # The real-model session references come from the batched loop: it must agree with batch 1.
+    batched = hf_greedy_batch(hf, list(prompts.values()), NUM_NEW, suppress)
+    for (rid, ref), got in zip(refs.items(), batched, strict=True):
+        assert got.tokens == ref.tokens, rid
+        diff = max(float((a - b).abs().max()) for a, b in zip(got.logits, ref.logits, strict=True))
+        assert diff <= 1e-4, f"{rid}: batched reference logits differ by {diff:.2e}"
     return prompts, refs, eng
 
 
