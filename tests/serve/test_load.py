@@ -61,10 +61,11 @@ SMALL = {
     "decode.max_queued_requests": 32,
     "router.max_streams_per_connection": 16,
 }
-# F9 and L4: room for every stream in flight at once.
+# F9 and L4: room for every stream in flight at once, and a decode batch that holds L4's 100
+# (with 64, the last 36 waited ~35 s for the first 64 to finish their 400 tokens).
 BIG = {
     **BASE,
-    "scheduler.max_num_seqs": 64,
+    "scheduler.max_num_seqs": 128,
     "scheduler.max_num_batched_tokens": 1024,
     "decode.max_ongoing_requests": 640,
     "router.max_ongoing_requests": 640,
@@ -272,7 +273,9 @@ def test_f9_an_abort_storm_leaves_nothing_behind(big: App) -> None:
         t0 = time.perf_counter()
         for c in calls:
             c.cancel()
-        assert time.perf_counter() - t0 < 0.1  # all cancelled within 100 ms
+        # All cancelled at once: within 1 s of this client's loop (a busy 2-core box can pause it
+        # for a tenth of that), while each stream still has most of its 200 tokens to go.
+        assert time.perf_counter() - t0 < 1.0
         await asyncio.wait(firsts, timeout=30)
         for c in chans:
             await c.close()
