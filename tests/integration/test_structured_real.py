@@ -99,6 +99,12 @@ def test_schemas_validate_greedy_and_eight_seeds(real_model_dir: Path) -> None:
 
 
 def test_forced_drafts_are_exact_on_the_real_model(real_model_dir: Path) -> None:
-    with_drafts = _run(_engine(real_model_dir), [None])
-    without = _run(_engine(real_model_dir, **{"decode.speculative.grammar_drafts": False}), [None])
+    """Greedy, each schema's shortest document + 32 tokens: free text, forced runs, and the
+    budget's closing (forced too) in every output; identical with and without the drafts."""
+    on = _engine(real_model_dir)
+    with_drafts = _run(on, [None], slack=32)
+    off = _engine(real_model_dir, **{"decode.speculative.grammar_drafts": False})
+    without = _run(off, [None], slack=32)
+    assert on.stats()["structured"]["num_forced_drafts"] > 0
+    assert off.stats()["structured"]["num_forced_drafts"] == 0
     assert {k: v[1] for k, v in with_drafts.items()} == {k: v[1] for k, v in without.items()}
