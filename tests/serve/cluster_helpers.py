@@ -67,15 +67,23 @@ class App:
     # -- replicas ----------------------------------------------------------------------------
 
     @staticmethod
-    def each_replica(handle: Any, method: str, *args: Any, replicas: int) -> dict[str, Any]:
+    def each_replica(
+        handle: Any,
+        method: str,
+        *args: Any,
+        replicas: int,
+        within: float = 60,
+        min_calls: int = 200,
+    ) -> dict[str, Any]:
         """Call ``method`` until every one of ``replicas`` replicas answered (by replica id).
 
         Serve's router picks the replica; on a loaded machine it may avoid one whose queue-length
-        probe was slow for a while, so this keeps asking (paced) for up to a minute."""
+        probe was slow for a while, so this keeps asking (paced) for ``min_calls`` calls and up
+        to ``within`` seconds."""
         seen: dict[str, Any] = {}
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + within
         calls = 0
-        while calls < 200 or time.monotonic() < deadline:
+        while calls < min_calls or time.monotonic() < deadline:
             out = getattr(handle, method).remote(*args).result(timeout_s=30)
             calls += 1
             rid = out if isinstance(out, str) else out["replica_id"]
@@ -85,6 +93,15 @@ class App:
             if calls >= 50:
                 time.sleep(0.1)
         raise AssertionError(f"{method}: reached {len(seen)} of {replicas} replicas")
+
+    def fresh_handle(self, role: str) -> Any:
+        """A new handle to ``role``'s pool, kept as the app's from now on. After a replica was
+        killed, the old handle's router can keep picking the survivor for a minute although
+        Serve runs the replacement; a new handle starts from the controller's replica list."""
+        name = "DecodeServer" if role == "decode" else "PrefillServer"
+        handle = serve.get_deployment_handle(name, self.name)
+        setattr(self, role, handle)
+        return handle
 
     def pool(self, role: str) -> tuple[Any, int]:
         if role == "decode":
@@ -139,11 +156,12 @@ class App:
 
 def wait_replicas_ready(app: App, role: str, exclude_pid: int, timeout: float = 90) -> None:
     """After a kill: until the pool again has its replicas, none of them the killed one."""
-    handle, n = app.pool(role)
+    _, n = app.pool(role)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        handle = app.fresh_handle(role)  # one that knows the replacement once Serve runs it
         try:
-            seen = app.each_replica(handle, "stats", replicas=n)
+            seen = app.each_replica(handle, "stats", replicas=n, within=3, min_calls=30)
             if all(s["pid"] != exclude_pid for s in seen.values()):
                 return
         except Exception:
