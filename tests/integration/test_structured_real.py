@@ -3,7 +3,7 @@ acceptance set, greedy and seeded at temperature 0.8, parses and validates: all 
 that end ``length`` too. The 135M model nests the recursive schema without end and once wrote
 9.999... for a bounded number (4 of 36 were cut mid-JSON at 256 tokens before the engine closed
 documents within the budget, ``structured.close_at_budget``); now the engine closes them: they
-end ``length`` and validate. CI runs greedy + 2 seeds; the full 8 seeds run nightly. The
+end ``length`` and validate. CI runs greedy + 1 seed; the full 8 seeds run nightly. The
 forced-token drafts are checked exact on the real model too: greedy outputs with and without
 them are identical."""
 
@@ -79,9 +79,9 @@ def _check(engine: LLMEngine, got: dict[str, tuple[str, list[int], str]]) -> Non
     assert engine.stats()["structured"]["num_closing_lost"] == 0
 
 
-def test_schemas_validate_greedy_and_two_seeds(real_model_dir: Path) -> None:
+def test_schemas_validate_greedy_and_one_seed(real_model_dir: Path) -> None:
     engine = _engine(real_model_dir)
-    _check(engine, _run(engine, [None, 0, 1]))
+    _check(engine, _run(engine, [None, 0]))
 
 
 def test_tight_budgets_close_every_output_on_the_real_model(real_model_dir: Path) -> None:
