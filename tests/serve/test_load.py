@@ -229,7 +229,7 @@ def test_l1_overload_gets_fast_resource_exhausted_not_a_queue(small: App) -> Non
             f"{figures(probe_ok, 'admitted, first token')}"
         )
         assert reject_p99 < 5.0  # generous (2 shared cores); the printed figure is what counts
-        assert probed and all(t < 5.0 for _, t in probed)
+        assert probed and all(t < 5.0 for t in probe_rejected)  # as generous
     assert num_rejected > 0  # the excess was refused, not queued
     grown = (router.memory_info().rss - rss_before) / 2**20
     print(f"L1: router RSS +{grown:.1f} MiB")
