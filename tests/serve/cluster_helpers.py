@@ -16,6 +16,8 @@ from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.helpers import SHORT_SHUTDOWN_WAIT
 from tests.serve_fixtures import ServeCluster, free_port, wait_until
 
+POOL_DEPLOYMENTS = {"decode": "DecodeServer", "prefill": "PrefillServer"}
+
 
 class App:
     """One deployed app: handles to its pools, a gRPC stub on its router's own port (a free one
@@ -36,9 +38,9 @@ class App:
         self.name = name
         # Not blocking: returns as soon as the app is submitted (readiness tests watch it come up).
         _run(build_application(config), name=name, route_prefix="/", _blocking=blocking)
-        self.decode = serve.get_deployment_handle("DecodeServer", name)
+        self.decode = serve.get_deployment_handle(POOL_DEPLOYMENTS["decode"], name)
         self.prefill = (
-            serve.get_deployment_handle("PrefillServer", name)
+            serve.get_deployment_handle(POOL_DEPLOYMENTS["prefill"], name)
             if config.prefill.num_replicas
             else None
         )
@@ -98,8 +100,7 @@ class App:
         """A new handle to ``role``'s pool, kept as the app's from now on. After a replica was
         killed, the old handle's router can keep picking the survivor for a minute although
         Serve runs the replacement; a new handle starts from the controller's replica list."""
-        name = "DecodeServer" if role == "decode" else "PrefillServer"
-        handle = serve.get_deployment_handle(name, self.name)
+        handle = serve.get_deployment_handle(POOL_DEPLOYMENTS[role], self.name)
         setattr(self, role, handle)
         return handle
 
