@@ -9,6 +9,12 @@ shortest queue (probed or cached), and moves to the next rank when a whole rank 
   work and KV headroom; see that module), fed by the snapshots replicas publish through
   ``record_routing_stats`` every ``routing.stats_period_s`` and by this caller's own dispatches.
 
+Ray picks, among the replicas of a rank, the first one whose queue length is strictly shorter
+than those before it; so replicas that tie (idle ones, most of the time) would all lose to the
+first in the list, and a replica that joins the pool (a replacement, a scale-up) would get no
+traffic until the first one was busy. Each rank is therefore handed over in a random order
+(``spread_ties``): equal replicas share the load, and the ranking between ranks is kept.
+
 Both leave out the replicas a retry excludes (``exclude_replicas`` in the call; if that leaves
 nothing, every candidate is offered again rather than stalling). No FIFO mixin: a routing
 decision serves the request it was made for, so exclusions hold.
@@ -17,6 +23,7 @@ decision serves the request it was made for, so exclusions hold.
 from __future__ import annotations
 
 import collections
+import random
 import time
 from typing import Any
 
@@ -36,6 +43,17 @@ PoolCall = GenerateCall | PrefillCall
 # Milliseconds each cache-aware routing decision took in this process (index update + scoring),
 # the latest ones: what a deployed caller reports in its stats (``bench routing``).
 _RANKING_MS: collections.deque[float] = collections.deque(maxlen=4096)
+
+
+# The order ties are broken in: its own generator, so that nothing else's seeding fixes it.
+_TIES = random.Random()
+
+
+def spread_ties(rank: list[RunningReplica]) -> list[RunningReplica]:
+    """A copy of one rank in random order, so that Ray's first-shortest pick spreads ties."""
+    shuffled = list(rank)
+    _TIES.shuffle(shuffled)
+    return shuffled
 
 
 def recent_ranking_ms() -> list[float]:
@@ -72,7 +90,7 @@ class LeastLoadedRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        return [_without_excluded(candidate_replicas, pending_request)]
+        return [spread_ties(_without_excluded(candidate_replicas, pending_request))]
 
 
 class RoundRobinRouter(RequestRouter):
@@ -111,14 +129,14 @@ class CacheAwareRouter(RequestRouter):
         candidates = _without_excluded(candidate_replicas, pending_request)
         call = _call(pending_request)
         if call is None or not call.block_hashes or len(candidates) < 2:
-            return [candidates]
+            return [spread_ties(candidates)]
         t0 = time.perf_counter()
         by_id = {r.replica_id.unique_id: r for r in candidates}
         for rid, replica in by_id.items():
             self.index.update(rid, replica.routing_stats)
         ranks = self.index.rank(list(by_id), call.block_hashes, len(call.prompt_token_ids))
         _RANKING_MS.append((time.perf_counter() - t0) * 1000)
-        return [[by_id[rid] for rid in rank] for rank in ranks]
+        return [spread_ties([by_id[rid] for rid in rank]) for rank in ranks]
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: Any, result: Any
