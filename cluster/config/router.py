@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from cluster.config.validation import check
 
+POOL_CALL_TRANSPORTS = ("grpc", "object_ref")
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -43,6 +45,11 @@ class RouterConfig:
     # which replicas send every quarter of it) ends UNAVAILABLE: retried before the first token,
     # ABORTED after. Also every pool call's bound, decode -> prefill included.
     stall_timeout_s: float = 10.0
+    # How the router calls the decode pool, and a decode replica the prefill pool: "grpc" is
+    # Serve's channel between replicas (each chunk a gRPC message; about half the caller's CPU
+    # per call of "object_ref", and a third less per chunk), "object_ref" is Ray's actor calls,
+    # an object reference per chunk.
+    pool_call_transport: str = "grpc"
     # Empty: $PDSERVE_API_KEYS (comma list), read by the router at start; neither: no auth.
     api_keys: tuple[str, ...] = ()
     api_keys_file: str = ""  # one key per line, added to the keys above
@@ -68,6 +75,11 @@ class RouterConfig:
         check(self.retries >= 0, "router.retries", "must be >= 0")
         check(self.assignment_timeout_s > 0, "router.assignment_timeout_s", "must be > 0")
         check(self.stall_timeout_s > 0, "router.stall_timeout_s", "must be > 0")
+        check(
+            self.pool_call_transport in POOL_CALL_TRANSPORTS,
+            "router.pool_call_transport",
+            f"must be one of {', '.join(POOL_CALL_TRANSPORTS)}",
+        )
         streams = self.max_streams_per_connection
         check(streams >= 1, "router.max_streams_per_connection", "must be >= 1")
         check(

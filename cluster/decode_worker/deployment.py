@@ -28,7 +28,7 @@ from cluster.common.protocol import (
 )
 from cluster.config import ClusterConfig, config_from_dict
 from cluster.decode_worker.worker import DecodeWorker
-from cluster.serving.calls import Keepalive, retrying_stream
+from cluster.serving.calls import Keepalive, retrying_stream, streaming_handle
 from cluster.serving.replica import PoolReplica, current_replica_id
 from cluster.serving.routers import recent_ranking_ms
 from cluster.serving.signals import decode_autoscaling_stats
@@ -41,7 +41,7 @@ class ServePrefillClient:
 
     def __init__(self, handle: Any, config: ClusterConfig) -> None:
         self.plain_handle = handle
-        self.handle = handle.options(stream=True)
+        self.handle = streaming_handle(handle, config.router.pool_call_transport)
         self.retries = config.router.retries
         self.assignment_timeout_s = config.router.assignment_timeout_s
         self.stall_timeout_s = config.router.stall_timeout_s

@@ -15,7 +15,7 @@ from typing import Any
 from cluster.common.errors import ErrorCode, PDServeError
 from cluster.common.protocol import GenerateCall, StreamChunk
 from cluster.config import RouterConfig
-from cluster.serving.calls import retrying_stream
+from cluster.serving.calls import retrying_stream, streaming_handle
 
 
 def _streams_output(chunk: StreamChunk) -> bool:
@@ -24,7 +24,7 @@ def _streams_output(chunk: StreamChunk) -> bool:
 
 class DecodeRelay:
     def __init__(self, decode_handle: Any, config: RouterConfig) -> None:
-        self.handle = decode_handle.options(stream=True)
+        self.handle = streaming_handle(decode_handle, config.pool_call_transport)
         self.config = config
         self.num_retries = 0
 

@@ -23,12 +23,20 @@ T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 
+async def _bounded(aw: Awaitable[T], timeout_s: float) -> T:
+    """``await aw`` for at most ``timeout_s``, then ``TimeoutError`` (``aw`` is cancelled).
+    ``asyncio.timeout`` in this task rather than ``wait_for``, which makes a task per await:
+    this runs once per streamed chunk at the router and at each decode replica."""
+    async with asyncio.timeout(timeout_s):
+        return await aw
+
+
 async def within_deadline(aw: Awaitable[T], deadline: float | None, request_id: str) -> T:
     """Await ``aw`` until the wall-clock ``deadline`` (None: no bound), then DEADLINE_EXCEEDED."""
     if deadline is None:
         return await aw
     try:
-        return await asyncio.wait_for(aw, max(0.0, deadline - time.time()))
+        return await _bounded(aw, max(0.0, deadline - time.time()))
     except asyncio.TimeoutError:
         raise PDServeError(
             ErrorCode.DEADLINE_EXCEEDED, "the request's deadline passed", request_id
@@ -52,6 +60,20 @@ class PoolResponse(Protocol):
     def __anext__(self) -> Awaitable[Any]: ...
 
     def cancel(self) -> None: ...
+
+
+def streaming_handle(handle: Any, transport: str) -> Any:
+    """``handle`` set up for pool streams over ``transport`` (``router.pool_call_transport``):
+    "grpc" sends each call and chunk over Serve's gRPC channel between replicas, "object_ref"
+    through Ray actor calls (an object reference per chunk)."""
+    return handle.options(stream=True, _by_reference=transport != "grpc")
+
+
+def _grpc_status(e: BaseException) -> str | None:
+    """The status name of a gRPC error from Serve's replica channel (None: not one)."""
+    import grpc
+
+    return e.code().name if isinstance(e, grpc.aio.AioRpcError) else None
 
 
 def as_pdserve_error(e: BaseException, request_id: str = "") -> PDServeError:
@@ -82,6 +104,11 @@ def as_pdserve_error(e: BaseException, request_id: str = "") -> PDServeError:
         return PDServeError(ErrorCode.UNAVAILABLE, "a replica became unavailable", request_id)
     if isinstance(e, sex.RequestCancelledError | asyncio.CancelledError):
         return PDServeError(ErrorCode.CANCELLED, "the request was cancelled", request_id)
+    status = _grpc_status(e)
+    # Serve maps UNAVAILABLE itself; a replica going away mid-stream can also end its calls
+    # CANCELLED from its side (a local cancel is asyncio.CancelledError, handled above).
+    if status in ("UNAVAILABLE", "CANCELLED"):
+        return PDServeError(ErrorCode.UNAVAILABLE, "a replica became unavailable", request_id)
     logger.warning("request %s: a pool call failed: %r", request_id, e)  # the details stay here
     return internal_error(request_id)
 
@@ -163,7 +190,7 @@ async def _next(
     if stall_s is None or (deadline is not None and deadline - time.time() <= stall_s):
         return await within_deadline(response.__anext__(), deadline, request_id)
     try:
-        return await asyncio.wait_for(response.__anext__(), stall_s)
+        return await _bounded(response.__anext__(), stall_s)
     except asyncio.TimeoutError:
         raise PDServeError(
             ErrorCode.UNAVAILABLE,
@@ -179,4 +206,4 @@ async def _accepted(
     (each with its own status: UNAVAILABLE is retried, DEADLINE_EXCEEDED is not)."""
     if deadline is not None and deadline - time.time() <= timeout_s:
         return await within_deadline(response.__anext__(), deadline, request_id)
-    return await asyncio.wait_for(response.__anext__(), timeout_s)
+    return await _bounded(response.__anext__(), timeout_s)

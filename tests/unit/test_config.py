@@ -45,6 +45,7 @@ def test_unknown_keys_are_rejected_with_the_valid_names() -> None:
         ({"model": {"dtype": "int8"}}, "model.dtype"),
         ({"transfer": {"transports": ["carrier-pigeon"]}}, "transfer.transports"),
         ({"transfer": {"heartbeat_s": 50.0}}, "transfer.heartbeat_s"),
+        ({"router": {"pool_call_transport": "http"}}, "router.pool_call_transport"),
         ({"cache": {"enable_prefix_caching": "yes"}}, "cache.enable_prefix_caching"),
         ({"cache": 5}, "cache"),
         (

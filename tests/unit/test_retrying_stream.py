@@ -119,3 +119,53 @@ def test_a_call_refused_by_backpressure_stays_resource_exhausted() -> None:
         collect([refused], stall_s=0.3)
     assert e.value.code == ErrorCode.RESOURCE_EXHAUSTED  # not INTERNAL from the cancel
     assert refused.cancelled
+
+
+def _rpc_error(code_name: str) -> Exception:
+    import grpc
+
+    code = getattr(grpc.StatusCode, code_name)
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="x")
+
+
+class FailingResponse(FakeResponse):
+    """Accepted, then the replica channel fails with ``error``."""
+
+    def __init__(self, replica: str, error: Exception) -> None:
+        super().__init__(replica, [])
+        self.error = error
+
+    async def __anext__(self) -> Any:
+        if self.script:
+            return self.script.pop(0)
+        raise self.error
+
+
+@pytest.mark.parametrize("code_name", ["UNAVAILABLE", "CANCELLED"])
+def test_a_replica_channel_that_goes_away_before_progress_is_retried(code_name: str) -> None:
+    """Serve's gRPC transport (router.pool_call_transport=grpc): a replica that dies or shuts
+    down mid-call ends its stream UNAVAILABLE or CANCELLED from its side; both are retryable."""
+    items, calls = collect(
+        [FailingResponse("a", _rpc_error(code_name)), FakeResponse("b", ["t1"])], stall_s=5.0
+    )
+    assert items == ["t1"]
+    assert calls == [(), ("a",)]
+
+
+def test_another_replica_channel_error_is_internal_and_not_retried() -> None:
+    failing = FailingResponse("a", _rpc_error("RESOURCE_EXHAUSTED"))
+    with pytest.raises(PDServeError) as e:
+        collect([failing, FakeResponse("b", ["t1"])], stall_s=5.0)
+    assert e.value.code == ErrorCode.INTERNAL
+    assert failing.cancelled
+
+
+def test_the_transport_option_picks_serves_channel() -> None:
+    from cluster.serving.calls import streaming_handle
+
+    class Handle:
+        def options(self, **kwargs: Any) -> dict[str, Any]:
+            return kwargs
+
+    assert streaming_handle(Handle(), "grpc") == {"stream": True, "_by_reference": False}
+    assert streaming_handle(Handle(), "object_ref") == {"stream": True, "_by_reference": True}
