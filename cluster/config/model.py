@@ -14,9 +14,11 @@ _RUNNERS = ("torch", "fake")
 _BACKENDS = ("auto", "native", "torch")
 # auto: a GGUF source (the default model, a .gguf model.path) keeps its quantized blocks; a
 # checkpoint directory runs dense. dense: model.dtype weights (GGUF de-quantized once). gguf:
-# the GGUF file's own blocks (Q4_0, Q4_1, Q8_0), native kernels on CPU. int8: per-output-channel
-# int8 weight-only, quantized at load from the dense weights (tied embedding/lm_head included).
-WEIGHT_FORMATS = ("auto", "dense", "gguf", "int8")
+# the GGUF file's own blocks (Q4_0, Q4_1, Q8_0), native kernels on CPU. int8: int8 weight-only
+# in groups of 32 inputs, each with an fp16 scale and minimum, quantized at load from the dense
+# weights (tied embedding/lm_head included); int8_rows: the same with one scale per output
+# channel (smaller, less accurate).
+WEIGHT_FORMATS = ("auto", "dense", "gguf", "int8", "int8_rows")
 # auto: the model dtype. int8: int8 values and one fp32 scale per (token, KV head).
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 
@@ -39,7 +41,7 @@ class ModelConfig:
     # faster than F.linear on this CPU), torch (plain torch ops, any device), or auto (native
     # where it applies; torch otherwise).
     kernels: str = "auto"
-    weights: str = "auto"  # auto | dense | gguf | int8 (WEIGHT_FORMATS above)
+    weights: str = "auto"  # auto | dense | gguf | int8 | int8_rows (WEIGHT_FORMATS above)
     seed: int = 0  # seed for requests that bring none
 
     def __post_init__(self) -> None:
@@ -104,6 +106,8 @@ def declared_formats(model: ModelConfig, cache: CacheConfig) -> dict[str, str]:
     elif weights == "gguf":
         weights = "gguf (the file's own quantized blocks)"
     elif weights == "int8":
+        weights = "int8 (groups of 32, fp16 scale and minimum)"
+    elif weights == "int8_rows":
         weights = "int8 (per output channel)"
     kv = cache.kv_dtype
     if kv == "auto":

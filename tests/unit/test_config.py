@@ -174,8 +174,9 @@ def test_declared_formats_name_the_weights_and_kv_formats() -> None:
         "weights": "gguf (the file's own quantized blocks)",
         "kv_cache": "model dtype (float32 on CPU)",
     }
+    assert formats(**{"model.weights": "int8_rows"})["weights"] == "int8 (per output channel)"
     assert formats(**{"model.weights": "int8", "cache.kv_dtype": "int8"}) == {
-        "weights": "int8 (per output channel)",
+        "weights": "int8 (groups of 32, fp16 scale and minimum)",
         "kv_cache": "int8 (one fp32 scale per token and KV head)",
     }
     assert formats(**{"model.weights": "dense", "model.dtype": "bfloat16"}) == {

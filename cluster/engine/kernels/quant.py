@@ -6,6 +6,7 @@ Formats (one row of ``row_bytes`` bytes per output feature; ggml's type ids for 
     Q4_1 (3):  blocks of 32: fp16 d, fp16 m, 16 bytes of nibbles  w = d * q + m
     Q8_0 (8):  blocks of 32: fp16 d, 32 int8                      w = d * q
     int8 (1000, ours): int8 per value, one fp32 scale per row     w = s * q
+    int8g32 (1001, ours): blocks of 32: fp16 d, fp16 m, 32 uint8  w = d * q + m
 
 ``dequantize`` (torch, any device) is the reference and the portable fallback; the native
 kernel (``quant_linear.c``) multiplies fp32 activations by the packed rows without expanding
@@ -24,9 +25,9 @@ from cluster.engine.kernels import compile_kernel
 
 logger = logging.getLogger(__name__)
 
-Q4_0, Q4_1, Q8_0, INT8_ROW = 2, 3, 8, 1000
-QUANT_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", INT8_ROW: "int8"}
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}  # per 32 values
+Q4_0, Q4_1, Q8_0, INT8_ROW, INT8_G32 = 2, 3, 8, 1000, 1001
+QUANT_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", INT8_ROW: "int8", INT8_G32: "int8g32"}
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, INT8_G32: 36}  # per 32 values
 BLOCK = 32
 ISA_NAMES = ("portable", "avx2", "avx512")
 
@@ -54,6 +55,9 @@ def dequantize(qtype: int, data: torch.Tensor, scales: torch.Tensor | None) -> t
     if qtype == Q8_0:
         q = blocks[..., 2:].contiguous().view(torch.int8).float()
         return (q * d).reshape(rows, -1)
+    if qtype == INT8_G32:
+        m = blocks[..., 2:4].contiguous().view(torch.float16).float()
+        return (d * blocks[..., 4:].float() + m).reshape(rows, -1)
     qs = blocks[..., 4:] if qtype == Q4_1 else blocks[..., 2:]
     nibbles = torch.cat((qs & 0x0F, qs >> 4), dim=-1)  # [rows, nb, 32]: low nibbles first
     if qtype == Q4_0:

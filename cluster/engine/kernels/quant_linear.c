@@ -5,6 +5,7 @@
  *   Q4_1 (ggml type 3):  blocks of 32 values, 20 bytes: fp16 d, fp16 m, 16 bytes; w = d * q + m
  *   Q8_0 (ggml type 8):  blocks of 32 values, 34 bytes: fp16 d, 32 int8;            w = d * q
  *   I8_ROW (ours, 1000): `cols` int8 values, one fp32 scale per row (row_scales);   w = s * q
+ *   I8_G32 (ours, 1001): blocks of 32 values, 36 bytes: fp16 d, fp16 m, 32 uint8;  w = d * q + m
  * In a 4-bit block, byte j holds value j in its low nibble and value j + 16 in its high nibble.
  *
  *   y[i, r] = (accumulate ? y[i, r] : 0) + bias[r] + sum_k x[i, k] * w[r, k]
@@ -41,7 +42,9 @@
 #define PD_X86 0
 #endif
 
-enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8, QT_I8_ROW = 1000 };
+enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8, QT_I8_ROW = 1000, QT_I8_G32 = 1001 };
+/* the block types whose blocks carry a minimum m after d (w = d q + m: sum w x = d sum q x + m sum x) */
+#define HAS_MIN(qt) ((qt) == QT_Q4_1 || (qt) == QT_I8_G32)
 enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 
 #define QK 32
@@ -87,6 +90,7 @@ static int block_bytes(int qt) {
     case QT_Q4_0: return 18;
     case QT_Q4_1: return 20;
     case QT_Q8_0: return 34;
+    case QT_I8_G32: return 36;
     default: return 0;
     }
 }
@@ -115,6 +119,9 @@ static void dequant_row_portable(int qt, const uint8_t *w, float scale, int64_t 
                 o[j] = d * (float)(blk[4 + j] & 15) + m;
                 o[j + 16] = d * (float)(blk[4 + j] >> 4) + m;
             }
+        } else if (qt == QT_I8_G32) {
+            const float m = f16_to_f32(load_u16(blk + 2));
+            for (int j = 0; j < QK; j++) o[j] = d * (float)blk[4 + j] + m;
         } else { /* Q8_0 */
             const int8_t *q = (const int8_t *)(blk + 2);
             for (int j = 0; j < QK; j++) o[j] = (float)q[j] * d;
@@ -187,6 +194,9 @@ AVX2 static INLINE __m256 blockdot_avx2(int qt, const uint8_t *qs, __m256 x0, __
     __m256 w0, w1, w2, w3;
     if (qt == QT_Q8_0 || qt == QT_I8_ROW) {
         w0 = i8x8_ps(qs), w1 = i8x8_ps(qs + 8), w2 = i8x8_ps(qs + 16), w3 = i8x8_ps(qs + 24);
+    } else if (qt == QT_I8_G32) {
+        w0 = _mm256_cvtepi32_ps(u8x8(qs)), w1 = _mm256_cvtepi32_ps(u8x8(qs + 8));
+        w2 = _mm256_cvtepi32_ps(u8x8(qs + 16)), w3 = _mm256_cvtepi32_ps(u8x8(qs + 24));
     } else {
         const __m256i m4 = _mm256_set1_epi32(0x0F);
         const __m256i a = u8x8(qs), b = u8x8(qs + 8); /* bytes 0-7, 8-15 */
@@ -206,7 +216,7 @@ AVX2 static INLINE void dot_rows_avx2(int qt, const uint8_t *w, int64_t row_byte
                                       int64_t nb, const float *x, const float *xsum,
                                       float *out) {
     const int bb = block_bytes(qt);
-    const int off = qt == QT_Q4_1 ? 4 : 2;
+    const int off = HAS_MIN(qt) ? 4 : 2;
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                      _mm256_setzero_ps()};
     __m128 macc[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
@@ -220,7 +230,7 @@ AVX2 static INLINE void dot_rows_avx2(int qt, const uint8_t *w, int64_t row_byte
             if (r >= nr) break;
             const uint8_t *blk = w + r * row_bytes + b * bb;
             const __m256 s = blockdot_avx2(qt, blk + off, x0, x1, x2, x3);
-            if (qt == QT_Q4_1) { /* d and m in one conversion; sum (d q + m) x = d sum q x + m sum x */
+            if (HAS_MIN(qt)) { /* d and m in one conversion; sum (d q + m) x = d sum q x + m sum x */
                 uint32_t dm;
                 memcpy(&dm, blk, 4);
                 const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm)); /* d, m, 0, 0 */
@@ -252,6 +262,7 @@ typedef void (*dot_rows_fn)(const uint8_t *w, int64_t rb, int nr, int64_t nb, co
 DOT_ROWS(dot_rows_avx2_q4_0, dot_rows_avx2, AVX2, QT_Q4_0)
 DOT_ROWS(dot_rows_avx2_q4_1, dot_rows_avx2, AVX2, QT_Q4_1)
 DOT_ROWS(dot_rows_avx2_q8_0, dot_rows_avx2, AVX2, QT_Q8_0)
+DOT_ROWS(dot_rows_avx2_i8_g32, dot_rows_avx2, AVX2, QT_I8_G32)
 
 AVX2 static float dot_i8row_avx2(const int8_t *q, float scale, int64_t cols, const float *x) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
@@ -296,6 +307,15 @@ AVX2 static void dequant_row_avx2(int qt, const uint8_t *w, float scale, int64_t
             w0 = i8lo_ps(lo), w1 = i8hi_ps(lo), w2 = i8lo_ps(hi), w3 = i8hi_ps(hi);
             w0 = _mm256_mul_ps(w0, d), w1 = _mm256_mul_ps(w1, d);
             w2 = _mm256_mul_ps(w2, d), w3 = _mm256_mul_ps(w3, d);
+        } else if (qt == QT_I8_G32) {
+            const __m256 m = _mm256_set1_ps(_cvtsh_ss(load_u16(blk + 2)));
+            const __m128i lo = _mm_loadu_si128((const __m128i *)(blk + 4));
+            const __m128i hi = _mm_loadu_si128((const __m128i *)(blk + 20));
+            /* two roundings, as the reference: (d * q) + m (-ffp-contract=off) */
+            w0 = _mm256_add_ps(_mm256_mul_ps(d, u8lo_ps(lo)), m);
+            w1 = _mm256_add_ps(_mm256_mul_ps(d, u8hi_ps(lo)), m);
+            w2 = _mm256_add_ps(_mm256_mul_ps(d, u8lo_ps(hi)), m);
+            w3 = _mm256_add_ps(_mm256_mul_ps(d, u8hi_ps(hi)), m);
         } else {
             const int off = qt == QT_Q4_1 ? 4 : 2;
             const __m128i q = _mm_loadu_si128((const __m128i *)(blk + off));
@@ -347,6 +367,10 @@ AVX512 static INLINE __m512 blockdot_avx512(int qt, const uint8_t *qs, __m512 x0
         w01 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs)));
         w23 = _mm512_cvtepi32_ps(
             _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16))));
+    } else if (qt == QT_I8_G32) {
+        w01 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs)));
+        w23 = _mm512_cvtepi32_ps(
+            _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16))));
     } else { /* bytes 0-15 widened to int32, then split: low nibbles 0-15, high 16-31 */
         const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
         w01 = _mm512_cvtepi32_ps(_mm512_and_si512(a, _mm512_set1_epi32(0x0F)));
@@ -359,7 +383,7 @@ AVX512 static INLINE void dot_rows_avx512(int qt, const uint8_t *w, int64_t row_
                                           int64_t nb, const float *x, const float *xsum,
                                           float *out) {
     const int bb = block_bytes(qt);
-    const int off = qt == QT_Q4_1 ? 4 : 2;
+    const int off = HAS_MIN(qt) ? 4 : 2;
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                      _mm512_setzero_ps()};
     __m128 macc[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
@@ -371,7 +395,7 @@ AVX512 static INLINE void dot_rows_avx512(int qt, const uint8_t *w, int64_t row_
             if (r >= nr) break;
             const uint8_t *blk = w + r * row_bytes + b * bb;
             const __m512 s = blockdot_avx512(qt, blk + off, x01, x23);
-            if (qt == QT_Q4_1) {
+            if (HAS_MIN(qt)) {
                 uint32_t dm;
                 memcpy(&dm, blk, 4);
                 const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm)); /* d, m, 0, 0 */
@@ -394,6 +418,7 @@ AVX512 static INLINE void dot_rows_avx512(int qt, const uint8_t *w, int64_t row_
 DOT_ROWS(dot_rows_avx512_q4_0, dot_rows_avx512, AVX512, QT_Q4_0)
 DOT_ROWS(dot_rows_avx512_q4_1, dot_rows_avx512, AVX512, QT_Q4_1)
 DOT_ROWS(dot_rows_avx512_q8_0, dot_rows_avx512, AVX512, QT_Q8_0)
+DOT_ROWS(dot_rows_avx512_i8_g32, dot_rows_avx512, AVX512, QT_I8_G32)
 
 AVX512 static float dot_i8row_avx512(const int8_t *q, float scale, int64_t cols,
                                      const float *x) {
@@ -472,7 +497,7 @@ static void matvec_rows(int qt, const uint8_t *w, const float *scales, int64_t r
     }
     const int64_t nb = cols / QK;
     float xsum[MAX_BLOCKS];
-    if (qt == QT_Q4_1 || qt == QT_Q4_0) {
+    if (qt == QT_Q4_0 || HAS_MIN(qt)) {
         for (int64_t b = 0; b < nb; b++) {
             float s = 0.0f;
             for (int j = 0; j < QK; j++) s += x[b * QK + j];
@@ -482,9 +507,15 @@ static void matvec_rows(int qt, const uint8_t *w, const float *scales, int64_t r
     dot_rows_fn fn = NULL;
 #if PD_X86
     if (level == ISA_AVX512)
-        fn = qt == QT_Q4_0 ? dot_rows_avx512_q4_0 : qt == QT_Q4_1 ? dot_rows_avx512_q4_1 : dot_rows_avx512_q8_0;
+        fn = qt == QT_Q4_0   ? dot_rows_avx512_q4_0
+             : qt == QT_Q4_1 ? dot_rows_avx512_q4_1
+             : qt == QT_I8_G32 ? dot_rows_avx512_i8_g32
+                               : dot_rows_avx512_q8_0;
     else if (level == ISA_AVX2)
-        fn = qt == QT_Q4_0 ? dot_rows_avx2_q4_0 : qt == QT_Q4_1 ? dot_rows_avx2_q4_1 : dot_rows_avx2_q8_0;
+        fn = qt == QT_Q4_0   ? dot_rows_avx2_q4_0
+             : qt == QT_Q4_1 ? dot_rows_avx2_q4_1
+             : qt == QT_I8_G32 ? dot_rows_avx2_i8_g32
+                               : dot_rows_avx2_q8_0;
 #endif
     for (int64_t r = r0; r < r1; r += 4) {
         const int nr = r1 - r < 4 ? (int)(r1 - r) : 4;

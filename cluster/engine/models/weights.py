@@ -31,6 +31,7 @@ from cluster.engine.models.packed import (
     PackedLinear,
     PackedWeight,
     probe_kernel_max_rows,
+    quantize_int8_groups,
     quantize_int8_rows,
 )
 
@@ -91,27 +92,35 @@ def _gguf(spec: LoadSpec) -> LlamaModel:
     return model
 
 
-def quantize_model_int8(model: LlamaModel, ops: LayerOps) -> LlamaModel:
-    """Every matrix (embedding and lm_head too) to per-output-channel int8, in place."""
+def quantize_model_int8(
+    model: LlamaModel, ops: LayerOps, quantize: Callable[[torch.Tensor], PackedWeight]
+) -> LlamaModel:
+    """Every matrix (embedding and lm_head too) to int8 by ``quantize``, in place."""
     tied = model.lm_head is model.embed
     for lw in model.layers:
         for name in ("qkv", "o", "gate_up", "down"):
             w = getattr(lw, name)
             if isinstance(w, torch.Tensor):
-                setattr(lw, name, quantize_int8_rows(w))
+                setattr(lw, name, quantize(w))
     if isinstance(model.embed, torch.Tensor):
-        model.embed = quantize_int8_rows(model.embed)
+        model.embed = quantize(model.embed)
     if tied:
         model.lm_head = model.embed
     elif isinstance(model.lm_head, torch.Tensor):
-        model.lm_head = quantize_int8_rows(model.lm_head)
+        model.lm_head = quantize(model.lm_head)
     model.ops = ops
     assert all(isinstance(m, PackedWeight) for m in model.matrices())
     return model
 
 
 def _int8(spec: LoadSpec) -> LlamaModel:
-    model = quantize_model_int8(_dense(spec), packed_ops(spec))
+    model = quantize_model_int8(_dense(spec), packed_ops(spec), quantize_int8_groups)
+    logger.info("weights quantized to int8 in groups of 32: %.1f MiB", model.weight_bytes() / 2**20)
+    return model
+
+
+def _int8_rows(spec: LoadSpec) -> LlamaModel:
+    model = quantize_model_int8(_dense(spec), packed_ops(spec), quantize_int8_rows)
     logger.info(
         "weights quantized to int8 per output channel: %.1f MiB", model.weight_bytes() / 2**20
     )
@@ -122,6 +131,7 @@ WEIGHT_LOADERS: dict[str, Callable[[LoadSpec], LlamaModel]] = {
     "dense": _dense,
     "gguf": _gguf,
     "int8": _int8,
+    "int8_rows": _int8_rows,
 }
 
 

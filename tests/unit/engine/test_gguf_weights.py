@@ -78,21 +78,28 @@ def test_gguf_without_the_native_kernel_is_the_same_model(tiny_gguf: dict[str, A
     assert native == torch_path
 
 
-def test_int8_weights_quantize_every_matrix_per_output_channel(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize(("weights", "fmt"), [("int8", "int8g32"), ("int8_rows", "int8")])
+def test_int8_weights_quantize_every_matrix(tiny_model_dir: Path, weights: str, fmt: str) -> None:
+    """int8: groups of 32 inputs (fp16 scale and minimum each); int8_rows: one scale per row."""
     cfg = make_config(
         **{"model.path": str(tiny_model_dir), "cache.num_blocks": 96, "model.num_threads": 2}
     )
     dense = LLMEngine(cfg)
-    eng = LLMEngine(cfg.replace({"model.weights": "int8"}))
+    eng = LLMEngine(cfg.replace({"model.weights": weights}))
     model = eng.runner.model
-    assert eng.runner.formats["weights"] == "int8"
+    assert eng.runner.formats["weights"] == fmt
     assert all(isinstance(m, PackedWeight) for m in model.matrices())
     assert model.lm_head is model.embed  # the tied embedding is quantized once
     for lw, rw in zip(model.layers, dense.runner.model.layers):
         w, ref = lw.gate_up.dequantize(), rw.gate_up
-        step = ref.abs().amax(dim=1, keepdim=True) / 127
+        if weights == "int8_rows":
+            step = ref.abs().amax(dim=1, keepdim=True) / 127
+        else:  # each group's own range over 255 levels (+ fp16's rounding of its minimum)
+            g = ref.reshape(ref.shape[0], -1, 32)
+            step = ((g.amax(dim=2) - g.amin(dim=2)) / 255).repeat_interleave(32, dim=1) * 1.01
+            step = step + 2 * 1e-3 * ref.abs().amax()  # fp16 m: 11 bits
         assert bool(((w - ref).abs() <= step / 2 * (1 + 1e-5)).all())  # round to nearest
-    assert model.weight_bytes() < 0.3 * dense.runner.model.weight_bytes()
+    assert model.weight_bytes() < 0.3 * dense.runner.model.weight_bytes()  # 1.125 B/weight
     # The int8 engine computes the model whose weights are the int8 values: the dense engine
     # running on the de-quantized int8 matrices gives the same logits (fp32 summation order
     # aside). The accuracy gate on the real model: tests/integration/test_quant_real.py.

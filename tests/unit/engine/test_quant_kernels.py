@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from cluster.engine.attention import AttentionMetadata, _decode_attention, decode_row_index
 from cluster.engine.kernels import compile_kernel, load_paged_decode
 from cluster.engine.kernels.quant import (
+    INT8_G32,
     INT8_ROW,
     ISA_NAMES,
     Q4_0,
@@ -28,10 +29,15 @@ from cluster.engine.kernels.quant import (
 )
 from cluster.engine.kv_codec import Int8KV
 from cluster.engine.models.layer_ops import apply_rope, rms_norm
-from cluster.engine.models.packed import PackedLinear, PackedWeight, quantize_int8_rows
+from cluster.engine.models.packed import (
+    PackedLinear,
+    PackedWeight,
+    quantize_int8_groups,
+    quantize_int8_rows,
+)
 
 GGUF_TYPES = (Q4_0, Q4_1, Q8_0)
-ALL_TYPES = (*GGUF_TYPES, INT8_ROW)
+ALL_TYPES = (*GGUF_TYPES, INT8_ROW, INT8_G32)
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +62,8 @@ def packed(qtype: int, rows: int, cols: int, seed: int = 0) -> PackedWeight:
     w[:, :5] *= 20  # some outliers, so the blocks' scales differ
     if qtype == INT8_ROW:
         return quantize_int8_rows(w)
+    if qtype == INT8_G32:
+        return quantize_int8_groups(w)
     data = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType(qtype))
     return PackedWeight.of(qtype, torch.from_numpy(np.ascontiguousarray(data)), cols)
 
@@ -255,3 +263,28 @@ def test_a_kernel_cache_is_keyed_by_the_cpu(
     second = compile_kernel(src, tmp_path, ("-O1",))
     assert second is not None and second != first  # never the other CPU's binary
     assert compile_kernel(src, tmp_path, ("-O2",)) not in (first, second)  # flags count too
+
+
+def test_int8_groups_round_trip_within_half_a_step_of_each_group() -> None:
+    """Each value comes back within half its group's step (d / 2, plus fp16's rounding of m),
+    groups with an outlier do not coarsen the others, and a constant group is exact."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(8, 96, generator=g) * 0.05
+    w[:, 0] = 4.0  # an outlier in the first group of every row
+    w[:, 64:] = -0.25  # a constant group
+    p = quantize_int8_groups(w)
+    assert p.formats == ("int8g32",) and p.nbytes == 8 * 3 * 36
+    back = p.dequantize()
+    groups = w.reshape(8, 3, 32)
+    step = (groups.amax(dim=2) - groups.amin(dim=2)) / 255  # [8, 3]
+    err = (back - w).abs().reshape(8, 3, 32).amax(dim=2)
+    assert bool((err <= step * 0.5 * 1.01 + 1e-3 * step.clamp_min(1e-4)).all()), (err, step)
+    assert float(err[:, 1].max()) < 1e-3  # the outlier's group only
+    assert torch.equal(back[:, 64:], w[:, 64:])
+    rows = quantize_int8_rows(w).dequantize()
+    assert float((rows - w)[:, 32:64].abs().max()) > 10 * float(err[:, 1].max())
+
+
+def test_int8_groups_fall_back_to_rows_where_columns_are_not_whole_groups() -> None:
+    w = torch.randn(4, 40)
+    assert quantize_int8_groups(w).formats == ("int8",)
