@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import os
 import random
 import shutil
 import tempfile
@@ -152,19 +153,61 @@ def run_pair(
     return done
 
 
-class CpuMeter:
-    """Share of the cores this process got over a stretch of wall time: near 1 when the arm ran
-    alone, well below when other work on the shared machine took cores (read its figures with
-    care). Process CPU time counts every torch thread."""
+def machine_busy_s() -> float | None:
+    """CPU seconds every process on this machine has used since boot (``/proc/stat``: all but
+    idle and iowait, steal included: a hypervisor's share is taken from us too); None where
+    there is no ``/proc/stat``."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    return (sum(ticks) - ticks[3] - ticks[4]) / _CLOCK_TICKS
 
-    def __init__(self, threads: int) -> None:
+
+_CLOCK_TICKS = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+
+
+class CpuMeter:
+    """How much of this arm's cores other work left it, over a stretch of wall time: near 1
+    when nothing else ran, well below when other processes took cores (read its figures with
+    care). Other work is the machine's busy time less this process's own CPU time (every torch
+    thread); only what exceeds the cores the arm does not use counts. The arm's own idle time
+    (a batch-1 decode that cannot keep every thread busy) is not a disturbance. Without
+    ``/proc/stat``: this process's CPU time over its threads' wall time, as before."""
+
+    def __init__(
+        self,
+        threads: int,
+        *,
+        num_cores: int | None = None,
+        busy: Callable[[], float | None] = machine_busy_s,
+        own: Callable[[], float] = time.process_time,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.threads = threads
-        self._wall = time.perf_counter()
-        self._cpu = time.process_time()
+        # every core /proc/stat counts (the machine's, not this process's affinity)
+        self.num_cores = num_cores if num_cores is not None else (os.cpu_count() or 1)
+        self._busy_fn, self._own_fn, self._clock = busy, own, clock
+        self._wall = clock()
+        self._cpu = own()
+        self._busy = busy()
 
     def utilisation(self) -> float:
-        wall = time.perf_counter() - self._wall
-        return (time.process_time() - self._cpu) / (wall * self.threads) if wall > 0 else 1.0
+        wall = self._clock() - self._wall
+        if wall <= 0:
+            return 1.0
+        own = self._own_fn() - self._cpu
+        busy = self._busy_fn()
+        if busy is None or self._busy is None:
+            return own / (wall * self.threads)
+        others = max(0.0, busy - self._busy - own)
+        spare = max(0, self.num_cores - self.threads) * wall  # cores this arm leaves free
+        taken = max(0.0, others - spare)
+        return max(0.0, 1.0 - taken / (wall * self.threads))
 
 
 @dataclass(slots=True)
