@@ -24,6 +24,7 @@ from cluster.engine.kernels.quant import QuantKernels, load_quant_kernels
 from cluster.engine.kernels.rows import rows_linear
 from cluster.engine.models.default_model import ModelSource
 from cluster.engine.models.gguf_loader import load_gguf_llama
+from cluster.engine.models.int8 import quantize_int8_groups, quantize_int8_rows
 from cluster.engine.models.layer_ops import LayerOps, NativeOps, TorchOps
 from cluster.engine.models.llama import LlamaModel, onednn_linear
 from cluster.engine.models.loader import load_llama
@@ -31,8 +32,6 @@ from cluster.engine.models.packed import (
     PackedLinear,
     PackedWeight,
     probe_kernel_max_rows,
-    quantize_int8_groups,
-    quantize_int8_rows,
 )
 
 logger = logging.getLogger(__name__)

@@ -28,13 +28,9 @@ from cluster.engine.kernels.quant import (
     load_quant_kernels,
 )
 from cluster.engine.kv_codec import Int8KV
+from cluster.engine.models.int8 import quantize_int8_groups, quantize_int8_rows
 from cluster.engine.models.layer_ops import apply_rope, rms_norm
-from cluster.engine.models.packed import (
-    PackedLinear,
-    PackedWeight,
-    quantize_int8_groups,
-    quantize_int8_rows,
-)
+from cluster.engine.models.packed import PackedLinear, PackedWeight
 
 GGUF_TYPES = (Q4_0, Q4_1, Q8_0)
 ALL_TYPES = (*GGUF_TYPES, INT8_ROW, INT8_G32)
