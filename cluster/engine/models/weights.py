@@ -112,25 +112,22 @@ def quantize_model_int8(
     return model
 
 
-def _int8(spec: LoadSpec) -> LlamaModel:
-    model = quantize_model_int8(_dense(spec), packed_ops(spec), quantize_int8_groups)
-    logger.info("weights quantized to int8 in groups of 32: %.1f MiB", model.weight_bytes() / 2**20)
-    return model
+def _int8_loader(
+    quantize: Callable[[torch.Tensor], PackedWeight], scheme: str
+) -> Callable[[LoadSpec], LlamaModel]:
+    def load(spec: LoadSpec) -> LlamaModel:
+        model = quantize_model_int8(_dense(spec), packed_ops(spec), quantize)
+        logger.info("weights quantized to int8 %s: %.1f MiB", scheme, model.weight_bytes() / 2**20)
+        return model
 
-
-def _int8_rows(spec: LoadSpec) -> LlamaModel:
-    model = quantize_model_int8(_dense(spec), packed_ops(spec), quantize_int8_rows)
-    logger.info(
-        "weights quantized to int8 per output channel: %.1f MiB", model.weight_bytes() / 2**20
-    )
-    return model
+    return load
 
 
 WEIGHT_LOADERS: dict[str, Callable[[LoadSpec], LlamaModel]] = {
     "dense": _dense,
     "gguf": _gguf,
-    "int8": _int8,
-    "int8_rows": _int8_rows,
+    "int8": _int8_loader(quantize_int8_groups, "in groups of 32"),
+    "int8_rows": _int8_loader(quantize_int8_rows, "per output channel"),
 }
 
 
