@@ -53,5 +53,9 @@ def test_plan_validate_smoke(tmp_path: Path) -> None:
         "goodput",
     }
     assert all(math.isfinite(r["predicted"]) and r["predicted"] >= 0 for r in rows)
-    assert all(math.isfinite(r["measured"]) and r["measured"] > 0 for r in rows)
+    assert all(math.isfinite(r["measured"]) and r["measured"] >= 0 for r in rows)
+    # The tiny model can outrun the stream: a request's later tokens then arrive in one message
+    # and its TPOT is 0 (a colocated_chunked tpot_p50 of 0.0 failed a fresh-clone run). TTFT and
+    # goodput are never 0 for requests that were served.
+    assert all(r["measured"] > 0 for r in rows if not r["figure"].startswith("tpot"))
     assert (tmp_path / "results" / "profile.json").exists()
