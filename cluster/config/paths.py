@@ -12,4 +12,8 @@ class PathsConfig:
 
     @property
     def resolved_cache_dir(self) -> Path:
+        if not self.cache_dir:  # a config built in code, not loaded: never the working directory
+            from cluster.config.environment import default_cache_dir
+
+            return default_cache_dir()
         return Path(self.cache_dir).expanduser()

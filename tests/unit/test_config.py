@@ -218,3 +218,17 @@ def test_each_deployment_gets_its_shutdown_wait_loop() -> None:
     for key in ("router", "prefill", "decode"):
         with pytest.raises(ValueError, match=f"{key}.graceful_shutdown_wait_loop_s"):
             ClusterConfig().replace({f"{key}.graceful_shutdown_wait_loop_s": 0})
+
+
+def test_a_config_built_in_code_caches_where_a_loaded_one_does(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``ClusterConfig()`` (cache_dir "") used to resolve to the working directory, so code that
+    built one wrote converted models and kernels next to whatever it ran in."""
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "env-cache"))
+    assert ClusterConfig().paths.resolved_cache_dir == tmp_path / "env-cache"
+    monkeypatch.delenv("PDSERVE_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert ClusterConfig().paths.resolved_cache_dir == tmp_path / "xdg" / "pdserve"
+    named = ClusterConfig().replace({"paths.cache_dir": str(tmp_path / "mine")})
+    assert named.paths.resolved_cache_dir == tmp_path / "mine"

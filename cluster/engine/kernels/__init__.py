@@ -51,9 +51,15 @@ def cpu_fingerprint() -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
-def compile_kernel(source: Path, cache_dir: Path, flags: tuple[str, ...]) -> Path | None:
-    """``source`` built into ``cache_dir/kernels`` once per (source, flags, CPU), or None."""
-    src = source.read_bytes()
+def compile_kernel(
+    source: Path,
+    cache_dir: Path,
+    flags: tuple[str, ...],
+    also: tuple[Path, ...] = (),
+) -> Path | None:
+    """``source`` (with the sources and headers in ``also``) built into ``cache_dir/kernels``
+    once per (their text, flags, CPU), or None."""
+    src = b"".join(p.read_bytes() for p in (source, *also))
     key = src + " ".join(flags).encode() + cpu_fingerprint().encode()
     tag = hashlib.sha256(key).hexdigest()[:16]
     target = cache_dir / "kernels" / f"{source.stem}-{tag}.so"
@@ -65,7 +71,8 @@ def compile_kernel(source: Path, cache_dir: Path, flags: tuple[str, ...]) -> Pat
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [cc, *flags, "-fPIC", "-shared", "-o", tmp, str(source), "-lm", "-lpthread"]
+    sources = [str(p) for p in (source, *also) if p.suffix == ".c"]
+    cmd = [cc, *flags, "-fPIC", "-shared", "-o", tmp, *sources, "-lm", "-lpthread"]
     try:
         subprocess.run(cmd, check=True, capture_output=True, timeout=300)
         os.replace(tmp, target)  # atomic: concurrent processes never load a partial file
@@ -157,6 +164,13 @@ class PagedDecodeKernel:
         for f in futures:
             self._check(f.result())
         return out
+
+    @property
+    def address(self) -> int:
+        """The C function itself (``decode_forward.c`` calls it for every layer)."""
+        value = ctypes.cast(self._fn, ctypes.c_void_p).value
+        assert value is not None
+        return value
 
     @staticmethod
     def _check(rc: int) -> None:

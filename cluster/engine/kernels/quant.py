@@ -8,6 +8,11 @@ Formats (one row of ``row_bytes`` bytes per output feature; ggml's type ids for 
     int8 (1000, ours): int8 per value, one fp32 scale per row     w = s * q
     int8g32 (1001, ours): blocks of 32: fp16 d, fp16 m, 32 uint8  w = d * q + m
 
+Block types are held *planar* in memory (``to_planar``): a row of nb blocks is its nb value
+groups (16 or 32 bytes each), then its nb fp16 d, then (Q4_1, int8g32) its nb fp16 m. The same
+bytes as GGUF's interleaved blocks, reordered so the kernels read sixteen blocks' scales in one
+load; ``PackedWeight.of`` takes the interleaved blocks and reorders them once, at load time.
+
 ``dequantize`` (torch, any device) is the reference and the portable fallback; the native
 kernel (``quant_linear.c``) multiplies fp32 activations by the packed rows without expanding
 them, using the best instruction set the CPU has (probed at run time inside the one binary).
@@ -32,6 +37,8 @@ BLOCK = 32
 ISA_NAMES = ("portable", "avx2", "avx512")
 
 _SOURCE = Path(__file__).with_name("quant_linear.c")
+# compiled into the same library: the whole decode step's layers in one call, and the header
+_ALSO = (Path(__file__).with_name("decode_forward.c"), Path(__file__).with_name("quant_linear.h"))
 # Portable code plus per-function AVX2 / AVX-512 variants chosen from cpuid at run time, so no
 # -march=native: the binary runs on any CPU of its architecture. No fp contraction: d * q + m
 # rounds twice, exactly as the de-quantizing reference computes it.
@@ -44,13 +51,43 @@ def row_bytes(qtype: int, cols: int) -> int:
     return cols // BLOCK * BLOCK_BYTES[qtype]
 
 
+def _scale_bytes(qtype: int) -> int:
+    """Bytes of a block's scales: fp16 d, and fp16 m where the type has a minimum."""
+    return 4 if qtype in (Q4_1, INT8_G32) else 2
+
+
+def to_planar(qtype: int, blocks: torch.Tensor) -> torch.Tensor:
+    """[rows, row_bytes] interleaved blocks (GGUF's order: each block's scales, then its values)
+    -> the same bytes planar: every block's values, then every d, then every m."""
+    if qtype == INT8_ROW:
+        return blocks.contiguous()
+    rows, sb = blocks.shape[0], _scale_bytes(qtype)
+    b = blocks.reshape(rows, -1, BLOCK_BYTES[qtype])
+    parts = [b[..., sb:].reshape(rows, -1), b[..., 0:2].reshape(rows, -1)]
+    if sb == 4:
+        parts.append(b[..., 2:4].reshape(rows, -1))
+    return torch.cat(parts, dim=1).contiguous()
+
+
+def to_blocks(qtype: int, planar: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``to_planar`` (GGUF's interleaved block order)."""
+    if qtype == INT8_ROW:
+        return planar.contiguous()
+    rows, sb = planar.shape[0], _scale_bytes(qtype)
+    nb = planar.shape[1] // BLOCK_BYTES[qtype]
+    qb = BLOCK_BYTES[qtype] - sb
+    values = planar[:, : nb * qb].reshape(rows, nb, qb)
+    scales = planar[:, nb * qb :].reshape(rows, sb // 2, nb, 2).transpose(1, 2)
+    return torch.cat((scales.reshape(rows, nb, sb), values), dim=2).reshape(rows, -1).contiguous()
+
+
 def dequantize(qtype: int, data: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
-    """[rows, row_bytes] uint8 (+ [rows] fp32 scales for int8) -> [rows, cols] fp32, in torch."""
+    """[rows, row_bytes] uint8, planar (+ [rows] fp32 scales for int8) -> [rows, cols] fp32."""
     rows = data.shape[0]
     if qtype == INT8_ROW:
         assert scales is not None
         return data.view(torch.int8).float() * scales.float()[:, None]
-    blocks = data.reshape(rows, -1, BLOCK_BYTES[qtype])  # [rows, nb, block bytes]
+    blocks = to_blocks(qtype, data).reshape(rows, -1, BLOCK_BYTES[qtype])  # [rows, nb, bytes]
     d = blocks[..., :2].contiguous().view(torch.float16).float()  # [rows, nb, 1]
     if qtype == Q8_0:
         q = blocks[..., 2:].contiguous().view(torch.int8).float()
@@ -89,6 +126,10 @@ class QuantKernels:
         lib.pdserve_quant_set_isa.restype = i32
         self._lib, self._linear, self._dequant = lib, lin, deq
         self.num_threads = max(1, num_threads)
+
+    @property
+    def lib(self) -> ctypes.CDLL:
+        return self._lib
 
     @property
     def isa(self) -> str:
@@ -238,7 +279,7 @@ class QuantKernels:
 
 
 def load_quant_kernels(cache_dir: Path, num_threads: int) -> QuantKernels | None:
-    path = compile_kernel(_SOURCE, cache_dir, _FLAGS)
+    path = compile_kernel(_SOURCE, cache_dir, _FLAGS, _ALSO)
     if path is None:
         return None
     try:

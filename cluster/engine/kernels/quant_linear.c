@@ -7,22 +7,26 @@
  *   I8_ROW (ours, 1000): `cols` int8 values, one fp32 scale per row (row_scales);   w = s * q
  *   I8_G32 (ours, 1001): blocks of 32 values, 36 bytes: fp16 d, fp16 m, 32 uint8;  w = d * q + m
  * In a 4-bit block, byte j holds value j in its low nibble and value j + 16 in its high nibble.
+ * A row of blocks is held planar (kernels/quant.py to_planar): all its blocks' values, then all
+ * their d, then all their m: the same bytes as GGUF's, in an order the kernels load faster.
  *
  *   y[i, r] = (accumulate ? y[i, r] : 0) + bias[r] + sum_k x[i, k] * w[r, k]
  *
- * The values multiplied are exactly the ones a de-quantizing reference computes (dequantize
- * rows with -ffp-contract=off, so d * q + m rounds twice as numpy does); only the order of the
- * fp32 sums differs. One activation row uses the fused block kernels (the weights stream once
- * and are never expanded in memory); a few rows de-quantize four weight rows at a time into a
- * per-thread scratch and dot them with every activation row; many rows are the caller's
- * business (de-quantize tiles with pdserve_dequant_rows and use BLAS).
+ * The weights are exactly the values a de-quantizing reference computes (dequant_row with
+ * -ffp-contract=off, so d * q + m rounds twice as numpy does). One activation row uses the fused
+ * block kernels, which stream the weights once and never expand them: per block they compute
+ * d * sum q x + m * sum x, the reference's dot up to the rounding of fp32 sums. A few rows
+ * de-quantize four weight rows at a time into a per-thread scratch and dot them with every
+ * activation row; many rows are the caller's business (de-quantize tiles with
+ * pdserve_dequant_rows and use BLAS).
  *
- * Code paths: AVX-512F, AVX2+FMA+F16C, portable C, chosen at run time from cpuid
+ * Code paths: AVX-512 (F, BW, VL), AVX2+FMA+F16C, portable C, chosen at run time from cpuid
  * (__builtin_cpu_supports), so one binary runs on any x86-64 (and the portable path anywhere).
  *
- * Threads: a small pool owned by this library (the caller counts as one thread). Workers spin
- * briefly after a job (decode issues one linear after another) and then sleep on a condition
- * variable. A call that finds the pool busy (another engine thread in the process) runs inline.
+ * Threads: a small pool owned by this library (the caller counts as one thread). A job is split
+ * into chunks that the threads claim as they go (see pd_run_parallel). Workers spin briefly
+ * after a job (decode issues one linear after another) and then sleep on a condition variable.
+ * A call that finds the pool busy (another engine thread in the process) runs inline.
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -34,6 +38,8 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+
+#include "quant_linear.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -95,7 +101,45 @@ static int block_bytes(int qt) {
     }
 }
 
+/* Bytes of one block's values (the rest of a block is its fp16 d, and m where it has one). */
+static int quant_bytes(int qt) { return qt == QT_Q4_0 || qt == QT_Q4_1 ? 16 : 32; }
+
+/* A row of nb blocks, planar: nb value groups (quant_bytes each), then nb fp16 d, then (types
+ * with a minimum) nb fp16 m. The same bytes as GGUF's interleaved blocks, reordered so that the
+ * kernels read sixteen blocks' scales with one load. */
+static inline const uint8_t *row_d(int qt, const uint8_t *w, int64_t nb) {
+    return w + nb * quant_bytes(qt);
+}
+static inline const uint8_t *row_m(int qt, const uint8_t *w, int64_t nb) {
+    return w + nb * (quant_bytes(qt) + 2);
+}
+
 /* -- portable: de-quantize one row, and dot one row -------------------------------------- */
+
+static void dequant_block_portable(int qt, const uint8_t *q, float d, float m, float *o) {
+    if (qt == QT_Q4_0) {
+        for (int j = 0; j < 16; j++) {
+            o[j] = (float)((int)(q[j] & 15) - 8) * d;
+            o[j + 16] = (float)((int)(q[j] >> 4) - 8) * d;
+        }
+    } else if (qt == QT_Q4_1) {
+        for (int j = 0; j < 16; j++) {
+            o[j] = d * (float)(q[j] & 15) + m;
+            o[j + 16] = d * (float)(q[j] >> 4) + m;
+        }
+    } else if (qt == QT_I8_G32) {
+        for (int j = 0; j < QK; j++) o[j] = d * (float)q[j] + m;
+    } else { /* Q8_0 */
+        for (int j = 0; j < QK; j++) o[j] = (float)(int8_t)q[j] * d;
+    }
+}
+
+static inline float block_d(int qt, const uint8_t *w, int64_t nb, int64_t b) {
+    return f16_to_f32(load_u16(row_d(qt, w, nb) + 2 * b));
+}
+static inline float block_m(int qt, const uint8_t *w, int64_t nb, int64_t b) {
+    return HAS_MIN(qt) ? f16_to_f32(load_u16(row_m(qt, w, nb) + 2 * b)) : 0.0f;
+}
 
 static void dequant_row_portable(int qt, const uint8_t *w, float scale, int64_t cols, float *out) {
     if (qt == QT_I8_ROW) {
@@ -103,30 +147,11 @@ static void dequant_row_portable(int qt, const uint8_t *w, float scale, int64_t 
         for (int64_t k = 0; k < cols; k++) out[k] = (float)q[k] * scale;
         return;
     }
-    const int bb = block_bytes(qt);
-    for (int64_t b = 0; b < cols / QK; b++) {
-        const uint8_t *blk = w + b * bb;
-        float *o = out + b * QK;
-        const float d = f16_to_f32(load_u16(blk));
-        if (qt == QT_Q4_0) {
-            for (int j = 0; j < 16; j++) {
-                o[j] = (float)((int)(blk[2 + j] & 15) - 8) * d;
-                o[j + 16] = (float)((int)(blk[2 + j] >> 4) - 8) * d;
-            }
-        } else if (qt == QT_Q4_1) {
-            const float m = f16_to_f32(load_u16(blk + 2));
-            for (int j = 0; j < 16; j++) {
-                o[j] = d * (float)(blk[4 + j] & 15) + m;
-                o[j + 16] = d * (float)(blk[4 + j] >> 4) + m;
-            }
-        } else if (qt == QT_I8_G32) {
-            const float m = f16_to_f32(load_u16(blk + 2));
-            for (int j = 0; j < QK; j++) o[j] = d * (float)blk[4 + j] + m;
-        } else { /* Q8_0 */
-            const int8_t *q = (const int8_t *)(blk + 2);
-            for (int j = 0; j < QK; j++) o[j] = (float)q[j] * d;
-        }
-    }
+    const int64_t nb = cols / QK;
+    const int qb = quant_bytes(qt);
+    for (int64_t b = 0; b < nb; b++)
+        dequant_block_portable(qt, w + b * qb, block_d(qt, w, nb, b), block_m(qt, w, nb, b),
+                               out + b * QK);
 }
 
 static float dot_row_portable(int qt, const uint8_t *w, float scale, int64_t cols,
@@ -138,9 +163,10 @@ static float dot_row_portable(int qt, const uint8_t *w, float scale, int64_t col
         for (int64_t k = 0; k < cols; k++) acc += (float)q[k] * x[k];
         return acc * scale;
     }
-    const int bb = block_bytes(qt);
-    for (int64_t b = 0; b < cols / QK; b++) {
-        dequant_row_portable(qt, w + b * bb, 1.0f, QK, tmp);
+    const int64_t nb = cols / QK;
+    const int qb = quant_bytes(qt);
+    for (int64_t b = 0; b < nb; b++) {
+        dequant_block_portable(qt, w + b * qb, block_d(qt, w, nb, b), block_m(qt, w, nb, b), tmp);
         for (int j = 0; j < QK; j++) acc += tmp[j] * x[b * QK + j];
     }
     return acc;
@@ -155,6 +181,19 @@ static float dot_f32_portable(const float *a, const float *b, int64_t n) {
     for (int l = 0; l < 8; l++) s += acc[l];
     for (; k < n; k++) s += a[k] * b[k];
     return s;
+}
+
+/* The rows of a 4-row group are one stretch of memory (4 x row_bytes), read in nb steps: each
+ * step asks for the cache lines (two or three) PREFETCH_AHEAD bytes beyond its place in that stretch (the
+ * hardware prefetcher does not follow four interleaved rows far enough ahead on its own: at
+ * 8 KiB ahead a cold matrix streams about twice as fast as with next-group prefetches). */
+#define PREFETCH_AHEAD 8192
+static inline void prefetch_ahead(const uint8_t *w, int64_t row_bytes, int64_t nb, int64_t b) {
+    const int64_t step = 4 * row_bytes / nb; /* 72-144 bytes */
+    const uint8_t *p = w + PREFETCH_AHEAD + b * step;
+    __builtin_prefetch(p, 0, 3);
+    __builtin_prefetch(p + 64, 0, 3);
+    if (step > 128) __builtin_prefetch(p + 128, 0, 3);
 }
 
 /* -- AVX2 + FMA + F16C ------------------------------------------------------------------- */
@@ -211,43 +250,43 @@ AVX2 static INLINE __m256 blockdot_avx2(int qt, const uint8_t *qs, __m256 x0, __
     return _mm256_fmadd_ps(w3, x3, s);
 }
 
-/* y[r] for rows r0 .. r0 + NR - 1 (NR <= 4) of a GGUF-block type, one activation row x. */
+/* y[r] for rows r0 .. r0 + NR - 1 (NR <= 4) of a block type, one activation row x. */
 AVX2 static INLINE void dot_rows_avx2(int qt, const uint8_t *w, int64_t row_bytes, int nr,
                                       int64_t nb, const float *x, const float *xsum,
                                       float *out) {
-    const int bb = block_bytes(qt);
-    const int off = HAS_MIN(qt) ? 4 : 2;
+    const int qb = quant_bytes(qt);
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                      _mm256_setzero_ps()};
-    __m128 macc[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
     for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + b * QK;
         const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8);
         const __m256 x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
-        if ((b & 3) == 0) /* the next group of rows, a few blocks ahead (about 10% here) */
-            for (int r = 0; r < 4; r++) __builtin_prefetch(w + (4 + r) * row_bytes + b * bb, 0, 0);
+        prefetch_ahead(w, row_bytes, nb, b);
         for (int r = 0; r < 4; r++) {
             if (r >= nr) break;
-            const uint8_t *blk = w + r * row_bytes + b * bb;
-            const __m256 s = blockdot_avx2(qt, blk + off, x0, x1, x2, x3);
-            if (HAS_MIN(qt)) { /* d and m in one conversion; sum (d q + m) x = d sum q x + m sum x */
-                uint32_t dm;
-                memcpy(&dm, blk, 4);
-                const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm)); /* d, m, 0, 0 */
-                acc[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(f), s, acc[r]);
-                macc[r] = _mm_fmadd_ss(_mm_movehdup_ps(f), _mm_load_ss(xsum + b), macc[r]);
-            } else if (qt == QT_Q4_0) { /* sum d (q - 8) x = d sum q x - 8 d sum x */
-                const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(load_u16(blk)));
-                acc[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(f), s, acc[r]);
-                macc[r] = _mm_fmadd_ss(_mm_mul_ss(f, _mm_set_ss(-8.0f)), _mm_load_ss(xsum + b),
-                                       macc[r]);
-            } else {
-                const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(load_u16(blk)));
-                acc[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(f), s, acc[r]);
-            }
+            const uint8_t *wr = w + r * row_bytes;
+            const __m256 s = blockdot_avx2(qt, wr + b * qb, x0, x1, x2, x3);
+            const __m128 d = _mm_cvtph_ps(_mm_cvtsi32_si128(load_u16(row_d(qt, wr, nb) + 2 * b)));
+            acc[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(d), s, acc[r]);
         }
     }
-    for (int r = 0; r < nr; r++) out[r] = hsum256(acc[r]) + _mm_cvtss_f32(macc[r]);
+    for (int r = 0; r < nr; r++) {
+        const uint8_t *wr = w + r * row_bytes;
+        float m = 0.0f;
+        if (qt == QT_Q4_0 || HAS_MIN(qt)) { /* eight blocks' scales at a time */
+            const uint8_t *src = qt == QT_Q4_0 ? row_d(qt, wr, nb) : row_m(qt, wr, nb);
+            __m256 macc = _mm256_setzero_ps();
+            int64_t b = 0;
+            for (; b + 8 <= nb; b += 8) {
+                const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 2 * b)));
+                macc = _mm256_fmadd_ps(v, _mm256_loadu_ps(xsum + b), macc);
+            }
+            m = hsum256(macc);
+            for (; b < nb; b++) m += f16_to_f32(load_u16(src + 2 * b)) * xsum[b];
+            if (qt == QT_Q4_0) m *= -8.0f;
+        }
+        out[r] = hsum256(acc[r]) + m;
+    }
 }
 
 /* One instantiation per (type, row count): both are compile-time constants inside. */
@@ -294,39 +333,40 @@ AVX2 static void dequant_row_avx2(int qt, const uint8_t *w, float scale, int64_t
         for (; k < cols; k++) out[k] = (float)q[k] * scale;
         return;
     }
-    const int bb = block_bytes(qt);
+    const int64_t nb = cols / QK;
+    const int qb = quant_bytes(qt);
+    const uint8_t *dp = row_d(qt, w, nb), *mp = row_m(qt, w, nb);
     const __m128i m4 = _mm_set1_epi8(0x0F);
-    for (int64_t b = 0; b < cols / QK; b++) {
-        const uint8_t *blk = w + b * bb;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *q = w + b * qb;
         float *o = out + b * QK;
-        const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(blk)));
+        const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(dp + 2 * b)));
         __m256 w0, w1, w2, w3;
         if (qt == QT_Q8_0) {
-            const __m128i lo = _mm_loadu_si128((const __m128i *)(blk + 2));
-            const __m128i hi = _mm_loadu_si128((const __m128i *)(blk + 18));
+            const __m128i lo = _mm_loadu_si128((const __m128i *)q);
+            const __m128i hi = _mm_loadu_si128((const __m128i *)(q + 16));
             w0 = i8lo_ps(lo), w1 = i8hi_ps(lo), w2 = i8lo_ps(hi), w3 = i8hi_ps(hi);
             w0 = _mm256_mul_ps(w0, d), w1 = _mm256_mul_ps(w1, d);
             w2 = _mm256_mul_ps(w2, d), w3 = _mm256_mul_ps(w3, d);
         } else if (qt == QT_I8_G32) {
-            const __m256 m = _mm256_set1_ps(_cvtsh_ss(load_u16(blk + 2)));
-            const __m128i lo = _mm_loadu_si128((const __m128i *)(blk + 4));
-            const __m128i hi = _mm_loadu_si128((const __m128i *)(blk + 20));
+            const __m256 m = _mm256_set1_ps(_cvtsh_ss(load_u16(mp + 2 * b)));
+            const __m128i lo = _mm_loadu_si128((const __m128i *)q);
+            const __m128i hi = _mm_loadu_si128((const __m128i *)(q + 16));
             /* two roundings, as the reference: (d * q) + m (-ffp-contract=off) */
             w0 = _mm256_add_ps(_mm256_mul_ps(d, u8lo_ps(lo)), m);
             w1 = _mm256_add_ps(_mm256_mul_ps(d, u8hi_ps(lo)), m);
             w2 = _mm256_add_ps(_mm256_mul_ps(d, u8lo_ps(hi)), m);
             w3 = _mm256_add_ps(_mm256_mul_ps(d, u8hi_ps(hi)), m);
         } else {
-            const int off = qt == QT_Q4_1 ? 4 : 2;
-            const __m128i q = _mm_loadu_si128((const __m128i *)(blk + off));
-            __m128i lo = _mm_and_si128(q, m4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
+            const __m128i v = _mm_loadu_si128((const __m128i *)q);
+            __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
             if (qt == QT_Q4_0) {
                 const __m128i eight = _mm_set1_epi8(8);
                 lo = _mm_sub_epi8(lo, eight), hi = _mm_sub_epi8(hi, eight);
                 w0 = _mm256_mul_ps(i8lo_ps(lo), d), w1 = _mm256_mul_ps(i8hi_ps(lo), d);
                 w2 = _mm256_mul_ps(i8lo_ps(hi), d), w3 = _mm256_mul_ps(i8hi_ps(hi), d);
             } else {
-                const __m256 m = _mm256_set1_ps(_cvtsh_ss(load_u16(blk + 2)));
+                const __m256 m = _mm256_set1_ps(_cvtsh_ss(load_u16(mp + 2 * b)));
                 /* two roundings, as the reference: (d * q) + m (-ffp-contract=off) */
                 w0 = _mm256_add_ps(_mm256_mul_ps(d, u8lo_ps(lo)), m);
                 w1 = _mm256_add_ps(_mm256_mul_ps(d, u8hi_ps(lo)), m);
@@ -358,10 +398,11 @@ AVX2 static void dot4_f32_avx2(const float *w, int64_t ldw, const float *x, int6
     }
 }
 
-/* -- AVX-512F ----------------------------------------------------------------------------- */
-#define AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+/* -- AVX-512 (F, BW, VL) ----------------------------------------------------------------- */
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 
-AVX512 static INLINE __m512 blockdot_avx512(int qt, const uint8_t *qs, __m512 x01, __m512 x23) {
+AVX512 static INLINE __m512 blockdot_avx512(int qt, const uint8_t *qs, __m512 x01, __m512 x23,
+                                            __m512 nibble_values) {
     __m512 w01, w23;
     if (qt == QT_Q8_0 || qt == QT_I8_ROW) {
         w01 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs)));
@@ -371,48 +412,62 @@ AVX512 static INLINE __m512 blockdot_avx512(int qt, const uint8_t *qs, __m512 x0
         w01 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs)));
         w23 = _mm512_cvtepi32_ps(
             _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16))));
-    } else { /* bytes 0-15 widened to int32, then split: low nibbles 0-15, high 16-31 */
+    } else { /* bytes 0-15 widened to int32: low nibbles are values 0-15, high 16-31 */
         const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
-        w01 = _mm512_cvtepi32_ps(_mm512_and_si512(a, _mm512_set1_epi32(0x0F)));
+        /* the low nibble as a float by table lookup (vpermps reads an index's low 4 bits), the
+         * high one by conversion: the two halves of the work go to different ports */
+        w01 = _mm512_permutexvar_ps(a, nibble_values);
         w23 = _mm512_cvtepi32_ps(_mm512_srli_epi32(a, 4));
     }
     return _mm512_fmadd_ps(w23, x23, _mm512_mul_ps(w01, x01));
 }
 
+/* 16 fp16 values from p (n of them, the rest 0) as floats */
+AVX512 static INLINE __m512 load_f16x16(const uint8_t *p, int n) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1u), p));
+}
+
+/* y[r] for rows r0 .. r0 + NR - 1 (NR <= 4), one activation row x. Every sixteen blocks the
+ * rows' d (and m) come in one load each, converted into a small buffer that the block loop's
+ * multiply-adds broadcast from memory (no shuffle); the minimum's part sum_b m_b xsum_b is one
+ * multiply-add per sixteen blocks. */
 AVX512 static INLINE void dot_rows_avx512(int qt, const uint8_t *w, int64_t row_bytes, int nr,
                                           int64_t nb, const float *x, const float *xsum,
                                           float *out) {
-    const int bb = block_bytes(qt);
-    const int off = HAS_MIN(qt) ? 4 : 2;
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                     _mm512_setzero_ps()};
-    __m128 macc[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
+    const int qb = quant_bytes(qt);
+    const __m512 nibble_values =
+        _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    float dbuf[4][16] __attribute__((aligned(64)));
+    __m512 acc[4], macc[4];
+    for (int r = 0; r < 4; r++) acc[r] = macc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const __m512 x01 = _mm512_loadu_ps(x + b * QK), x23 = _mm512_loadu_ps(x + b * QK + 16);
-        if ((b & 3) == 0)
-            for (int r = 0; r < 4; r++) __builtin_prefetch(w + (4 + r) * row_bytes + b * bb, 0, 0);
-        for (int r = 0; r < 4; r++) {
-            if (r >= nr) break;
-            const uint8_t *blk = w + r * row_bytes + b * bb;
-            const __m512 s = blockdot_avx512(qt, blk + off, x01, x23);
-            if (HAS_MIN(qt)) {
-                uint32_t dm;
-                memcpy(&dm, blk, 4);
-                const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm)); /* d, m, 0, 0 */
-                acc[r] = _mm512_fmadd_ps(_mm512_broadcastss_ps(f), s, acc[r]);
-                macc[r] = _mm_fmadd_ss(_mm_movehdup_ps(f), _mm_load_ss(xsum + b), macc[r]);
-            } else if (qt == QT_Q4_0) {
-                const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(load_u16(blk)));
-                acc[r] = _mm512_fmadd_ps(_mm512_broadcastss_ps(f), s, acc[r]);
-                macc[r] = _mm_fmadd_ss(_mm_mul_ss(f, _mm_set_ss(-8.0f)), _mm_load_ss(xsum + b),
-                                       macc[r]);
-            } else {
-                const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(load_u16(blk)));
-                acc[r] = _mm512_fmadd_ps(_mm512_broadcastss_ps(f), s, acc[r]);
+        const int j = (int)(b & 15);
+        if (j == 0) {
+            const int cnt = nb - b < 16 ? (int)(nb - b) : 16;
+            const __m512 xs = _mm512_maskz_loadu_ps((__mmask16)((1u << cnt) - 1u), xsum + b);
+            for (int r = 0; r < 4; r++) {
+                if (r >= nr) break;
+                const uint8_t *wr = w + r * row_bytes;
+                const __m512 dv = load_f16x16(row_d(qt, wr, nb) + 2 * b, cnt);
+                _mm512_store_ps(dbuf[r], dv);
+                if (qt == QT_Q4_0) /* sum d (q - 8) x = d sum q x - 8 d sum x */
+                    macc[r] = _mm512_fmadd_ps(dv, _mm512_mul_ps(xs, _mm512_set1_ps(-8.0f)),
+                                              macc[r]);
+                else if (HAS_MIN(qt))
+                    macc[r] = _mm512_fmadd_ps(load_f16x16(row_m(qt, wr, nb) + 2 * b, cnt), xs,
+                                              macc[r]);
             }
         }
+        const __m512 x01 = _mm512_loadu_ps(x + b * QK), x23 = _mm512_loadu_ps(x + b * QK + 16);
+        prefetch_ahead(w, row_bytes, nb, b);
+        for (int r = 0; r < 4; r++) {
+            if (r >= nr) break;
+            const __m512 s =
+                blockdot_avx512(qt, w + r * row_bytes + b * qb, x01, x23, nibble_values);
+            acc[r] = _mm512_fmadd_ps(s, _mm512_set1_ps(dbuf[r][j]), acc[r]);
+        }
     }
-    for (int r = 0; r < nr; r++) out[r] = _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(macc[r]);
+    for (int r = 0; r < nr; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], macc[r]));
 }
 
 DOT_ROWS(dot_rows_avx512_q4_0, dot_rows_avx512, AVX512, QT_Q4_0)
@@ -440,7 +495,8 @@ AVX512 static float dot_i8row_avx512(const int8_t *q, float scale, int64_t cols,
 static int detect_isa(void) {
 #if PD_X86
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2") &&
         __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
         return ISA_AVX512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
@@ -534,7 +590,14 @@ static void matvec_rows(int qt, const uint8_t *w, const float *scales, int64_t r
 #define MAX_THREADS 256
 #define SPIN_NS 100000 /* how long an idle worker spins before it sleeps */
 
-typedef void (*task_fn)(const void *ctx, int64_t begin, int64_t end);
+typedef pd_task_fn task_fn;
+
+/* A job is split into chunks that the caller and the workers claim one at a time, so a worker
+ * that the OS has not scheduled (another process, or torch's OpenMP threads spinning on the
+ * other core after their own work) leaves its share to whoever is running instead of making the
+ * caller wait for it. Each output row is computed by one thread whatever the split, so results
+ * do not depend on who took which chunk. */
+#define CHUNKS_PER_THREAD 4
 
 static struct {
     pthread_mutex_t run_mu; /* one job at a time; a caller that finds it taken runs inline */
@@ -544,12 +607,13 @@ static struct {
     pid_t pid;
     pthread_t threads[MAX_THREADS];
     uint64_t start_gen[MAX_THREADS]; /* the generation before a worker's first job */
-    _Atomic uint64_t gen;
-    _Atomic int pending;
+    _Atomic uint64_t gen;            /* bumped to wake the workers for a job */
+    _Atomic uint64_t claim;          /* (job id << 32) | the next unclaimed chunk */
+    _Atomic int64_t done;            /* chunks of the current job finished */
     _Atomic int sleepers;
     task_fn fn;
     const void *ctx;
-    int64_t total, align;
+    int64_t total, chunk_size, num_chunks;
     int job_threads;
 } P = {.run_mu = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER,
        .cv = PTHREAD_COND_INITIALIZER};
@@ -566,11 +630,25 @@ static inline int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-static void chunk(int i, int n, int64_t total, int64_t align, int64_t *b, int64_t *e) {
-    const int64_t units = (total + align - 1) / align;
-    *b = units * i / n * align;
-    *e = units * (i + 1) / n * align;
-    if (*e > total) *e = total;
+/* Claim and run chunks of job `job` until none is left (or another job is current). The job's
+ * fields are read between the load of `claim` and the compare-exchange that claims a chunk:
+ * while that chunk is unclaimed the job cannot finish, so no other job can have replaced them. */
+static void work_on(uint32_t job) {
+    for (;;) {
+        uint64_t c = atomic_load_explicit(&P.claim, memory_order_acquire);
+        if ((uint32_t)(c >> 32) != job) return;
+        const int64_t k = (int64_t)(uint32_t)c;
+        if (k >= P.num_chunks) return;
+        const task_fn fn = P.fn;
+        const void *ctx = P.ctx;
+        const int64_t size = P.chunk_size, total = P.total;
+        if (!atomic_compare_exchange_weak_explicit(&P.claim, &c, c + 1, memory_order_acq_rel,
+                                                   memory_order_relaxed))
+            continue;
+        const int64_t b = k * size, e = b + size < total ? b + size : total;
+        fn(ctx, b, e);
+        atomic_fetch_add_explicit(&P.done, 1, memory_order_release);
+    }
 }
 
 static void *worker_main(void *arg) {
@@ -592,11 +670,7 @@ static void *worker_main(void *arg) {
             }
         }
         seen = g;
-        if (idx >= P.job_threads) continue; /* not part of this job */
-        int64_t b, e;
-        chunk(idx, P.job_threads, P.total, P.align, &b, &e);
-        if (b < e) P.fn(P.ctx, b, e);
-        atomic_fetch_sub_explicit(&P.pending, 1, memory_order_release);
+        if (idx < P.job_threads) work_on((uint32_t)g); /* the generation is the job id */
     }
     return NULL;
 }
@@ -624,7 +698,7 @@ static int ensure_workers(int n) {
     return P.num_workers + 1;
 }
 
-static void run_parallel(task_fn fn, const void *ctx, int64_t total, int64_t align, int n) {
+void pd_run_parallel(task_fn fn, const void *ctx, int64_t total, int64_t align, int n) {
     if (n <= 1 || total <= align || pthread_mutex_trylock(&P.run_mu) != 0) {
         fn(ctx, 0, total);
         return;
@@ -638,21 +712,23 @@ static void run_parallel(task_fn fn, const void *ctx, int64_t total, int64_t ali
         fn(ctx, 0, total);
         return;
     }
-    P.fn = fn, P.ctx = ctx, P.total = total, P.align = align, P.job_threads = n;
-    atomic_store(&P.pending, n - 1);
-    atomic_fetch_add(&P.gen, 1); /* publishes the job (seq_cst) */
+    int64_t per = (units + (int64_t)n * CHUNKS_PER_THREAD - 1) / ((int64_t)n * CHUNKS_PER_THREAD);
+    P.fn = fn, P.ctx = ctx, P.total = total, P.chunk_size = per * align;
+    P.num_chunks = (total + P.chunk_size - 1) / P.chunk_size, P.job_threads = n;
+    atomic_store_explicit(&P.done, 0, memory_order_relaxed);
+    const uint32_t job = (uint32_t)(atomic_load(&P.gen) + 1);
+    atomic_store_explicit(&P.claim, (uint64_t)job << 32, memory_order_release);
+    atomic_fetch_add(&P.gen, 1); /* wakes the workers (seq_cst) */
     if (atomic_load(&P.sleepers) > 0) {
         pthread_mutex_lock(&P.mu);
         pthread_cond_broadcast(&P.cv);
         pthread_mutex_unlock(&P.mu);
     }
-    int64_t b, e;
-    chunk(0, n, total, align, &b, &e);
-    if (b < e) fn(ctx, b, e);
+    work_on(job);
     int spins = 0;
-    while (atomic_load_explicit(&P.pending, memory_order_acquire) > 0) {
+    while (atomic_load_explicit(&P.done, memory_order_acquire) < P.num_chunks) {
         cpu_relax();
-        if (++spins % 4096 == 0) sched_yield(); /* a descheduled worker: let it run */
+        if (++spins % 4096 == 0) sched_yield(); /* a worker inside a chunk: let it run */
     }
     pthread_mutex_unlock(&P.run_mu);
 }
@@ -742,7 +818,7 @@ int pdserve_quant_linear(int qt, const uint8_t *w, const float *scales, int64_t 
         return -1;
     if (qt == QT_I8_ROW && !scales) return -1;
     const linear_job job = {qt, w, scales, row_bytes, cols, x, n, ldx, y, ldy, bias, accumulate};
-    run_parallel(linear_task, &job, rows, 16, num_threads);
+    pd_run_parallel(linear_task, &job, rows, 16, num_threads);
     return 0;
 }
 
@@ -780,7 +856,7 @@ int pdserve_dequant_rows(int qt, const uint8_t *w, const float *scales, int64_t 
         return -2;
     }
     const dequant_job job = {qt, w, scales, row_bytes, cols, row_ids, row0, out, ldo};
-    run_parallel(dequant_task, &job, count, 4, count >= 64 ? num_threads : 1);
+    pd_run_parallel(dequant_task, &job, count, 4, count >= 64 ? num_threads : 1);
     return 0;
 }
 
@@ -819,7 +895,7 @@ static void norm_task(const void *ctx, int64_t i0, int64_t i1) {
 int pdserve_rms_norm(const float *x, int64_t ldx, const float *w, float *out, int64_t ldo,
                      int64_t n, int64_t h, float eps, int num_threads) {
     const norm_job job = {x, ldx, w, out, ldo, h, eps};
-    run_parallel(norm_task, &job, n, 1, n >= 64 ? num_threads : 1);
+    pd_run_parallel(norm_task, &job, n, 1, n >= 64 ? num_threads : 1);
     return 0;
 }
 

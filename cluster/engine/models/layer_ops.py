@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from cluster.engine.attention import AttentionMetadata, write_kv
+from cluster.engine.kernels.decode_forward import MAX_SEGMENTS, DecodeForward, Layer, Segment
 from cluster.engine.kernels.quant import QuantKernels
 from cluster.engine.kv_codec import KVCodec
 from cluster.engine.models.packed import PackedLinear, PackedWeight, Weight
@@ -82,6 +83,14 @@ class LayerOps(Protocol):
         """h + linear(silu(gate) * up, down), gu = [gate | up] rows."""
         ...
 
+    def run_layers(
+        self, model: Any, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> bool:  # fmt: skip
+        """Every layer of the step over ``h`` in place, in one go, where the ops can (True);
+        False leaves the step to the per-layer loop."""
+        ...
+
 
 def split_qkv(
     qkv: torch.Tensor, hq: int, hkv: int, d: int
@@ -133,6 +142,12 @@ class TorchOps:
     def mlp_add(self, h: torch.Tensor, gu: torch.Tensor, down: Weight, inter: int) -> torch.Tensor:
         return h + self.linear(F.silu(gu[:, :inter]) * gu[:, inter:], down, None)
 
+    def run_layers(
+        self, model: Any, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> bool:  # fmt: skip
+        return False
+
 
 class NativeOps(TorchOps):
     """CPU fp32 with the native kernel: the same expressions, one C call each."""
@@ -141,6 +156,41 @@ class NativeOps(TorchOps):
         super().__init__(linear, linear.embed)
         self.packed = linear
         self.kernels = kernels
+        self._whole: DecodeForward | bool | None = None  # built on first use; False: cannot
+
+    def run_layers(
+        self, model: Any, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> bool:  # fmt: skip
+        """A decode-only step of up to ``kernel_max_rows`` rows: all layers in one C call
+        (``kernels/decode_forward.py``), the same kernels in the same order as the loop."""
+        attention = getattr(meta.decode_kernel, "address", None)
+        if (
+            attention is None
+            or meta.prefills
+            or meta.num_decodes != h.shape[0]
+            or h.shape[0] > self.packed.kernel_max_rows
+            or kv_cache.dtype not in (torch.float32, torch.uint8)
+            or not (h.is_contiguous() and kv_cache.is_contiguous())
+        ):
+            return False
+        if self._whole is None:
+            self._whole = whole_forward(model, self.kernels) or False
+        if self._whole is False:
+            return False
+        assert isinstance(self._whole, DecodeForward)
+        assert meta.decode_block_tables is not None and meta.decode_ctx_lens is not None
+        self._whole(
+            h,
+            positions.contiguous(),
+            kv_cache,
+            meta.decode_block_tables.contiguous(),
+            meta.decode_ctx_lens.contiguous(),
+            meta.slot_blocks.contiguous(),
+            meta.slot_offsets.contiguous(),
+            attention,
+        )
+        return True
 
     def rope_state(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> Any:
         return cos, sin, positions.contiguous()
@@ -180,3 +230,36 @@ class NativeOps(TorchOps):
 
     def mlp_add(self, h: torch.Tensor, gu: torch.Tensor, down: Weight, inter: int) -> torch.Tensor:
         return self.linear_add(h, self.kernels.swiglu(gu, inter), down)
+
+
+def _described(w: Weight) -> tuple[int, list[Segment]] | None:
+    if not isinstance(w, PackedWeight) or not 0 < len(w.segments) <= MAX_SEGMENTS:
+        return None
+    return w.cols, [Segment(s.qtype, s.data, s.scales) for s in w.segments]
+
+
+def whole_forward(model: Any, kernels: QuantKernels) -> DecodeForward | None:
+    """The C description of ``model``'s layers, or None where one is not packed (or has more
+    segments than the call takes)."""
+    a = model.arch
+    layers = []
+    for lw in model.layers:
+        mats = [_described(m) for m in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+        if any(m is None for m in mats) or not model.cos.is_contiguous():
+            return None
+        qkv, o, gate_up, down = mats
+        assert qkv and o and gate_up and down
+        bias = lw.qkv_bias.contiguous() if lw.qkv_bias is not None else None
+        norms = lw.input_norm.contiguous(), lw.post_norm.contiguous()
+        layers.append(Layer(*norms, bias, qkv, o, gate_up, down))
+    shape = (a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, a.intermediate_size)
+    return DecodeForward(
+        kernels.lib,
+        layers,
+        shape,
+        a.rms_norm_eps,
+        model.scale,
+        model.cos,
+        model.sin,
+        kernels.num_threads,
+    )

@@ -197,6 +197,8 @@ class LlamaModel:
         ops = self.ops
         rope = ops.rope_state(self.cos, self.sin, positions)
         h = ops.embed(self.embed, input_ids)  # [N, H]
+        if ops.run_layers(self, h, positions, meta, kv_cache):
+            return h
         for i, lw in enumerate(self.layers):
             qkv = ops.norm_linear(h, lw.input_norm, eps, lw.qkv, lw.qkv_bias)  # [N, (Hq+2Hkv)*D]
             q, k, v = ops.rope(qkv, rope, hq, hkv, d)  # [N, Hq, D], [N, Hkv, D], [N, Hkv, D]

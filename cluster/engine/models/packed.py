@@ -34,6 +34,7 @@ from cluster.engine.kernels.quant import (
     QuantKernels,
     dequantize,
     row_bytes,
+    to_planar,
 )
 
 logger = logging.getLogger(__name__)
@@ -62,12 +63,13 @@ class PackedWeight:
     def of(
         cls, qtype: int, data: torch.Tensor, cols: int, scales: torch.Tensor | None = None
     ) -> PackedWeight:
+        """From rows of interleaved blocks as GGUF stores them (held planar: ``to_planar``)."""
         if data.dim() != 2 or data.dtype != torch.uint8 or data.shape[1] != row_bytes(qtype, cols):
             raise ValueError(
                 f"packed {QUANT_NAMES.get(qtype, qtype)} weight: {tuple(data.shape)} "
                 f"{data.dtype} is not [rows, {row_bytes(qtype, cols)}] uint8 for {cols} columns"
             )
-        return cls((Segment(qtype, data.contiguous(), scales),), cols)
+        return cls((Segment(qtype, to_planar(qtype, data), scales),), cols)
 
     @property
     def rows(self) -> int:

@@ -78,6 +78,29 @@ def test_gguf_without_the_native_kernel_is_the_same_model(tiny_gguf: dict[str, A
     assert native == torch_path
 
 
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_the_one_call_decode_step_is_the_per_layer_loop_bit_for_bit(
+    tiny_gguf: dict[str, Any], kv_dtype: str
+) -> None:
+    """Decode-only steps run every layer in one C call (kernels/decode_forward.c); the same
+    kernels in the same order as the per-layer loop, so the logits are identical, not close."""
+    cfg = tiny_gguf["config"].replace({"cache.kv_dtype": kv_dtype})
+    whole, loop = LLMEngine(cfg), LLMEngine(cfg)
+    loop.runner.model.ops._whole = False  # type: ignore[attr-defined]  # never the one call
+    calls = []
+    ops: Any = whole.runner.model.ops
+    run_layers = ops.run_layers
+    ops.run_layers = lambda *a: calls.append(run_layers(*a)) or calls[-1]
+    logits = [capture_logits(e) for e in (whole, loop)]
+    outs = [_run(e, n=5, max_tokens=12) for e in (whole, loop)]
+    assert outs[0] == outs[1]
+    assert logits[0].keys() == logits[1].keys()
+    for key, row in logits[0].items():
+        assert torch.equal(row, logits[1][key]), key
+    assert True in calls and False in calls  # decode-only steps did; prefill steps did not
+    assert torch.equal(whole.runner.kv_cache, loop.runner.kv_cache)  # the same KV written
+
+
 @pytest.mark.parametrize(("weights", "fmt"), [("int8", "int8g32"), ("int8_rows", "int8")])
 def test_int8_weights_quantize_every_matrix(tiny_model_dir: Path, weights: str, fmt: str) -> None:
     """int8: groups of 32 inputs (fp16 scale and minimum each); int8_rows: one scale per row."""

@@ -26,6 +26,8 @@ from cluster.engine.kernels.quant import (
     QuantKernels,
     dequantize,
     load_quant_kernels,
+    to_blocks,
+    to_planar,
 )
 from cluster.engine.kv_codec import Int8KV
 from cluster.engine.models.int8 import quantize_int8_groups, quantize_int8_rows
@@ -70,7 +72,10 @@ def test_torch_dequantize_is_the_gguf_reference(qtype: int) -> None:
 
     w = packed(qtype, 24, 96)
     seg = w.segments[0]
-    ref = gguf.quants.dequantize(seg.data.numpy(), gguf.GGMLQuantizationType(qtype))
+    blocks = to_blocks(qtype, seg.data)  # GGUF's own interleaved bytes, held planar
+    assert torch.equal(to_planar(qtype, blocks), seg.data)
+    assert not torch.equal(blocks, seg.data)
+    ref = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType(qtype))
     assert np.array_equal(dequantize(qtype, seg.data, None).numpy(), ref.reshape(24, 96))
 
 

@@ -1,0 +1,125 @@
+/* A decode step's decoder layers in one call (CPU fp32 models with packed weights).
+ *
+ * The same operations, in the same order and through the same functions, as the per-op path in
+ * layer_ops.NativeOps (so the hidden states are bit-identical): per layer
+ *
+ *   x = rms_norm(h); qkv = x W_qkv^T (+ bias); RoPE on the q and k heads; K, V into the cache;
+ *   attn = paged decode attention; h += attn W_o^T; x = rms_norm(h); gu = x W_gu^T;
+ *   h += swiglu(gu) W_down^T
+ *
+ * At batch 1 the per-op path spends about as long in Python and torch dispatch between the
+ * kernels as in them; here the only Python is the call. Every row is a decode row (one token,
+ * its own context); the attention is the paged-decode kernel's function, passed in by pointer.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "quant_linear.h"
+
+#define PD_MAX_SEGMENTS 4
+#define PD_PARALLEL_MIN_WORK 16384 /* (row, kv head) items x context tokens, as kernels/__init__ */
+
+typedef struct {
+    int64_t cols, num_segments;
+    int64_t qtype[PD_MAX_SEGMENTS], rows[PD_MAX_SEGMENTS], row_bytes[PD_MAX_SEGMENTS];
+    const uint8_t *data[PD_MAX_SEGMENTS];
+    const float *scales[PD_MAX_SEGMENTS];
+} pd_matrix;
+
+typedef struct {
+    const float *input_norm, *post_norm, *qkv_bias; /* qkv_bias may be NULL */
+    pd_matrix qkv, o, gate_up, down;
+} pd_layer;
+
+typedef struct {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, num_threads;
+    float eps, scale;
+    const pd_layer *layers;
+    const float *cos, *sin; /* [max_len, head_dim] */
+} pd_model;
+
+typedef int (*pd_attn_fn)(const float *q, const void *kv, const int64_t *tables,
+                          const int64_t *ctx_lens, float *out, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t head_dim, int64_t max_blocks,
+                          int64_t block_size, int64_t num_layers, int64_t layer, float scale,
+                          int64_t item_begin, int64_t item_end);
+
+/* y[n, ldy] (+)= x W^T (+ bias), segment after segment (adjacent output columns) */
+static int linear(const pd_model *m, const pd_matrix *w, const float *x, int64_t n, int64_t ldx,
+                  float *y, int64_t ldy, const float *bias, int accumulate) {
+    int64_t r0 = 0;
+    for (int64_t s = 0; s < w->num_segments; s++) {
+        const int rc = pdserve_quant_linear((int)w->qtype[s], w->data[s], w->scales[s], w->rows[s],
+                                            w->cols, w->row_bytes[s], x, n, ldx, y + r0, ldy,
+                                            bias ? bias + r0 : NULL, accumulate,
+                                            (int)m->num_threads);
+        if (rc != 0) return rc;
+        r0 += w->rows[s];
+    }
+    return 0;
+}
+
+typedef struct {
+    pd_attn_fn fn;
+    const float *q;
+    const void *kv;
+    const int64_t *tables, *ctx_lens;
+    float *out;
+    int64_t hq, hkv, d, max_blocks, block_size, num_layers, layer;
+    float scale;
+    int rc;
+} attn_job;
+
+static void attn_task(const void *ctx, int64_t i0, int64_t i1) {
+    attn_job *j = (attn_job *)ctx;
+    const int rc = j->fn(j->q, j->kv, j->tables, j->ctx_lens, j->out, j->hq, j->hkv, j->d,
+                         j->max_blocks, j->block_size, j->num_layers, j->layer, j->scale, i0, i1);
+    if (rc != 0) j->rc = rc;
+}
+
+/* h [n, hidden] in place through every layer. kv: [num_blocks, L, 2, block_size, Hkv, width] of
+ * fp32 (kv_int8 = 0) or int8 rows with their scales (1); tables [n, max_blocks]; ctx_lens [n]
+ * (position + 1); slot_blocks / slot_offsets: where each row's K and V go. 0, -1 (a format the
+ * linear does not know) or -2 (no memory, or the attention failed). */
+int pdserve_decode_forward(const pd_model *m, float *h, int64_t n, const int64_t *positions,
+                           void *kv, int64_t block_size, int kv_int8, const int64_t *tables,
+                           int64_t max_blocks, const int64_t *ctx_lens,
+                           const int64_t *slot_blocks, const int64_t *slot_offsets,
+                           pd_attn_fn attn) {
+    const int64_t H = m->hidden, hq = m->num_heads, hkv = m->num_kv_heads, d = m->head_dim;
+    const int64_t I = m->inter, qkv_w = (hq + 2 * hkv) * d;
+    float *buf = malloc(sizeof(float) * (size_t)(n * (H + qkv_w + 2 * hq * d + 3 * I)));
+    if (!buf) return -2;
+    float *x = buf, *qkv = x + n * H, *q = qkv + n * qkv_w, *att = q + n * hq * d;
+    float *gu = att + n * hq * d, *act = gu + n * 2 * I;
+    int64_t max_ctx = 0;
+    for (int64_t i = 0; i < n; i++) max_ctx = ctx_lens[i] > max_ctx ? ctx_lens[i] : max_ctx;
+    const int64_t items = n * hkv;
+    const int attn_threads = items * max_ctx >= PD_PARALLEL_MIN_WORK
+                                 ? (int)(m->num_threads < items ? m->num_threads : items)
+                                 : 1;
+    int rc = 0;
+    for (int64_t l = 0; l < m->num_layers && rc == 0; l++) {
+        const pd_layer *lw = &m->layers[l];
+        pdserve_rms_norm(h, H, lw->input_norm, x, H, n, H, m->eps, (int)m->num_threads);
+        if ((rc = linear(m, &lw->qkv, x, n, H, qkv, qkv_w, lw->qkv_bias, 0))) break;
+        pdserve_rope(qkv, qkv_w, n, hq + hkv, d, m->cos, m->sin, positions);
+        pdserve_write_kv(kv, qkv + hq * d, qkv + (hq + hkv) * d, qkv_w, n, slot_blocks,
+                         slot_offsets, m->num_layers, l, block_size, hkv, d, kv_int8);
+        for (int64_t i = 0; i < n; i++) memcpy(q + i * hq * d, qkv + i * qkv_w, sizeof(float) * hq * d);
+        attn_job job = {attn, q, kv, tables, ctx_lens, att, hq, hkv, d, max_blocks, block_size,
+                        m->num_layers, l, m->scale, 0};
+        pd_run_parallel(attn_task, &job, items, 1, attn_threads);
+        if (job.rc != 0) {
+            rc = -2;
+            break;
+        }
+        if ((rc = linear(m, &lw->o, att, n, hq * d, h, H, NULL, 1))) break;
+        pdserve_rms_norm(h, H, lw->post_norm, x, H, n, H, m->eps, (int)m->num_threads);
+        if ((rc = linear(m, &lw->gate_up, x, n, H, gu, 2 * I, NULL, 0))) break;
+        pdserve_swiglu(gu, 2 * I, n, I, act, I);
+        rc = linear(m, &lw->down, act, n, I, h, H, NULL, 1);
+    }
+    free(buf);
+    return rc;
+}
