@@ -168,6 +168,8 @@ class QuantKernels:
             int(accumulate),
             self.num_threads,
         )
+        if rc == -2:
+            raise MemoryError("quant_linear: no memory for the activations' block sums")
         if rc != 0:
             raise ValueError(f"quant_linear: unsupported weight {QUANT_NAMES.get(qtype, qtype)}")
         return out

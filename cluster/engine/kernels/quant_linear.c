@@ -16,9 +16,11 @@
  * -ffp-contract=off, so d * q + m rounds twice as numpy does). One activation row uses the fused
  * block kernels, which stream the weights once and never expand them: per block they compute
  * d * sum q x + m * sum x, the reference's dot up to the rounding of fp32 sums. A few rows
- * de-quantize four weight rows at a time into a per-thread scratch and dot them with every
- * activation row; many rows are the caller's business (de-quantize tiles with
- * pdserve_dequant_rows and use BLAS).
+ * (AVX-512) decode each weight block once and dot it with up to 8 activation rows, with the
+ * very operations and order of the one-row kernel, so a row's output does not depend on the
+ * batch it ran in (speculative verification rows equal plain decode rows bit for bit); other
+ * ISAs run every activation row through the one-row kernel. Many rows are the caller's
+ * business (de-quantize tiles with pdserve_dequant_rows and use BLAS).
  *
  * Code paths: AVX-512 (F, BW, VL), AVX2+FMA+F16C, portable C, chosen at run time from cpuid
  * (__builtin_cpu_supports), so one binary runs on any x86-64 (and the portable path anywhere).
@@ -170,17 +172,6 @@ static float dot_row_portable(int qt, const uint8_t *w, float scale, int64_t col
         for (int j = 0; j < QK; j++) acc += tmp[j] * x[b * QK + j];
     }
     return acc;
-}
-
-static float dot_f32_portable(const float *a, const float *b, int64_t n) {
-    float acc[8] = {0};
-    int64_t k = 0;
-    for (; k + 8 <= n; k += 8)
-        for (int l = 0; l < 8; l++) acc[l] += a[k + l] * b[k + l];
-    float s = 0.0f;
-    for (int l = 0; l < 8; l++) s += acc[l];
-    for (; k < n; k++) s += a[k] * b[k];
-    return s;
 }
 
 /* The rows of a 4-row group are one stretch of memory (4 x row_bytes), read in nb steps: each
@@ -379,47 +370,27 @@ AVX2 static void dequant_row_avx2(int qt, const uint8_t *w, float scale, int64_t
     }
 }
 
-/* four fp32 dots of x against w0..w3 (each n long) */
-AVX2 static void dot4_f32_avx2(const float *w, int64_t ldw, const float *x, int64_t n,
-                               float *out) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
-           a3 = _mm256_setzero_ps();
-    int64_t k = 0;
-    for (; k + 8 <= n; k += 8) {
-        const __m256 xv = _mm256_loadu_ps(x + k);
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), xv, a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + ldw + k), xv, a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + 2 * ldw + k), xv, a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + 3 * ldw + k), xv, a3);
-    }
-    out[0] = hsum256(a0), out[1] = hsum256(a1), out[2] = hsum256(a2), out[3] = hsum256(a3);
-    for (; k < n; k++) {
-        for (int r = 0; r < 4; r++) out[r] += w[r * ldw + k] * x[k];
-    }
-}
-
 /* -- AVX-512 (F, BW, VL) ----------------------------------------------------------------- */
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 
-AVX512 static INLINE __m512 blockdot_avx512(int qt, const uint8_t *qs, __m512 x01, __m512 x23,
-                                            __m512 nibble_values) {
-    __m512 w01, w23;
+/* One block's 32 values as floats (values 0-15 in w01, 16-31 in w23), before its scale. */
+AVX512 static INLINE void decode_avx512(int qt, const uint8_t *qs, __m512 nibble_values,
+                                        __m512 *w01, __m512 *w23) {
     if (qt == QT_Q8_0 || qt == QT_I8_ROW) {
-        w01 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs)));
-        w23 = _mm512_cvtepi32_ps(
+        *w01 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs)));
+        *w23 = _mm512_cvtepi32_ps(
             _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16))));
     } else if (qt == QT_I8_G32) {
-        w01 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs)));
-        w23 = _mm512_cvtepi32_ps(
+        *w01 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs)));
+        *w23 = _mm512_cvtepi32_ps(
             _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16))));
     } else { /* bytes 0-15 widened to int32: low nibbles are values 0-15, high 16-31 */
         const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
         /* the low nibble as a float by table lookup (vpermps reads an index's low 4 bits), the
          * high one by conversion: the two halves of the work go to different ports */
-        w01 = _mm512_permutexvar_ps(a, nibble_values);
-        w23 = _mm512_cvtepi32_ps(_mm512_srli_epi32(a, 4));
+        *w01 = _mm512_permutexvar_ps(a, nibble_values);
+        *w23 = _mm512_cvtepi32_ps(_mm512_srli_epi32(a, 4));
     }
-    return _mm512_fmadd_ps(w23, x23, _mm512_mul_ps(w01, x01));
 }
 
 /* 16 fp16 values from p (n of them, the rest 0) as floats */
@@ -462,8 +433,9 @@ AVX512 static INLINE void dot_rows_avx512(int qt, const uint8_t *w, int64_t row_
         prefetch_ahead(w, row_bytes, nb, b);
         for (int r = 0; r < 4; r++) {
             if (r >= nr) break;
-            const __m512 s =
-                blockdot_avx512(qt, w + r * row_bytes + b * qb, x01, x23, nibble_values);
+            __m512 w01, w23;
+            decode_avx512(qt, w + r * row_bytes + b * qb, nibble_values, &w01, &w23);
+            const __m512 s = _mm512_fmadd_ps(w23, x23, _mm512_mul_ps(w01, x01));
             acc[r] = _mm512_fmadd_ps(s, _mm512_set1_ps(dbuf[r][j]), acc[r]);
         }
     }
@@ -474,6 +446,69 @@ DOT_ROWS(dot_rows_avx512_q4_0, dot_rows_avx512, AVX512, QT_Q4_0)
 DOT_ROWS(dot_rows_avx512_q4_1, dot_rows_avx512, AVX512, QT_Q4_1)
 DOT_ROWS(dot_rows_avx512_q8_0, dot_rows_avx512, AVX512, QT_Q8_0)
 DOT_ROWS(dot_rows_avx512_i8_g32, dot_rows_avx512, AVX512, QT_I8_G32)
+
+/* One weight row against NX activation rows (NX <= 8), each output computed in exactly the
+ * order dot_rows_avx512 computes it (per block: acc += (q d) x over values 0-15, then 16-31;
+ * per sixteen blocks the minimum's part; then one reduction), so a row's result is the same bits whatever
+ * the batch: only the block's decode is shared between the activation rows. */
+AVX512 static INLINE void dot_xrows_avx512(int qt, const uint8_t *w, int64_t row_bytes,
+                                           int64_t nb, int nx, const float *x, int64_t ldx,
+                                           const float *xsum, float *out) {
+    const int qb = quant_bytes(qt);
+    const __m512 nibble_values =
+        _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    float dbuf[16] __attribute__((aligned(64)));
+    __m512 acc[8], macc[8];
+    for (int i = 0; i < 8; i++) acc[i] = macc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const int j = (int)(b & 15);
+        if (j == 0) {
+            const int cnt = nb - b < 16 ? (int)(nb - b) : 16;
+            const __mmask16 mask = (__mmask16)((1u << cnt) - 1u);
+            const __m512 dv = load_f16x16(row_d(qt, w, nb) + 2 * b, cnt);
+            _mm512_store_ps(dbuf, dv);
+            if (qt == QT_Q4_0 || HAS_MIN(qt)) {
+                const __m512 mv = HAS_MIN(qt) ? load_f16x16(row_m(qt, w, nb) + 2 * b, cnt) : dv;
+                for (int i = 0; i < 8; i++) {
+                    if (i >= nx) break;
+                    const __m512 xs = _mm512_maskz_loadu_ps(mask, xsum + i * nb + b);
+                    const __m512 xm = qt == QT_Q4_0 ? _mm512_mul_ps(xs, _mm512_set1_ps(-8.0f)) : xs;
+                    macc[i] = _mm512_fmadd_ps(mv, xm, macc[i]);
+                }
+            }
+        }
+        __builtin_prefetch(w + PREFETCH_AHEAD / 4 + b * qb, 0, 3);
+        __m512 w01, w23;
+        decode_avx512(qt, w + b * qb, nibble_values, &w01, &w23);
+        const __m512 d = _mm512_set1_ps(dbuf[j]);
+        for (int i = 0; i < 8; i++) {
+            if (i >= nx) break;
+            const float *xb = x + i * ldx + b * QK;
+            const __m512 s = _mm512_fmadd_ps(w23, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(w01, _mm512_loadu_ps(xb)));
+            acc[i] = _mm512_fmadd_ps(s, d, acc[i]);
+        }
+    }
+    (void)row_bytes;
+    for (int i = 0; i < nx; i++) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i], macc[i]));
+}
+
+typedef void (*dot_xrows_fn)(const uint8_t *w, int64_t rb, int64_t nb, int nx, const float *x,
+                             int64_t ldx, const float *xs, float *o);
+/* one instantiation per (type, activation rows): both constants inside */
+#define DOT_XROWS(name, qt)                                                                     \
+    AVX512 static void name(const uint8_t *w, int64_t rb, int64_t nb, int nx, const float *x,   \
+                            int64_t ldx, const float *xs, float *o) {                           \
+        switch (nx) {                                                                           \
+        case 8: dot_xrows_avx512(qt, w, rb, nb, 8, x, ldx, xs, o); break;                       \
+        case 4: dot_xrows_avx512(qt, w, rb, nb, 4, x, ldx, xs, o); break;                       \
+        case 2: dot_xrows_avx512(qt, w, rb, nb, 2, x, ldx, xs, o); break;                       \
+        default: dot_xrows_avx512(qt, w, rb, nb, 1, x, ldx, xs, o); break;                      \
+        }                                                                                       \
+    }
+DOT_XROWS(dot_xrows_avx512_q4_0, QT_Q4_0)
+DOT_XROWS(dot_xrows_avx512_q4_1, QT_Q4_1)
+DOT_XROWS(dot_xrows_avx512_q8_0, QT_Q8_0)
+DOT_XROWS(dot_xrows_avx512_i8_g32, QT_I8_G32)
 
 AVX512 static float dot_i8row_avx512(const int8_t *q, float scale, int64_t cols,
                                      const float *x) {
@@ -532,7 +567,8 @@ static void dequant_row(int qt, const uint8_t *w, float scale, int64_t cols, flo
 
 /* out[r - r0] = w[r] . x for rows [r0, r1) of one activation row */
 static void matvec_rows(int qt, const uint8_t *w, const float *scales, int64_t row_bytes,
-                        int64_t cols, const float *x, int64_t r0, int64_t r1, float *out) {
+                        int64_t cols, const float *x, const float *xsum, int64_t r0, int64_t r1,
+                        float *out) {
     const int level = isa();
     if (qt == QT_I8_ROW) {
         for (int64_t r = r0; r < r1; r++) {
@@ -552,14 +588,6 @@ static void matvec_rows(int qt, const uint8_t *w, const float *scales, int64_t r
         return;
     }
     const int64_t nb = cols / QK;
-    float xsum[MAX_BLOCKS];
-    if (qt == QT_Q4_0 || HAS_MIN(qt)) {
-        for (int64_t b = 0; b < nb; b++) {
-            float s = 0.0f;
-            for (int j = 0; j < QK; j++) s += x[b * QK + j];
-            xsum[b] = s;
-        }
-    }
     dot_rows_fn fn = NULL;
 #if PD_X86
     if (level == ISA_AVX512)
@@ -746,19 +774,8 @@ typedef struct {
     int64_t ldy;
     const float *bias;
     int accumulate;
+    const float *xsum; /* [n, nb] sums of x's blocks (types with a minimum or offset), or NULL */
 } linear_job;
-
-static __thread float *t_scratch;
-static __thread int64_t t_scratch_cap;
-
-static float *scratch(int64_t floats) {
-    if (floats > t_scratch_cap) {
-        free(t_scratch);
-        t_scratch = malloc(sizeof(float) * (size_t)floats);
-        t_scratch_cap = t_scratch ? floats : 0;
-    }
-    return t_scratch;
-}
 
 static inline void store(const linear_job *j, float *yr, int64_t r, float v) {
     if (j->bias) v += j->bias[r];
@@ -767,44 +784,49 @@ static inline void store(const linear_job *j, float *yr, int64_t r, float v) {
 
 #define ROW_CHUNK 256
 
-/* rows [r0, r1) of activation row i through the fused block kernels */
-static void linear_rows_fused(const linear_job *j, int64_t i, int64_t r0, int64_t r1) {
-    float out[ROW_CHUNK];
-    float *yi = j->y + i * j->ldy;
-    for (int64_t r = r0; r < r1; r += ROW_CHUNK) {
-        const int64_t re = r + ROW_CHUNK < r1 ? r + ROW_CHUNK : r1;
-        matvec_rows(j->qt, j->w, j->scales, j->row_bytes, j->cols, j->x + i * j->ldx, r, re, out);
-        for (int64_t k = r; k < re; k++) store(j, yi, k, out[k - r]);
-    }
+static dot_xrows_fn xrows_fn(int qt) {
+#if PD_X86
+    if (isa() == ISA_AVX512 && qt != QT_I8_ROW)
+        return qt == QT_Q4_0   ? dot_xrows_avx512_q4_0
+               : qt == QT_Q4_1 ? dot_xrows_avx512_q4_1
+               : qt == QT_I8_G32 ? dot_xrows_avx512_i8_g32
+                                 : dot_xrows_avx512_q8_0;
+#endif
+    (void)qt;
+    return NULL;
 }
 
+/* Every path computes an output y[i, r] the way the one-row kernel does, so a row's result does
+ * not depend on how many rows came with it (a draft verified in a batch equals the token
+ * decoded alone). Several activation rows share each weight block's decode (AVX-512), or else
+ * reuse four weight rows from L1 for every activation row; the weights stream from memory once. */
 static void linear_task(const void *ctx, int64_t r0, int64_t r1) {
     const linear_job *j = ctx;
-    const int64_t cols = j->cols;
-    float *wbuf = j->n > 1 ? scratch(4 * cols) : NULL;
-    if (!wbuf) { /* one activation row (or no scratch memory): weights stream once per row */
-        for (int64_t i = 0; i < j->n; i++) linear_rows_fused(j, i, r0, r1);
+    const int64_t nb = j->cols / QK;
+    const dot_xrows_fn xfn = j->n > 1 ? xrows_fn(j->qt) : NULL;
+    float out[ROW_CHUNK];
+    if (xfn) {
+        for (int64_t r = r0; r < r1; r++) {
+            const uint8_t *wr = j->w + r * j->row_bytes;
+            for (int64_t i0 = 0; i0 < j->n;) {
+                const int64_t left = j->n - i0;
+                const int nx = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+                xfn(wr, j->row_bytes, nb, nx, j->x + i0 * j->ldx, j->ldx,
+                    j->xsum ? j->xsum + i0 * nb : NULL, out);
+                for (int k = 0; k < nx; k++) store(j, j->y + (i0 + k) * j->ldy, r, out[k]);
+                i0 += nx;
+            }
+        }
         return;
     }
-    /* a few activation rows: de-quantize 4 weight rows once, dot them with every row of x */
-    for (int64_t r = r0; r < r1; r += 4) {
-        const int nr = r1 - r < 4 ? (int)(r1 - r) : 4;
-        for (int i = 0; i < nr; i++)
-            dequant_row(j->qt, j->w + (r + i) * j->row_bytes, j->scales ? j->scales[r + i] : 1.0f,
-                        cols, wbuf + i * cols);
+    const int64_t step = j->n == 1 ? ROW_CHUNK : 4;
+    for (int64_t r = r0; r < r1; r += step) {
+        const int64_t re = r + step < r1 ? r + step : r1;
         for (int64_t i = 0; i < j->n; i++) {
-            const float *xi = j->x + i * j->ldx;
+            matvec_rows(j->qt, j->w, j->scales, j->row_bytes, j->cols, j->x + i * j->ldx,
+                        j->xsum ? j->xsum + i * nb : NULL, r, re, out);
             float *yi = j->y + i * j->ldy;
-            float out[4];
-#if PD_X86
-            if (nr == 4 && isa() >= ISA_AVX2) {
-                dot4_f32_avx2(wbuf, cols, xi, cols, out);
-            } else
-#endif
-            {
-                for (int k = 0; k < nr; k++) out[k] = dot_f32_portable(wbuf + k * cols, xi, cols);
-            }
-            for (int k = 0; k < nr; k++) store(j, yi, r + k, out[k]);
+            for (int64_t k = r; k < re; k++) store(j, yi, k, out[k - r]);
         }
     }
 }
@@ -817,8 +839,22 @@ int pdserve_quant_linear(int qt, const uint8_t *w, const float *scales, int64_t 
     if (qt != QT_I8_ROW && (block_bytes(qt) == 0 || cols % QK || cols / QK > MAX_BLOCKS))
         return -1;
     if (qt == QT_I8_ROW && !scales) return -1;
-    const linear_job job = {qt, w, scales, row_bytes, cols, x, n, ldx, y, ldy, bias, accumulate};
+    float *xsum = NULL;
+    if (qt == QT_Q4_0 || HAS_MIN(qt)) { /* the sums the blocks' minimum (or offset) multiplies */
+        const int64_t nb = cols / QK;
+        xsum = malloc(sizeof(float) * (size_t)(n * nb));
+        if (!xsum) return -2;
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t b = 0; b < nb; b++) {
+                float s = 0.0f;
+                for (int k = 0; k < QK; k++) s += x[i * ldx + b * QK + k];
+                xsum[i * nb + b] = s;
+            }
+    }
+    const linear_job job = {qt, w, scales, row_bytes, cols, x, n, ldx, y, ldy, bias, accumulate,
+                            xsum};
     pd_run_parallel(linear_task, &job, rows, 16, num_threads);
+    free(xsum);
     return 0;
 }
 

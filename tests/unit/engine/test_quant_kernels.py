@@ -132,6 +132,25 @@ def test_the_thread_split_does_not_change_a_bit(tmp_path: Path) -> None:
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("qtype", ALL_TYPES)
+def test_a_rows_output_does_not_depend_on_its_batch(kernels: QuantKernels, qtype: int) -> None:
+    """Speculative verification runs k+1 rows of a request in one call; plain decode runs one.
+    Each row must come out bit for bit as it would alone, on every ISA and batch size (the
+    multi-row AVX-512 kernel groups 8, 4, 2 and 1 rows)."""
+    rows, cols = 37, 320
+    w = packed(qtype, rows, cols, seed=7).segments[0]
+    x = torch.randn(19, cols, generator=torch.Generator().manual_seed(5))
+    for isa in _isas(kernels):
+        kernels.set_isa(isa)
+        alone = torch.empty(19, rows)
+        for i in range(19):
+            kernels.linear(qtype, w.data, w.scales, cols, x[i : i + 1], alone[i : i + 1])
+        for n in range(2, 20):
+            out = torch.empty(n, rows)
+            kernels.linear(qtype, w.data, w.scales, cols, x[:n], out)
+            assert torch.equal(out, alone[:n]), (isa, n)
+
+
 def test_packed_linear_mixed_segments_kernel_and_tiles(kernels: QuantKernels) -> None:
     parts = [packed(Q4_1, 24, 64, 1), packed(Q4_1, 8, 64, 2), packed(Q8_0, 8, 64, 3)]
     w = PackedWeight.cat(parts)
