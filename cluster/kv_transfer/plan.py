@@ -2,8 +2,9 @@
 
 A frame is a list of segments ``(src_start, dst_start, count)``: blocks consecutive in BOTH pools
 (one ``memcpy``, zero-copy send). Runs of consecutive ids coalesce into one frame up to the frame
-size; blocks smaller than 64 KiB (below pyzmq's zero-copy threshold) are packed several segments
-to a frame, so no frame is under 64 KiB unless the whole transfer is.
+size (and to a quarter of a transfer of 4 MiB or more, so frames pipeline); blocks smaller than
+64 KiB (below pyzmq's zero-copy threshold) are packed several segments to a frame, so no frame
+is under 64 KiB unless the whole transfer is.
 """
 
 from __future__ import annotations
@@ -16,6 +17,13 @@ from cluster.kv_transfer.pool import KVPool
 from cluster.kv_transfer.protocol import KVTransferError, KVTransferParams, Reason, Segment
 
 MIN_FRAME_BYTES = 1 << 16
+# A transfer of at least PIPELINE_FRAMES * PIPELINE_MIN_FRAME_BYTES goes in at least
+# PIPELINE_FRAMES frames, so the receiver copies one frame into its blocks while the next is
+# still on the wire (one 6 MB frame: the copy waited for the whole of it). Measured on 2 cores,
+# zmq ipc, 512 tokens of the default layout, 76 interleaved pulls each: int8 KV (1 frame -> 4)
+# 5.93 -> 4.99 ms, fp32 (3 frames of 8 MiB -> 4) 13.4 -> 12.9 ms; 8 frames was worse.
+PIPELINE_FRAMES = 4
+PIPELINE_MIN_FRAME_BYTES = 1 << 20
 MAX_FRAMES = 1 << 14
 
 # (first source block, first destination block, number of blocks)
@@ -48,6 +56,8 @@ def plan_frames(
 ) -> FramePlan:
     assert len(src_ids) == len(dst_ids) and src_ids
     max_blocks = max(1, max_frame_bytes // bytes_per_block)
+    if len(src_ids) * bytes_per_block >= PIPELINE_FRAMES * PIPELINE_MIN_FRAME_BYTES:
+        max_blocks = min(max_blocks, -(-len(src_ids) // PIPELINE_FRAMES))
     runs: list[list[int]] = []
     for s, d in zip(src_ids, dst_ids):
         last = runs[-1] if runs else None

@@ -20,8 +20,16 @@ def test_runs_consecutive_on_both_sides_coalesce_into_one_frame() -> None:
 
 
 def test_frames_are_capped_at_the_frame_size() -> None:
-    plan = plan_frames(list(range(10)), list(range(10)), BIG, 4 << 20)  # 5 blocks per frame
-    assert [plan.frame_nbytes(i) for i in range(len(plan.frames))] == [5 * BIG, 5 * BIG]
+    plan = plan_frames(list(range(10)), list(range(10)), BIG, 2 << 20)  # 2 blocks per frame
+    assert [plan.frame_nbytes(i) for i in range(len(plan.frames))] == [2 * BIG] * 5
+
+
+def test_a_large_transfer_goes_in_at_least_four_frames_so_they_pipeline() -> None:
+    int8_block = 195_840  # default model, int8 KV, block 16
+    plan = plan_frames(list(range(32)), list(range(32)), int8_block, 64 << 20)  # 6.3 MB
+    assert [plan.frame_nbytes(i) for i in range(len(plan.frames))] == [8 * int8_block] * 4
+    # under 4 x PIPELINE_MIN_FRAME_BYTES: one frame, as the frame size allows
+    assert len(plan_frames(list(range(5)), list(range(5)), BIG, 64 << 20).frames) == 1
 
 
 def test_small_blocks_pack_to_at_least_64_kib() -> None:
