@@ -106,7 +106,8 @@ def _b32_ours(engine: LLMEngine, rng: random.Random, batch: int, num_tokens: int
     return batch / statistics.median(steps)
 
 
-def _llamacpp(path: Path, threads: int) -> Any | None:
+def load_llamacpp(path: Path, threads: int, n_ctx: int = 512) -> Any | None:
+    """llama-cpp-python's ``Llama`` on ``path`` (None when it is not installed)."""
     try:
         from llama_cpp import Llama
     except ImportError:
@@ -115,7 +116,7 @@ def _llamacpp(path: Path, threads: int) -> Any | None:
         model_path=str(path),
         n_threads=threads,
         n_threads_batch=threads,
-        n_ctx=512,
+        n_ctx=n_ctx,
         verbose=False,
         seed=0,
     )
@@ -188,7 +189,7 @@ def run(ctx: BenchContext) -> BenchReport:
             config, threads, blocks, **{"model.weights": "gguf", "cache.kv_dtype": "int8"}
         ),
     }
-    llama = None if ctx.smoke else _llamacpp(gguf_path, threads)
+    llama = None if ctx.smoke else load_llamacpp(gguf_path, threads)
     if llama is None and not ctx.smoke:
         ctx.progress(
             f"llama-cpp-python not installed: b1_vs_llamacpp unavailable; {INSTALL_LLAMACPP}"

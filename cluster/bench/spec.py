@@ -17,10 +17,19 @@ How (BENCHMARKS.md, P9):
      speculation speeds up. End-to-end tok/s (all tokens / arrival to last token) is reported
      beside it. Greedy outputs are compared token for token between the arms.
 
+  5. Combined arm (when the runner keeps GGUF weights quantized, the default model's default,
+     and llama-cpp-python is installed; never in ``--smoke``): each copy-workload batch-1 pair
+     also runs ``gguf_off`` / ``gguf_on`` (speculation off / on, a second runner on the GGUF
+     file's own blocks) and ``llamacpp`` (llama.cpp on the same file, the same threads, the same
+     chat-templated token ids, greedy, ending at the same EOS ids or max tokens, timed the same
+     way: first to last token of each request).
+
 Keys: ``speedup_b1`` / ``speedup_b8`` (copy workload, decode tok/s on / off; median over pairs),
 ``no_copy_ratio`` (no-copy workload, on / off, the lower of batch 1 and 8), ``acceptance``
 (accepted / drafted tokens, copy workload, batch 1), ``greedy_identical`` (1 when every request
-produced the same tokens in both arms).
+produced the same tokens in both arms), ``b1_vs_llamacpp_copy`` (copy workload, batch 1, decode
+tok/s of ``gguf_on`` / ``llamacpp``; ``nan`` with the reason in the details when the arms cannot
+run; ``speedup_b1_gguf``, gguf_on / gguf_off, in the details).
 """
 
 from __future__ import annotations
@@ -29,14 +38,22 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from cluster.bench.harness import BenchContext, BenchReport
+from cluster.bench.quant import INSTALL_LLAMACPP, load_llamacpp
 from cluster.bench.spec_workloads import copy_heavy, no_copy
 from cluster.bench.workloads import CpuMeter, bench_threads, make_engine, make_runner, run_pair
 from cluster.common.sampling_params import SamplingParams
+from cluster.config.model import is_gguf_source
 from cluster.engine.engine import LLMEngine
+from cluster.engine.runner import ModelRunner
 
 ARMS = ("off", "on")
+# The combined arms (copy workload, batch 1): speculation off and on with the GGUF file's own
+# blocks, and llama.cpp on that file.
+COMBINED = ("gguf_off", "gguf_on", "llamacpp")
+GGUF = {"model.path": None, "model.weights": "gguf"}
 BATCHES = (1, 8)
 
 
@@ -91,6 +108,51 @@ def _run_group(
     run.accepted += spec1["num_accepted_tokens"] - spec0["num_accepted_tokens"]
 
 
+def run_llamacpp(
+    llm: Any, prompts: dict[str, list[int]], max_tokens: int, eos: tuple[int, ...]
+) -> ArmRun:
+    """llama.cpp, one request at a time: greedy from the same token ids, timed as ours."""
+    run = ArmRun()
+    meter = CpuMeter(llm.n_threads)
+    for rid, prompt in prompts.items():
+        t0 = time.perf_counter()
+        times: list[float] = []
+        toks: list[int] = []
+        for tok in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+            times.append(time.perf_counter())
+            toks.append(int(tok))
+            if int(tok) in eos or len(toks) >= max_tokens:
+                break
+        run.tokens[rid] = toks
+        run.total_tokens += len(toks)
+        run.total_s += times[-1] - t0
+        run.decode_tokens += len(toks) - 1
+        run.decode_s += times[-1] - times[0]
+    run.cpu_util = meter.utilisation()
+    return run
+
+
+def _combined_arms(ctx: BenchContext) -> tuple[Any | None, ModelRunner | None, str]:
+    """(llama.cpp, a runner on the GGUF file's own blocks, why) or (None, None, why not)."""
+    if ctx.smoke:
+        return None, None, "not in --smoke"
+    if not is_gguf_source(ctx.config.model.path):
+        return None, None, "the model is not a GGUF file"
+    from cluster.engine.models.default_model import gguf_source
+
+    path = gguf_source(ctx.config)
+    assert path is not None
+    llm = load_llamacpp(path, bench_threads(ctx), n_ctx=2048)
+    if llm is None:
+        return None, None, f"llama-cpp-python not installed; {INSTALL_LLAMACPP}"
+    runner = make_runner(ctx, GGUF)
+    return (
+        llm,
+        runner,
+        f"llama-cpp-python on {path.name}; ours: {getattr(runner, 'formats', {}).get('weights')}",
+    )
+
+
 def run_arm(
     ctx: BenchContext,
     engine: LLMEngine,
@@ -130,6 +192,13 @@ def run(ctx: BenchContext) -> BenchReport:
         "no_copy": {f"free{i}": tok.encode_chat(c) for i, c in enumerate(no_copy()[:num_prompts])},
     }
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    llama, gguf_runner, llama_note = _combined_arms(ctx)
+    ctx.progress(f"combined arms (copy b1): {llama_note}")
+    if gguf_runner is not None:
+        for arm, method in (("gguf_off", "none"), ("gguf_on", "ngram")):
+            overrides = {**GGUF, "decode.speculative.method": method}
+            engines[arm] = make_engine(ctx, overrides, runner=gguf_runner)
+    eos = engines["off"].eos_token_ids
     for name, eng in engines.items():  # first-call allocations and lazy inits off the clock
         run_arm(ctx, eng, {f"warm-{name}": workloads["copy"]["copy0"]}, 1, params)
     cells: dict[tuple[str, int], list[dict[str, ArmRun]]] = {}
@@ -138,6 +207,8 @@ def run(ctx: BenchContext) -> BenchReport:
     def arm_runner(prompts: dict[str, list[int]], batch: int, pair: int) -> Callable[[str], ArmRun]:
         def run_one(arm: str) -> ArmRun:
             ids = {f"{rid}-{arm}-{pair}": p for rid, p in prompts.items()}
+            if arm == "llamacpp":
+                return run_llamacpp(llama, ids, max_tokens, eos)
             return run_arm(ctx, engines[arm], ids, batch, params)
 
         return run_one
@@ -154,11 +225,14 @@ def run(ctx: BenchContext) -> BenchReport:
     for pair in range(num_pairs):
         for wl, prompts in workloads.items():
             for batch in BATCHES:
+                names: tuple[str, ...] = ARMS
+                if llama is not None and (wl, batch) == ("copy", 1):
+                    names = (*ARMS, *COMBINED)
                 done = run_pair(
                     ctx,
                     pair,
                     num_pairs,
-                    ARMS,
+                    names,
                     arm_runner(prompts, batch, pair),
                     describer(f"{wl} b{batch}"),
                     disturbed,
@@ -181,7 +255,7 @@ def run(ctx: BenchContext) -> BenchReport:
     drafted = sum(d["on"].drafted for d in copy_b1)
     table = []
     for (wl, batch), pairs in cells.items():
-        for arm in ARMS:
+        for arm in pairs[0]:
             runs = [d[arm] for d in pairs]
             table.append(
                 {
@@ -201,6 +275,13 @@ def run(ctx: BenchContext) -> BenchReport:
             "no_copy_ratio": min(speedup("no_copy", 1), speedup("no_copy", 8)),
             "acceptance": sum(d["on"].accepted for d in copy_b1) / drafted if drafted else 0.0,
             "greedy_identical": float(not mismatches),
+            "b1_vs_llamacpp_copy": (
+                statistics.median(
+                    d["gguf_on"].decode_tok_s / d["llamacpp"].decode_tok_s for d in copy_b1
+                )
+                if llama is not None
+                else float("nan")
+            ),
         },
         table=table,
         targets={
@@ -208,9 +289,18 @@ def run(ctx: BenchContext) -> BenchReport:
             "speedup_b8": ">= 1.3",
             "no_copy_ratio": ">= 0.95",
             "greedy_identical": "== 1",
+            "b1_vs_llamacpp_copy": ">= 2.0 (goal)",
         },
         details={
             "threads": bench_threads(ctx),
+            "combined_arms": llama_note,
+            "speedup_b1_gguf": (
+                statistics.median(
+                    d["gguf_on"].decode_tok_s / d["gguf_off"].decode_tok_s for d in copy_b1
+                )
+                if llama is not None
+                else float("nan")
+            ),
             "num_prompts": num_prompts,
             "max_tokens": max_tokens,
             "speculative": {

@@ -6,9 +6,10 @@ request (``ngram``: prompt lookup, the longest suffix of the request's tokens of
 ``min_ngram``..``max_ngram`` tokens found earlier in them, and what followed it there); the
 model verifies them all in that step's forward, exactly (greedy output is token-identical to no
 speculation). Adaptive: a request drafts as many tokens as its recent acceptance says will pay
-for their rows (``draft_row_cost``: one more row's share of a one-row step; at most
-``num_speculative_tokens``), none under ``min_acceptance_rate``; one that may draft none probes
-with one draft after 2, 4, ... steps (at most ``max_pause_steps``); a step drafts at most
+for their rows (one more row's share of a one-row step: measured on the engine's decode steps
+with ``measure_row_cost``, ``draft_row_cost`` until then; at most ``num_speculative_tokens``),
+none under ``min_acceptance_rate``; one that may draft none probes with one draft after 2, 4,
+... steps (at most ``max_pause_steps``); a step drafts at most
 ``max_num_draft_tokens`` in all, shared out over its decoding requests, and none with more than
 ``max_batch_size`` of them.
 """
@@ -36,6 +37,9 @@ class SpeculativeConfig:
     # One more row in a step costs this share of a one-row decode step (CPU fp32 with the rows
     # kernel: ~0.1); with it the engine drafts only what it expects to pay (speculator.py).
     draft_row_cost: float = 0.1
+    # Measure the row cost on the engine's own decode steps (draft_row_cost is then the prior,
+    # used until the steps span two row counts); false: draft_row_cost as it is.
+    measure_row_cost: bool = True
     min_acceptance_rate: float = 0.05  # a per-draft acceptance under this never drafts
     max_pause_steps: int = 64  # a paused request drafts again after at most this many steps
     # Structured output: the tokens a request's grammar forces next are proposed as drafts

@@ -198,7 +198,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         batch = self.schedule()
+        t1 = time.perf_counter()
         result = self.runner.execute(batch) if batch.items else None
+        self.speculator.observe_step(batch.items, time.perf_counter() - t1)
         outputs = self.update(batch, result)
         if result is not None:
             self.counters.step_times.append(time.perf_counter() - t0)

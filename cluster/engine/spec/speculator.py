@@ -18,6 +18,11 @@ Each step, before the scheduler runs (``LLMEngine.schedule``):
      pauses and probes with one draft after 2, 4, 8 ... steps (at most ``max_pause_steps``).
      Where lookups find nothing nothing is verified: a workload that never quotes its context
      pays only the lookups.
+  4. ``observe_step(items, seconds)``: the runner's time for each decode-only step; the row
+     cost c above is measured from them (``RowCost``), ``draft_row_cost`` being only the prior
+     (``measure_row_cost: false`` keeps it fixed). It differs by an order of magnitude between
+     paths: ~0.1 for dense fp32 weights on a CPU (a step streams the weights once, rows are
+     nearly free), ~0.4 for GGUF blocks (the kernels compute each row), less on a GPU.
 
 Method ``none`` has no proposer: ``propose`` returns nothing and the engine runs as without.
 """
@@ -39,6 +44,44 @@ PROPOSERS: dict[str, Callable[[SpeculativeConfig], Proposer]] = {"ngram": NgramP
 
 _DECAY = 0.8  # weight of a request's older verifications in its acceptance estimate
 _PRIOR_ACCEPTED, _PRIOR_TRIED = 1.6, 2.0  # before any verification: p = 0.8
+
+
+class RowCost:
+    """One more row's cost as a share of a one-row step, measured on the engine's own
+    decode-only steps: the model's time t = a + b * rows fitted by least squares over the
+    recent steps (each older one weighs ``decay`` as much), c = b / (a + b). Until the fitted
+    steps span at least two row counts and ``min_steps`` steps, ``prior`` (the config's
+    ``draft_row_cost``) stands. Clamped to [0.01, 4]."""
+
+    def __init__(self, prior: float, decay: float = 0.98, min_steps: int = 16) -> None:
+        self.prior = prior
+        self.decay = decay
+        self.min_steps = min_steps
+        self.num_steps = 0
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        d = self.decay
+        self._w = d * self._w + 1.0
+        self._x = d * self._x + rows
+        self._y = d * self._y + seconds
+        self._xx = d * self._xx + rows * rows
+        self._xy = d * self._xy + rows * seconds
+        self.num_steps += 1
+
+    @property
+    def value(self) -> float:
+        if self.num_steps < self.min_steps:
+            return self.prior
+        w, x, y = self._w, self._x, self._y
+        var = self._xx * w - x * x  # w^2 times the variance of the rows
+        if var < 0.25 * w * w:  # about one row count only: no slope to read
+            return self.prior
+        b = (self._xy * w - x * y) / var
+        a = (y - b * x) / w
+        if a + b <= 0.0:
+            return self.prior
+        return min(4.0, max(0.01, b / (a + b)))
 
 
 @dataclass(slots=True)
@@ -63,10 +106,20 @@ class Speculator:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_verifications = 0
+        self.row_cost = RowCost(config.draft_row_cost)
+
+    def observe_step(self, items: Sequence[ScheduledRequest], seconds: float) -> None:
+        """The runner's time for a step: decode-only steps (drafts or not) feed ``row_cost``."""
+        if self.proposer is None or not self.config.measure_row_cost or not items:
+            return
+        if all(it.request.output_token_ids and it.samples for it in items):
+            rows = sum(it.num_new_tokens for it in items)
+            if rows == len(items) + sum(len(it.draft_token_ids) for it in items):
+                self.row_cost.observe(rows, seconds)
 
     def worth(self, p: float, batch: int) -> int:
         """How many drafts pay for a request of per-draft acceptance ``p`` in a batch."""
-        c = self.config.draft_row_cost * batch
+        c = self.row_cost.value * batch
         threshold = max(self.config.min_acceptance_rate, c / (1 + c))
         if p <= threshold:
             return 0
@@ -134,6 +187,7 @@ class Speculator:
             "num_accepted_tokens": self.num_accepted_tokens,
             "num_verifications": self.num_verifications,
             "acceptance_rate": self.num_accepted_tokens / drafted if drafted else 0.0,
+            "row_cost": self.row_cost.value,
         }
 
 

@@ -48,6 +48,7 @@ def test_engine_emits_the_target_distribution(mode: str) -> None:
             "decode.speculative.num_speculative_tokens": 4,
             "decode.speculative.min_acceptance_rate": 0.0,  # never pause: verify every step
             "decode.speculative.draft_row_cost": 0.0,
+            "decode.speculative.measure_row_cost": False,
             "decode.speculative.max_batch_size": 64,
             "scheduler.max_num_seqs": 64,
             "scheduler.max_num_batched_tokens": 2048,

@@ -8,6 +8,7 @@ token. Every lifecycle test ends idle, with the integrity check and no block hel
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +20,16 @@ from cluster.config import SPECULATIVE_METHODS, load_config
 from cluster.engine.engine import LLMEngine
 from cluster.engine.spec import PROPOSERS, NgramProposer
 from cluster.engine.spec.proposer import lookup
+from cluster.engine.spec.speculator import RowCost
 from tests.helpers import fake_config, greedy, make_config, run_until_done
 from tests.spec_helpers import FakeModeProposer, ScriptedProposer, use_proposer
 
-SPEC = {"decode.speculative.method": "ngram", "decode.speculative.num_speculative_tokens": 5}
+# The row cost held at its prior (0.1): these tests count drafts (RowCost has its own tests).
+SPEC = {
+    "decode.speculative.method": "ngram",
+    "decode.speculative.num_speculative_tokens": 5,
+    "decode.speculative.measure_row_cost": False,
+}
 
 
 def _finish_clean(eng: LLMEngine) -> None:
@@ -288,6 +295,48 @@ def test_a_step_drafts_at_most_its_budget_shared_out_and_less_where_acceptance_i
     use_proposer(eng, wrong)
     assert _run(eng, {"r0": prompts["r0"]}, greedy(40)) == {"r0": ref["r0"]}
     assert asked[0] == [5] and asked[-1] == [1]  # all rejected: down to one draft a step
+
+
+def test_the_row_cost_is_read_off_the_steps_once_they_span_two_row_counts() -> None:
+    cost = RowCost(prior=0.1, min_steps=16)
+    for _ in range(40):  # one row count only: no slope, the prior stands
+        cost.observe(1, 0.010)
+    assert cost.value == 0.1
+    for i in range(40):  # t = 6 ms + 4 ms a row: one more row is 4 / 10 of a one-row step
+        rows = 1 + i % 5
+        cost.observe(rows, 0.006 + 0.004 * rows)
+    assert cost.value == pytest.approx(0.4, rel=0.02)
+    for i in range(400):  # a cheaper path (dense weights): 10 ms + 0.5 ms a row, forgotten slowly
+        rows = 1 + i % 5
+        cost.observe(rows, 0.010 + 0.0005 * rows)
+    assert cost.value == pytest.approx(0.0476, rel=0.05)
+    flat = RowCost(prior=0.1, min_steps=4)
+    for i in range(20):
+        flat.observe(1 + i % 3, 0.01)  # rows cost nothing here: the floor
+    assert flat.value == 0.01
+
+
+def test_rows_that_cost_much_draft_less_than_rows_that_cost_little() -> None:
+    prompt = [7, 3, 9, 4, 7, 3, 9, 4, 7, 3, 9, 4]
+    ref = _run(LLMEngine(fake_config()), {"a": prompt}, greedy(40))
+    drafted = {}
+    for per_row_s in (0.0, 0.004):
+        eng = LLMEngine(fake_config(**{**SPEC, "decode.speculative.measure_row_cost": True}))
+        use_proposer(eng, ScriptedProposer(ref, eng.vocab_size, wrong_share=0.5))
+        execute = eng.runner.execute
+
+        def slow(batch: Any, execute: Any = execute, per_row_s: float = per_row_s) -> Any:
+            time.sleep(per_row_s * sum(it.num_new_tokens for it in batch.items))
+            return execute(batch)
+
+        eng.runner.execute = slow  # type: ignore[method-assign]
+        assert _run(eng, {"a": prompt}, greedy(40)) == {"a": ref["a"]}
+        spec = eng.stats()["spec"]
+        drafted[per_row_s] = spec["num_draft_tokens"]
+        if per_row_s:  # each row ~ all of a step's cost: c near 1 (bounds: a shared box)
+            assert spec["row_cost"] > 0.3
+        _finish_clean(eng)
+    assert drafted[0.004] < drafted[0.0]
 
 
 def test_usage_counts_drafted_and_accepted_tokens_per_request() -> None:
