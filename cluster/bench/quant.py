@@ -50,7 +50,8 @@ from cluster.engine.runner import num_kv_blocks
 PROMPT = "The capital of France is"
 INSTALL_LLAMACPP = (
     "pip install 'pdserve[llamacpp]' (llama-cpp-python; it builds llama.cpp from source, "
-    "about 5 minutes on 2 cores; CMAKE_ARGS=-DGGML_NATIVE=ON for this CPU)"
+    "about 5 minutes on 2 cores; CMAKE_ARGS=-DGGML_NATIVE=ON for this CPU, see the README "
+    "where the CPU reports AMX the VM does not enable)"
 )
 TARGETS = {
     "b1_vs_llamacpp": ">= 1.0",
