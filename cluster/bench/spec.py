@@ -67,6 +67,7 @@ class ArmRun:
     drafted: int = 0
     accepted: int = 0
     cpu_util: float = 1.0  # < MIN_CPU_UTIL: other work on the machine took cores during this arm
+    row_cost: float = float("nan")  # the speculator's measured draft-row cost at the arm's end
 
     @property
     def decode_tok_s(self) -> float:
@@ -106,6 +107,7 @@ def _run_group(
     spec1 = engine.speculator.stats()
     run.drafted += spec1["num_draft_tokens"] - spec0["num_draft_tokens"]
     run.accepted += spec1["num_accepted_tokens"] - spec0["num_accepted_tokens"]
+    run.row_cost = spec1.get("row_cost", float("nan"))
 
 
 def run_llamacpp(
@@ -217,7 +219,8 @@ def run(ctx: BenchContext) -> BenchReport:
         def describe(r: ArmRun) -> str:
             return (
                 f"{tag}: decode {r.decode_tok_s:.1f} tok/s, e2e {r.e2e_tok_s:.1f} tok/s, "
-                f"accepted {r.accepted}/{r.drafted}, cpu util {r.cpu_util:.2f}"
+                f"accepted {r.accepted}/{r.drafted}, row cost {r.row_cost:.2f}, "
+                f"cpu util {r.cpu_util:.2f}"
             )
 
         return describe

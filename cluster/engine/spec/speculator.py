@@ -18,9 +18,10 @@ Each step, before the scheduler runs (``LLMEngine.schedule``):
      pauses and probes with one draft after 2, 4, 8 ... steps (at most ``max_pause_steps``).
      Where lookups find nothing nothing is verified: a workload that never quotes its context
      pays only the lookups.
-  4. ``observe_step(items, seconds)``: the runner's time for each decode-only step; the row
-     cost c above is measured from them (``RowCost``), ``draft_row_cost`` being only the prior
-     (``measure_row_cost: false`` keeps it fixed). It differs by an order of magnitude between
+  4. ``observe_step(items, seconds)``: the runner's time for each decode-only step; what a
+     draft row costs against a step without drafts is measured from them (``StepCost``), and
+     the threshold above becomes b B / t_B (``draft_row_cost`` is only the prior;
+     ``measure_row_cost: false`` keeps it). It differs by an order of magnitude between
      paths: ~0.1 for dense fp32 weights on a CPU (a step streams the weights once, rows are
      nearly free), ~0.4 for GGUF blocks (the kernels compute each row), less on a GPU.
 
@@ -34,6 +35,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from cluster.config import SpeculativeConfig
 from cluster.engine.batch import ScheduledRequest
 from cluster.engine.request import Request
@@ -46,42 +49,73 @@ _DECAY = 0.8  # weight of a request's older verifications in its acceptance esti
 _PRIOR_ACCEPTED, _PRIOR_TRIED = 1.6, 2.0  # before any verification: p = 0.8
 
 
-class RowCost:
-    """One more row's cost as a share of a one-row step, measured on the engine's own
-    decode-only steps: the model's time t = a + b * rows fitted by least squares over the
-    recent steps (each older one weighs ``decay`` as much), c = b / (a + b). Until the fitted
-    steps span at least two row counts and ``min_steps`` steps, ``prior`` (the config's
-    ``draft_row_cost``) stands. Clamped to [0.01, 4]."""
+class StepCost:
+    """What a draft row costs, measured on the engine's own decode-only steps.
+
+    The runner's time of such a step is fitted as t = a + e B + b D (B decoding requests, D
+    draft rows) by least squares over the recent steps (each older one weighs ``decay`` as
+    much): b is a draft row's cost and t_B = a + e B the step's cost without drafts, so a
+    request's j-th draft pays while p ** j > b B / t_B (``threshold``). Until ``min_steps``
+    steps are fitted and D varies apart from B, the prior stands: one more row costs ``prior``
+    of a one-row step (the config's ``draft_row_cost``), threshold c B / (1 + c B).
+    """
 
     def __init__(self, prior: float, decay: float = 0.98, min_steps: int = 16) -> None:
         self.prior = prior
         self.decay = decay
         self.min_steps = min_steps
         self.num_steps = 0
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self._zz = np.zeros((3, 3))  # decayed sums of z z^T and z t, z = (1, B, D)
+        self._zt = np.zeros(3)
+        self._fit: tuple[float, float, float] | None = None  # (a, e, b)
+        self._stale = False
 
-    def observe(self, rows: int, seconds: float) -> None:
-        d = self.decay
-        self._w = d * self._w + 1.0
-        self._x = d * self._x + rows
-        self._y = d * self._y + seconds
-        self._xx = d * self._xx + rows * rows
-        self._xy = d * self._xy + rows * seconds
+    def observe(self, requests: int, drafts: int, seconds: float) -> None:
+        z = np.array((1.0, float(requests), float(drafts)))
+        self._zz = self.decay * self._zz + np.outer(z, z)
+        self._zt = self.decay * self._zt + z * seconds
         self.num_steps += 1
+        self._stale = True
+
+    def fit(self) -> tuple[float, float, float] | None:
+        """(a, e, b), or None while the steps do not tell a draft row's cost apart."""
+        if not self._stale:
+            return self._fit
+        self._stale = False
+        self._fit = None
+        m = self._zz
+        if self.num_steps < self.min_steps:
+            return None
+        # What is left of D's spread once 1 and B explain what they can: b's information.
+        base = m[:2, :2]
+        left = m[2, 2] - m[2, :2] @ np.linalg.pinv(base) @ m[:2, 2]
+        if left < 0.25 * m[0, 0]:
+            return None
+        a, e, b = (float(v) for v in np.linalg.pinv(m) @ self._zt)
+        self._fit = (a, e, b)
+        return self._fit
+
+    def threshold(self, batch: int) -> float:
+        """The per-draft acceptance a request's drafts must beat at ``batch`` requests."""
+        fit = self.fit()
+        if fit is None:
+            c = self.prior * batch
+            return c / (1 + c)
+        a, e, b = fit
+        step = a + e * batch
+        if step <= 0.0:
+            c = self.prior * batch
+            return c / (1 + c)
+        return min(0.99, max(0.0, b * batch / step))
 
     @property
-    def value(self) -> float:
-        if self.num_steps < self.min_steps:
+    def row_cost(self) -> float:
+        """A draft row's share of a one-request step (the prior until measured)."""
+        fit = self.fit()
+        if fit is None or fit[0] + fit[1] <= 0.0:
             return self.prior
-        w, x, y = self._w, self._x, self._y
-        var = self._xx * w - x * x  # w^2 times the variance of the rows
-        if var < 0.25 * w * w:  # about one row count only: no slope to read
-            return self.prior
-        b = (self._xy * w - x * y) / var
-        a = (y - b * x) / w
-        if a + b <= 0.0:
-            return self.prior
-        return min(4.0, max(0.01, b / (a + b)))
+        a, e, b = fit
+        return max(0.0, b / (a + e))
 
 
 @dataclass(slots=True)
@@ -106,21 +140,20 @@ class Speculator:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_verifications = 0
-        self.row_cost = RowCost(config.draft_row_cost)
+        self.step_cost = StepCost(config.draft_row_cost)
 
     def observe_step(self, items: Sequence[ScheduledRequest], seconds: float) -> None:
-        """The runner's time for a step: decode-only steps (drafts or not) feed ``row_cost``."""
+        """The runner's time for a step: decode-only steps (drafts or not) feed ``step_cost``."""
         if self.proposer is None or not self.config.measure_row_cost or not items:
             return
         if all(it.request.output_token_ids and it.samples for it in items):
-            rows = sum(it.num_new_tokens for it in items)
-            if rows == len(items) + sum(len(it.draft_token_ids) for it in items):
-                self.row_cost.observe(rows, seconds)
+            drafts = sum(len(it.draft_token_ids) for it in items)
+            if sum(it.num_new_tokens for it in items) == len(items) + drafts:
+                self.step_cost.observe(len(items), drafts, seconds)
 
     def worth(self, p: float, batch: int) -> int:
         """How many drafts pay for a request of per-draft acceptance ``p`` in a batch."""
-        c = self.row_cost.value * batch
-        threshold = max(self.config.min_acceptance_rate, c / (1 + c))
+        threshold = max(self.config.min_acceptance_rate, self.step_cost.threshold(batch))
         if p <= threshold:
             return 0
         if p >= 1.0 or threshold <= 0.0:
@@ -187,7 +220,7 @@ class Speculator:
             "num_accepted_tokens": self.num_accepted_tokens,
             "num_verifications": self.num_verifications,
             "acceptance_rate": self.num_accepted_tokens / drafted if drafted else 0.0,
-            "row_cost": self.row_cost.value,
+            "row_cost": self.step_cost.row_cost,
         }
 
 

@@ -20,11 +20,11 @@ from cluster.config import SPECULATIVE_METHODS, load_config
 from cluster.engine.engine import LLMEngine
 from cluster.engine.spec import PROPOSERS, NgramProposer
 from cluster.engine.spec.proposer import lookup
-from cluster.engine.spec.speculator import RowCost
+from cluster.engine.spec.speculator import StepCost
 from tests.helpers import fake_config, greedy, make_config, run_until_done
 from tests.spec_helpers import FakeModeProposer, ScriptedProposer, use_proposer
 
-# The row cost held at its prior (0.1): these tests count drafts (RowCost has its own tests).
+# The row cost held at its prior (0.1): these tests count drafts (StepCost has its own tests).
 SPEC = {
     "decode.speculative.method": "ngram",
     "decode.speculative.num_speculative_tokens": 5,
@@ -297,23 +297,30 @@ def test_a_step_drafts_at_most_its_budget_shared_out_and_less_where_acceptance_i
     assert asked[0] == [5] and asked[-1] == [1]  # all rejected: down to one draft a step
 
 
-def test_the_row_cost_is_read_off_the_steps_once_they_span_two_row_counts() -> None:
-    cost = RowCost(prior=0.1, min_steps=16)
-    for _ in range(40):  # one row count only: no slope, the prior stands
-        cost.observe(1, 0.010)
-    assert cost.value == 0.1
-    for i in range(40):  # t = 6 ms + 4 ms a row: one more row is 4 / 10 of a one-row step
-        rows = 1 + i % 5
-        cost.observe(rows, 0.006 + 0.004 * rows)
-    assert cost.value == pytest.approx(0.4, rel=0.02)
-    for i in range(400):  # a cheaper path (dense weights): 10 ms + 0.5 ms a row, forgotten slowly
-        rows = 1 + i % 5
-        cost.observe(rows, 0.010 + 0.0005 * rows)
-    assert cost.value == pytest.approx(0.0476, rel=0.05)
-    flat = RowCost(prior=0.1, min_steps=4)
-    for i in range(20):
-        flat.observe(1 + i % 3, 0.01)  # rows cost nothing here: the floor
-    assert flat.value == 0.01
+def test_a_draft_rows_cost_is_read_off_the_steps_apart_from_the_batchs() -> None:
+    cost = StepCost(prior=0.1, min_steps=16)
+    for i in range(40):  # no drafts (the batch varies): no draft cost to read, the prior stands
+        cost.observe(1 + i % 8, 0, 0.008 + 0.002 * (1 + i % 8))
+    assert cost.fit() is None and cost.threshold(1) == pytest.approx(0.1 / 1.1)
+    # t = 8 ms + 2 ms a request + 4 ms a draft row (a draft computes more than a request adds)
+    for i in range(60):
+        requests, drafts = 1 + i % 8, (i * 5) % 7
+        cost.observe(requests, drafts, 0.008 + 0.002 * requests + 0.004 * drafts)
+    a, e, b = cost.fit() or (0.0, 0.0, 0.0)
+    assert (a, e, b) == pytest.approx((0.008, 0.002, 0.004), rel=1e-6)
+    assert cost.threshold(1) == pytest.approx(0.004 / 0.010)  # b B / t_B
+    assert cost.threshold(8) == 0.99  # 32 ms of drafts on a 24 ms step: never worth it
+    assert cost.row_cost == pytest.approx(0.4)
+    # Every step with the same batch and drafts in proportion to it: b cannot be told apart.
+    same = StepCost(prior=0.2, min_steps=4)
+    for _ in range(30):
+        same.observe(8, 24, 0.05)
+    assert same.fit() is None and same.row_cost == 0.2
+    # A batch that never changes, drafts that do: t_8 and b are known, a and e are not needed.
+    fixed = StepCost(prior=0.2, min_steps=4)
+    for i in range(30):
+        fixed.observe(8, i % 9, 0.020 + 0.001 * (i % 9))
+    assert fixed.threshold(8) == pytest.approx(0.008 / 0.020, rel=1e-6)
 
 
 def test_rows_that_cost_much_draft_less_than_rows_that_cost_little() -> None:
