@@ -198,14 +198,17 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         batch = self.schedule()
-        t1 = time.perf_counter()
-        result = self.runner.execute(batch) if batch.items else None
-        self.speculator.observe_step(batch.items, time.perf_counter() - t1)
+        result = self._execute(batch)
         outputs = self.update(batch, result)
         if result is not None:
             self.counters.step_times.append(time.perf_counter() - t0)
             del self.counters.step_times[:-2048]
         return outputs
+
+    def _execute(self, batch: ScheduledBatch) -> RunnerOutput | None:  # timed: draft row cost
+        t0, result = time.perf_counter(), self.runner.execute(batch) if batch.items else None
+        self.speculator.observe_step(batch.items, time.perf_counter() - t0)
+        return result
 
     def schedule(self) -> ScheduledBatch:
         if self._preempt_every and (self.counters.num_steps + 1) % self._preempt_every == 0:
