@@ -46,7 +46,13 @@ CFG = {
     "testing.fake_model.vocab_size": 16,
     "testing.fake_model.decode_delay_s": 0.002,
 }
-SPEC = {"decode.speculative.method": "ngram", "decode.speculative.num_speculative_tokens": 4}
+# A fixed draft row cost: with the measured one (the default) how many tokens are drafted depends
+# on the replica's step timings, and this test compares the drafts of two runs of one prompt.
+SPEC = {
+    "decode.speculative.method": "ngram",
+    "decode.speculative.num_speculative_tokens": 4,
+    "decode.speculative.measure_row_cost": False,
+}
 
 
 @pytest.fixture(scope="module")
