@@ -131,9 +131,11 @@ async def retrying_stream(
     """The items of one pool call, retried on another replica until it makes progress.
 
     ``call(excluded)`` starts the call on a replica not in ``excluded``. Each attempt must be
-    accepted within ``assignment_timeout_s``. A retryable failure (UNAVAILABLE: a dead,
-    unreachable or never-assigned replica) before any item ``is_progress`` accepts re-calls
-    with that replica excluded, at most ``retries`` times; any other failure, and any failure
+    accepted within ``assignment_timeout_s``. A retryable failure (UNAVAILABLE: a dead or
+    unreachable replica) before any item ``is_progress`` accepts re-calls with that replica
+    excluded, at most ``retries`` times. A call no replica accepted within the window is not
+    re-called: the pool had the whole window to take it (an empty pool answers UNAVAILABLE
+    after one window, not ``retries + 1`` of them). Any other failure, and any failure
     after progress, is raised as a ``PDServeError`` (the caller decides what a failure after
     progress means). Every await is bounded by ``deadline`` (wall clock): DEADLINE_EXCEEDED.
     Once accepted, a replica silent for ``stall_timeout_s`` (no item, not even a
@@ -145,8 +147,10 @@ async def retrying_stream(
     for attempt in range(retries + 1):
         response = call(tuple(excluded))
         replica_id = ""
+        unassigned = True
         try:
             accepted = await _accepted(response, assignment_timeout_s, deadline, request_id)
+            unassigned = False
             if not isinstance(accepted, Accepted):
                 raise PDServeError(ErrorCode.INTERNAL, "a pool stream did not start with Accepted")
             replica_id = accepted.replica_id
@@ -163,7 +167,8 @@ async def retrying_stream(
             raise  # the finally cancels the call on the replica
         except (Exception, StopAsyncIteration) as e:  # StopAsyncIteration: ended before Accepted
             err = as_pdserve_error(e, request_id)
-            if progressed or not is_retryable(err) or attempt == retries:
+            waited_out = unassigned and isinstance(e, asyncio.TimeoutError | TimeoutError)
+            if progressed or waited_out or not is_retryable(err) or attempt == retries:
                 raise err from None
             if replica_id:
                 excluded.append(replica_id)

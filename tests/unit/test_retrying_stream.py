@@ -41,7 +41,9 @@ class FakeResponse:
         self.cancelled = True
 
 
-def collect(responses: list[FakeResponse], stall_s: float) -> tuple[list[Any], list[tuple]]:
+def collect(
+    responses: list[FakeResponse], stall_s: float, assign_s: float = 5.0
+) -> tuple[list[Any], list[tuple]]:
     calls: list[tuple] = []
 
     def call(excluded: tuple[str, ...]) -> FakeResponse:
@@ -51,7 +53,7 @@ def collect(responses: list[FakeResponse], stall_s: float) -> tuple[list[Any], l
     async def main() -> list[Any]:
         out = []
         stream = retrying_stream(
-            call, request_id="r", retries=2, assignment_timeout_s=5.0, stall_timeout_s=stall_s
+            call, request_id="r", retries=2, assignment_timeout_s=assign_s, stall_timeout_s=stall_s
         )
         async for item in stream:
             out.append(item)
@@ -169,3 +171,25 @@ def test_the_transport_option_picks_serves_channel() -> None:
 
     assert streaming_handle(Handle(), "grpc") == {"stream": True, "_by_reference": False}
     assert streaming_handle(Handle(), "object_ref") == {"stream": True, "_by_reference": True}
+
+
+class UnassignedResponse(FakeResponse):
+    """A call no replica takes (an empty pool: Serve holds it, nothing ever arrives)."""
+
+    def __init__(self) -> None:
+        super().__init__("", [])
+        self.script = [None]
+
+
+def test_a_call_no_replica_accepts_is_unavailable_after_one_window() -> None:
+    """Re-calling an empty pool would only wait the window again: 4 windows (20 s with the
+    multi-node test's 5 s) before a request to a pool whose node died was refused."""
+    import ray.serve.exceptions  # noqa: F401  (imported by the error mapping: not timed here)
+
+    first, second = UnassignedResponse(), FakeResponse("b", ["t1"])
+    t0 = time.monotonic()
+    with pytest.raises(PDServeError) as e:
+        collect([first, second], stall_s=5.0, assign_s=0.2)
+    assert e.value.code == ErrorCode.UNAVAILABLE
+    assert time.monotonic() - t0 < 2.0  # one window, generous for 2 shared cores
+    assert first.cancelled and not second.cancelled  # called once
