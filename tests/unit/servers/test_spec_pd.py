@@ -21,7 +21,13 @@ from tests.unit.servers.test_pd_cores import Pair, _call, _collect, _oracle, _pr
 
 pytestmark = pytest.mark.timeout(120)
 
-SPEC = {"decode.speculative.method": "ngram", "decode.speculative.num_speculative_tokens": 4}
+# A fixed draft row cost: measured (the default), it comes from this box's noisy step timings,
+# and each request here must draft and have drafts accepted.
+SPEC = {
+    "decode.speculative.method": "ngram",
+    "decode.speculative.num_speculative_tokens": 4,
+    "decode.speculative.measure_row_cost": False,
+}
 
 
 def _decode_engine(pair: Pair) -> LLMEngine:
