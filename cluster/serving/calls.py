@@ -147,10 +147,8 @@ async def retrying_stream(
     for attempt in range(retries + 1):
         response = call(tuple(excluded))
         replica_id = ""
-        unassigned = True
         try:
             accepted = await _accepted(response, assignment_timeout_s, deadline, request_id)
-            unassigned = False
             if not isinstance(accepted, Accepted):
                 raise PDServeError(ErrorCode.INTERNAL, "a pool stream did not start with Accepted")
             replica_id = accepted.replica_id
@@ -167,7 +165,8 @@ async def retrying_stream(
             raise  # the finally cancels the call on the replica
         except (Exception, StopAsyncIteration) as e:  # StopAsyncIteration: ended before Accepted
             err = as_pdserve_error(e, request_id)
-            waited_out = unassigned and isinstance(e, asyncio.TimeoutError | TimeoutError)
+            # no replica took the call within the window (replica_id is set once one did)
+            waited_out = not replica_id and isinstance(e, asyncio.TimeoutError | TimeoutError)
             if progressed or waited_out or not is_retryable(err) or attempt == retries:
                 raise err from None
             if replica_id:
