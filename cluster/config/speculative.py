@@ -5,13 +5,14 @@ Each step, a proposer guesses up to ``num_speculative_tokens`` next tokens of ea
 request (``ngram``: prompt lookup, the longest suffix of the request's tokens of
 ``min_ngram``..``max_ngram`` tokens found earlier in them, and what followed it there); the
 model verifies them all in that step's forward, exactly (greedy output is token-identical to no
-speculation). Adaptive: a request drafts as many tokens as its recent acceptance says will pay
-for their rows (one more row's share of a one-row step: measured on the engine's decode steps
-with ``measure_row_cost``, ``draft_row_cost`` until then; at most ``num_speculative_tokens``),
-none under ``min_acceptance_rate``; one that may draft none probes with one draft after 2, 4,
-... steps (at most ``max_pause_steps``); a step drafts at most
-``max_num_draft_tokens`` in all, shared out over its decoding requests, and none with more than
-``max_batch_size`` of them.
+speculation). Adaptive: a draft is verified when its chance of acceptance (the request's recent
+acceptance combined with that of the drafts of the same evidence class, e.g. the same n-gram
+match length) pays for its row (one more row's share of a one-row step: measured on the
+engine's decode steps with ``measure_row_cost``, ``draft_row_cost`` until then; at most
+``num_speculative_tokens``), none under ``min_acceptance_rate``; one that may draft none probes
+with one draft and pauses for 2, 4, ... steps (at most ``max_pause_steps``); a step drafts at
+most ``max_num_draft_tokens`` in all, the likeliest first, and none with more than
+``max_batch_size`` decoding requests.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ class SpeculativeConfig:
     method: str = "none"  # none | ngram
     num_speculative_tokens: int = 8  # k: draft tokens verified per request per step, at most
     min_ngram: int = 2  # the shortest suffix a lookup may match
-    max_ngram: int = 4  # the longest suffix tried (longer matches are preferred)
+    max_ngram: int = 8  # the longest suffix tried (longer matches are preferred and surer)
     max_batch_size: int = 16  # no drafts in a step with more decoding requests than this
-    # Draft tokens per step across the batch, shared out evenly: 24 keeps 8 decoding requests
+    # Draft tokens per step across the batch, the likeliest first: 24 keeps 8 decoding requests
     # (8 + 24 rows) within the CPU rows kernel's 32 (more rows cost much more per row).
     max_num_draft_tokens: int = 24
     # One more row in a step costs this share of a one-row decode step (CPU fp32 with the rows

@@ -18,9 +18,23 @@ from cluster.config import SpeculativeConfig
 from cluster.engine.request import Request
 
 
+class Drafts(list[int]):
+    """One request's guesses, with the class of evidence they came from (``evidence``; the
+    n-gram proposer: the length of the suffix it matched). Drafts of one class share an
+    acceptance estimate in the speculator, so a proposer that can tell its sure guesses from its
+    long shots gets the sure ones verified first. A plain list is class 0."""
+
+    evidence: int = 0
+
+    def __init__(self, tokens: Sequence[int] = (), evidence: int = 0) -> None:
+        super().__init__(tokens)
+        self.evidence = evidence
+
+
 class Proposer(Protocol):
     def propose(self, requests: Sequence[Request], max_drafts: Sequence[int]) -> list[list[int]]:
-        """Up to ``max_drafts[i]`` guesses of the tokens after ``requests[i]``'s last one."""
+        """Up to ``max_drafts[i]`` guesses of the tokens after ``requests[i]``'s last one
+        (each a ``Drafts`` where the proposer knows how sure it is)."""
         ...
 
 
@@ -30,6 +44,9 @@ class NgramProposer:
 
     Suits outputs that quote their context (summaries, code edits, RAG answers). Stateless: each
     call searches the request's current tokens (vectorised; tens of microseconds at 2k tokens).
+    The evidence class of each request's drafts is the matched length: measured on P9's
+    workloads (greedy, SmolLM2), the first draft after a 2-token match was right 43-58% of the
+    time, after a 3-4-token match 58-76%, after an 8-token match 98%.
     """
 
     def __init__(self, config: SpeculativeConfig) -> None:
@@ -37,24 +54,32 @@ class NgramProposer:
         self.max_n = config.max_ngram
 
     def propose(self, requests: Sequence[Request], max_drafts: Sequence[int]) -> list[list[int]]:
-        return [
-            lookup(np.asarray(r.all_token_ids, dtype=np.int64), self.min_n, self.max_n, k)
-            if k > 0
-            else []
-            for r, k in zip(requests, max_drafts, strict=True)
-        ]
+        out: list[list[int]] = []
+        for r, k in zip(requests, max_drafts, strict=True):
+            if k <= 0:
+                out.append(Drafts())
+                continue
+            tokens = np.asarray(r.all_token_ids, dtype=np.int64)
+            drafts, matched = lookup_match(tokens, self.min_n, self.max_n, k)
+            out.append(Drafts(drafts, matched))
+        return out
 
 
 def lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
     """tokens: [L] int64. The up to ``k`` tokens after the most recent earlier occurrence of the
     longest suffix of ``tokens`` with ``min_n <= length <= max_n``; [] when none occurs."""
+    return lookup_match(tokens, min_n, max_n, k)[0]
+
+
+def lookup_match(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> tuple[list[int], int]:
+    """``lookup``'s drafts and the length of the suffix they follow (0: none)."""
     num = tokens.shape[0]
     if num <= min_n:
-        return []
+        return [], 0
     # Candidate ends j < num - 1 of an earlier occurrence: tokens[j] equals the last token.
     ends = np.flatnonzero(tokens[:-1] == tokens[-1])
     if ends.size == 0:
-        return []
+        return [], 0
     length = np.ones(ends.size, dtype=np.int64)  # matched suffix length at each candidate
     alive = np.ones(ends.size, dtype=bool)
     for m in range(1, min(max_n, num - 1)):
@@ -66,6 +91,6 @@ def lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
         length += alive
     best = int(length.max())
     if best < min_n:
-        return []
+        return [], 0
     j = int(ends[length == best][-1])  # the most recent of the longest matches
-    return tokens[j + 1 : j + 1 + k].tolist()
+    return tokens[j + 1 : j + 1 + k].tolist(), best

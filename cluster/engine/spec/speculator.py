@@ -1,23 +1,28 @@
 """``Speculator``: the engine's speculative-decoding collaborator (``decode.speculative``).
 
 Each step, before the scheduler runs (``LLMEngine.schedule``):
-  1. ``propose(running)``: how many tokens each decoding request drafts, then the proposer's
-     guesses. A draft pays when the chance it is accepted beats what its row costs: with B
-     decoding requests and one more row costing ``draft_row_cost`` of a one-row step, the
-     j-th draft is worth verifying while ``p ** j > B c / (1 + B c)`` (p: the request's
-     per-draft acceptance, estimated below; floor ``min_acceptance_rate``). So a copying
-     request at batch 1 drafts many, one at batch 8 a few, one that never copies none. At
-     most ``num_speculative_tokens`` per request and ``max_num_draft_tokens`` per step (shared
-     out evenly), nothing with more than ``max_batch_size`` decoding requests, never more than
-     the request may still emit (``max_tokens``) minus the token the step samples anyway.
+  1. ``propose(running)``: the proposer's guesses for each decoding request (up to
+     ``num_speculative_tokens``, never more than the request may still emit minus the token the
+     step samples anyway), then how many of them to verify. A draft pays when the chance it is
+     accepted beats what its row costs: with B decoding requests and one more row costing
+     ``draft_row_cost`` of a one-row step, the j-th draft is worth verifying while
+     ``p ** j > B c / (1 + B c)`` (floor ``min_acceptance_rate``). p (``acceptance``) combines
+     two estimates on the odds: the request's recent acceptance and that of the recent drafts
+     of the same evidence class (``Drafts.evidence``; the n-gram proposer's matched length),
+     each against the engine-wide average. The step's ``max_num_draft_tokens`` go to the
+     likeliest drafts first (the chance that draft j and all before it are accepted), so a
+     request that matched a long suffix drafts deep and one that matched two tokens at batch 8
+     none. Nothing with more than ``max_batch_size`` decoding requests.
   2. The scheduler feeds each request its last token + drafts (as many as fit) and the runner
      verifies them (``spec.verify``); ``update`` appends the accepted ones.
-  3. ``record(item, num_accepted)``: per-request and engine counters, and the estimate of p:
-     accepted / tried drafts (those up to and including the first rejection), both decayed by
-     ``_DECAY`` per verification, from a prior of 0.8. A request whose p allows no draft
-     pauses and probes with one draft after 2, 4, 8 ... steps (at most ``max_pause_steps``).
-     Where lookups find nothing nothing is verified: a workload that never quotes its context
-     pays only the lookups.
+  3. ``record(item, num_accepted)``: per-request, per-class and engine counters, and the
+     estimates: accepted / tried drafts (those up to and including the first rejection), both
+     decayed per verification (``_DECAY`` for a request, ``_CLASS_DECAY`` for a class and for
+     all), from a prior of 0.8. Drafts that do not pay are not verified, except for a probe of
+     one now and then (after 2, 4, 8 ... such steps of the request, at most
+     ``max_pause_steps``), so every estimate keeps learning; drafts that pay are verified
+     whenever they come. Where lookups find nothing nothing is verified: a workload that never
+     quotes its context pays only the lookups.
   4. ``observe_step(items, seconds)``: the runner's time for each decode-only step; what a
      draft row costs against a step without drafts is measured from them (``StepCost``), and
      the threshold above becomes b B / t_B (``draft_row_cost`` is only the prior;
@@ -46,6 +51,8 @@ from cluster.engine.spec.proposer import NgramProposer, Proposer
 PROPOSERS: dict[str, Callable[[SpeculativeConfig], Proposer]] = {"ngram": NgramProposer}
 
 _DECAY = 0.8  # weight of a request's older verifications in its acceptance estimate
+_CLASS_DECAY = 0.95  # the same for an evidence class's (and all drafts') estimate, engine-wide
+_P_MAX = 0.995  # no estimate is surer than this
 _PRIOR_ACCEPTED, _PRIOR_TRIED = 1.6, 2.0  # before any verification: p = 0.8
 
 
@@ -131,12 +138,24 @@ class _Track:
     def p(self) -> float:
         return self.accepted / self.tried
 
+    def add(self, accepted: int, tried: int, decay: float) -> None:
+        self.accepted = decay * self.accepted + accepted
+        self.tried = decay * self.tried + tried
+
+
+def _odds(p: float) -> float:
+    p = min(_P_MAX, max(1.0 - _P_MAX, p))
+    return p / (1.0 - p)
+
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, proposer: Proposer | None) -> None:
         self.config = config
         self.proposer = proposer
         self._tracks: dict[str, _Track] = {}
+        self._classes: dict[int, _Track] = {}  # by the proposer's evidence class
+        self._overall = _Track()
+        self._evidence: dict[str, int] = {}  # the class of each request's drafts in flight
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_verifications = 0
@@ -153,12 +172,27 @@ class Speculator:
 
     def worth(self, p: float, batch: int) -> int:
         """How many drafts pay for a request of per-draft acceptance ``p`` in a batch."""
-        threshold = max(self.config.min_acceptance_rate, self.step_cost.threshold(batch))
+        threshold = self.threshold(batch)
         if p <= threshold:
             return 0
         if p >= 1.0 or threshold <= 0.0:
             return self.config.num_speculative_tokens
         return min(self.config.num_speculative_tokens, math.ceil(math.log(threshold, p)) - 1)
+
+    def threshold(self, batch: int) -> float:
+        return max(self.config.min_acceptance_rate, self.step_cost.threshold(batch))
+
+    def acceptance(self, request_id: str, evidence: int) -> float:
+        """A draft's chance, from two estimates: the request's recent acceptance and that of
+        all drafts of the same evidence class (e.g. the n-gram match length), combined as
+        independent evidence on the odds, each against the engine-wide average."""
+        track = self._tracks.get(request_id)
+        p_req = track.p if track is not None else _PRIOR_ACCEPTED / _PRIOR_TRIED
+        cls = self._classes.get(evidence)
+        if cls is None:
+            return p_req
+        odds = _odds(p_req) * _odds(cls.p) / _odds(self._overall.p)
+        return min(_P_MAX, odds / (1.0 + odds))
 
     def propose(self, running: Sequence[Request]) -> dict[str, list[int]]:
         """Drafts for this step's decoding requests (request id -> tokens; absent: none)."""
@@ -167,30 +201,56 @@ class Speculator:
         decoding = [r for r in running if r.num_uncomputed_tokens == 1 and r.output_token_ids]
         if not decoding or len(decoding) > self.config.max_batch_size:
             return {}
-        chosen: list[Request] = []
-        max_drafts: list[int] = []
+        asked: list[Request] = []
+        room: list[int] = []
         for r in decoding:
-            track = self._tracks.setdefault(r.request_id, _Track())
-            n = self.worth(track.p, len(decoding))
-            if n == 0:  # not worth it now: probe with one draft once the pause is over
+            n = min(
+                self.config.num_speculative_tokens, r.params.max_tokens - r.num_output_tokens - 1
+            )
+            if n > 0:
+                asked.append(r)
+                room.append(n)
+        if not asked:
+            return {}
+        proposals = self.proposer.propose(asked, room)
+        threshold = self.threshold(len(decoding))
+        # (chance that drafts 1..j of a request are all accepted, its index, j): the step's
+        # budget goes to the likeliest first, so a sure request drafts deep, a doubtful none.
+        candidates: list[tuple[float, int, int]] = []
+        probes: list[int] = []
+        for i, (r, drafts) in enumerate(zip(asked, proposals, strict=True)):
+            if not drafts:
+                continue
+            p = self.acceptance(r.request_id, getattr(drafts, "evidence", 0))
+            if p <= threshold:  # not worth it now: a probe of one draft now and then
+                track = self._tracks.setdefault(r.request_id, _Track())
                 if track.pause_steps:
                     track.pause_steps -= 1
-                    continue
-                track.num_pauses += 1
-                track.pause_steps = min(self.config.max_pause_steps, 2**track.num_pauses)
-                n = 1
-            n = min(n, r.params.max_tokens - r.num_output_tokens - 1)
-            if n > 0:
-                chosen.append(r)
-                max_drafts.append(n)
+                else:
+                    track.num_pauses += 1
+                    track.pause_steps = min(self.config.max_pause_steps, 2**track.num_pauses)
+                    probes.append(i)
+                continue
+            chance = 1.0
+            for j in range(1, len(drafts) + 1):
+                chance *= p
+                if chance <= threshold:
+                    break
+                candidates.append((chance, i, j))
         budget = self.config.max_num_draft_tokens
-        del chosen[budget:], max_drafts[budget:]  # oldest first: one draft each at least
-        if not chosen:
-            return {}
-        share = budget // len(chosen)
-        max_drafts = [min(n, share) for n in max_drafts]
-        drafts = self.proposer.propose(chosen, max_drafts)
-        return {r.request_id: d for r, d in zip(chosen, drafts, strict=True) if d}
+        take = [0] * len(asked)
+        for i in probes[:budget]:  # oldest first
+            take[i] = 1
+        budget -= sum(take)
+        candidates.sort(key=lambda c: -c[0])  # stable: ties keep the oldest request first
+        for _chance, i, j in candidates[: max(0, budget)]:
+            take[i] = max(take[i], j)
+        out: dict[str, list[int]] = {}
+        for r, drafts, n in zip(asked, proposals, take, strict=True):
+            if n:
+                out[r.request_id] = list(drafts[:n])
+                self._evidence[r.request_id] = getattr(drafts, "evidence", 0)
+        return out
 
     def record(self, item: ScheduledRequest, num_accepted: int) -> None:
         """A verification's outcome: ``num_accepted`` of ``item``'s drafts were accepted."""
@@ -203,14 +263,18 @@ class Speculator:
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += num_accepted
         self.num_verifications += 1
+        tried = min(num_accepted + 1, num_drafted)
         track = self._tracks.setdefault(req.request_id, _Track())
-        track.accepted = _DECAY * track.accepted + num_accepted
-        track.tried = _DECAY * track.tried + min(num_accepted + 1, num_drafted)
-        if self.worth(track.p, 1):
+        track.add(num_accepted, tried, _DECAY)
+        evidence = self._evidence.pop(req.request_id, 0)
+        self._classes.setdefault(evidence, _Track()).add(num_accepted, tried, _CLASS_DECAY)
+        self._overall.add(num_accepted, tried, _CLASS_DECAY)
+        if self.acceptance(req.request_id, evidence) > self.threshold(1):
             track.num_pauses = 0
 
     def forget(self, request_id: str) -> None:
         self._tracks.pop(request_id, None)
+        self._evidence.pop(request_id, None)
 
     def stats(self) -> dict[str, Any]:
         drafted = self.num_draft_tokens

@@ -19,7 +19,7 @@ from cluster.common.sampling_params import SamplingParams
 from cluster.config import SPECULATIVE_METHODS, load_config
 from cluster.engine.engine import LLMEngine
 from cluster.engine.spec import PROPOSERS, NgramProposer
-from cluster.engine.spec.proposer import lookup
+from cluster.engine.spec.proposer import Drafts, lookup
 from cluster.engine.spec.speculator import StepCost
 from tests.helpers import fake_config, greedy, make_config, run_until_done
 from tests.spec_helpers import FakeModeProposer, ScriptedProposer, use_proposer
@@ -266,7 +266,24 @@ def test_low_acceptance_pauses_drafting_and_a_big_batch_drafts_nothing() -> None
     assert eng.stats()["spec"]["num_verifications"] == 0 and scripted.num_calls == 0
 
 
-def test_a_step_drafts_at_most_its_budget_shared_out_and_less_where_acceptance_is_low() -> None:
+def _drafted_per_step(eng: LLMEngine) -> list[dict[str, int]]:
+    """Records, for each step that drafts, how many drafts each request got."""
+    steps: list[dict[str, int]] = []
+    propose = eng.speculator.propose
+
+    def recording(running: Any) -> dict[str, list[int]]:
+        drafts = propose(running)
+        if drafts:
+            steps.append({rid: len(d) for rid, d in drafts.items()})
+        return drafts
+
+    eng.speculator.propose = recording  # type: ignore[method-assign]
+    return steps
+
+
+def test_a_step_drafts_at_most_its_budget_first_drafts_first_and_less_where_acceptance_is_low() -> (
+    None
+):
     prompts = {f"r{i}": [2 + (i * 17 + j) % 500 for j in range(10)] for i in range(4)}
     ref = _run(LLMEngine(fake_config()), prompts, greedy(40))
     budget = {
@@ -274,27 +291,54 @@ def test_a_step_drafts_at_most_its_budget_shared_out_and_less_where_acceptance_i
         "decode.speculative.min_acceptance_rate": 0.0,
     }
     eng = LLMEngine(fake_config(**SPEC, **budget))
-    scripted = ScriptedProposer(ref, eng.vocab_size, wrong_share=0.0)
-    asked: list[list[int]] = []
-    propose = scripted.propose
-
-    def recording(requests: Any, max_drafts: Any) -> list[list[int]]:
-        asked.append(list(max_drafts))
-        return propose(requests, max_drafts)
-
-    scripted.propose = recording  # type: ignore[method-assign]
-    use_proposer(eng, scripted)
+    use_proposer(eng, ScriptedProposer(ref, eng.vocab_size, wrong_share=0.0))
+    steps = _drafted_per_step(eng)
     assert _run(eng, prompts, greedy(40)) == ref
-    four = [a for a in asked if len(a) == 4]
-    assert four and all(sum(a) <= 7 and max(a) == 1 for a in four)  # 7 // 4 each
+    assert steps and all(sum(s.values()) <= 7 for s in steps)
+    # Four requests alike: each one's first draft outranks any second one (4 + 3 of 7).
+    four = [s for s in steps if len(s) == 4]
+    assert four and all(sorted(s.values()) == [1, 2, 2, 2] for s in four)
     eng = LLMEngine(fake_config(**SPEC, **{"decode.speculative.min_acceptance_rate": 0.0}))
-    wrong = ScriptedProposer(ref, eng.vocab_size, wrong_share=1.0)
-    asked.clear()
-    propose = wrong.propose
-    wrong.propose = recording  # type: ignore[method-assign]
-    use_proposer(eng, wrong)
+    use_proposer(eng, ScriptedProposer(ref, eng.vocab_size, wrong_share=1.0))
+    steps = _drafted_per_step(eng)
     assert _run(eng, {"r0": prompts["r0"]}, greedy(40)) == {"r0": ref["r0"]}
-    assert asked[0] == [5] and asked[-1] == [1]  # all rejected: down to one draft a step
+    k = eng.config.decode.speculative.num_speculative_tokens
+    assert steps[0] == {"r0": k} and steps[-1] == {"r0": 1}  # all rejected: down to a probe
+
+
+class _ClassedProposer(ScriptedProposer):
+    """Right drafts from evidence class 8 for requests named ``sure*``, wrong ones from class 2
+    for the others (the n-gram proposer's classes: matched lengths)."""
+
+    def propose(self, requests: Any, max_drafts: Any) -> list[list[int]]:
+        right = super().propose(requests, max_drafts)
+        out: list[list[int]] = []
+        for r, drafts in zip(requests, right, strict=True):
+            if r.request_id.startswith("sure"):
+                out.append(Drafts(drafts, 8))
+            else:
+                out.append(Drafts([(t + 1) % self.vocab_size for t in drafts], 2))
+        return out
+
+
+def test_drafts_of_a_surer_evidence_class_get_the_budget() -> None:
+    prompts = {f"{name}{i}": [2 + (i * 17 + j) % 500 for j in range(10)]
+               for i, name in enumerate(("sure", "doubt", "sure", "doubt"))}  # fmt: skip
+    ref = _run(LLMEngine(fake_config()), prompts, greedy(40))
+    eng = LLMEngine(fake_config(**SPEC, **{"decode.speculative.max_num_draft_tokens": 8}))
+    use_proposer(eng, _ClassedProposer(ref, eng.vocab_size))
+    steps = _drafted_per_step(eng)
+    assert _run(eng, prompts, greedy(40)) == ref
+    spec = eng.speculator
+    assert spec.acceptance("new", 8) > 0.9 > 0.3 > spec.acceptance("new", 2)
+    assert spec.acceptance("new", 5) == pytest.approx(0.8)  # an unseen class: the request's own
+    # Once the classes are known, the doubtful requests only probe (one draft now and then).
+    late = steps[len(steps) // 3 :]
+    assert all(n == 1 for s in late for rid, n in s.items() if rid.startswith("doubt"))
+    drafted = {name: sum(n for s in steps for rid, n in s.items() if rid.startswith(name))
+               for name in ("sure", "doubt")}  # fmt: skip
+    assert drafted["sure"] > 3 * drafted["doubt"], drafted
+    assert eng.stats()["spec"]["acceptance_rate"] > 0.5
 
 
 def test_a_draft_rows_cost_is_read_off_the_steps_apart_from_the_batchs() -> None:
