@@ -40,12 +40,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from cluster.config import SpeculativeConfig
 from cluster.engine.batch import ScheduledRequest
 from cluster.engine.request import Request
 from cluster.engine.spec.proposer import NgramProposer, Proposer
+from cluster.engine.spec.step_cost import StepCost
 
 # decode.speculative.method -> a proposer (config validates the names; "none" has none).
 PROPOSERS: dict[str, Callable[[SpeculativeConfig], Proposer]] = {"ngram": NgramProposer}
@@ -54,75 +53,6 @@ _DECAY = 0.8  # weight of a request's older verifications in its acceptance esti
 _CLASS_DECAY = 0.95  # the same for an evidence class's (and all drafts') estimate, engine-wide
 _P_MAX = 0.995  # no estimate is surer than this
 _PRIOR_ACCEPTED, _PRIOR_TRIED = 1.6, 2.0  # before any verification: p = 0.8
-
-
-class StepCost:
-    """What a draft row costs, measured on the engine's own decode-only steps.
-
-    The runner's time of such a step is fitted as t = a + e B + b D (B decoding requests, D
-    draft rows) by least squares over the recent steps (each older one weighs ``decay`` as
-    much): b is a draft row's cost and t_B = a + e B the step's cost without drafts, so a
-    request's j-th draft pays while p ** j > b B / t_B (``threshold``). Until ``min_steps``
-    steps are fitted and D varies apart from B, the prior stands: one more row costs ``prior``
-    of a one-row step (the config's ``draft_row_cost``), threshold c B / (1 + c B).
-    """
-
-    def __init__(self, prior: float, decay: float = 0.98, min_steps: int = 16) -> None:
-        self.prior = prior
-        self.decay = decay
-        self.min_steps = min_steps
-        self.num_steps = 0
-        self._zz = np.zeros((3, 3))  # decayed sums of z z^T and z t, z = (1, B, D)
-        self._zt = np.zeros(3)
-        self._fit: tuple[float, float, float] | None = None  # (a, e, b)
-        self._stale = False
-
-    def observe(self, requests: int, drafts: int, seconds: float) -> None:
-        z = np.array((1.0, float(requests), float(drafts)))
-        self._zz = self.decay * self._zz + np.outer(z, z)
-        self._zt = self.decay * self._zt + z * seconds
-        self.num_steps += 1
-        self._stale = True
-
-    def fit(self) -> tuple[float, float, float] | None:
-        """(a, e, b), or None while the steps do not tell a draft row's cost apart."""
-        if not self._stale:
-            return self._fit
-        self._stale = False
-        self._fit = None
-        m = self._zz
-        if self.num_steps < self.min_steps:
-            return None
-        # What is left of D's spread once 1 and B explain what they can: b's information.
-        base = m[:2, :2]
-        left = m[2, 2] - m[2, :2] @ np.linalg.pinv(base) @ m[:2, 2]
-        if left < 0.25 * m[0, 0]:
-            return None
-        a, e, b = (float(v) for v in np.linalg.pinv(m) @ self._zt)
-        self._fit = (a, e, b)
-        return self._fit
-
-    def threshold(self, batch: int) -> float:
-        """The per-draft acceptance a request's drafts must beat at ``batch`` requests."""
-        fit = self.fit()
-        if fit is None:
-            c = self.prior * batch
-            return c / (1 + c)
-        a, e, b = fit
-        step = a + e * batch
-        if step <= 0.0:
-            c = self.prior * batch
-            return c / (1 + c)
-        return min(0.99, max(0.0, b * batch / step))
-
-    @property
-    def row_cost(self) -> float:
-        """A draft row's share of a one-request step (the prior until measured)."""
-        fit = self.fit()
-        if fit is None or fit[0] + fit[1] <= 0.0:
-            return self.prior
-        a, e, b = fit
-        return max(0.0, b / (a + e))
 
 
 @dataclass(slots=True)
@@ -155,7 +85,8 @@ class Speculator:
         self._tracks: dict[str, _Track] = {}
         self._classes: dict[int, _Track] = {}  # by the proposer's evidence class
         self._overall = _Track()
-        self._evidence: dict[str, int] = {}  # the class of each request's drafts in flight
+        # this step's proposals: request id -> (evidence class, drafts)
+        self._evidence: dict[str, tuple[int, list[int]]] = {}
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_verifications = 0
@@ -196,6 +127,7 @@ class Speculator:
 
     def propose(self, running: Sequence[Request]) -> dict[str, list[int]]:
         """Drafts for this step's decoding requests (request id -> tokens; absent: none)."""
+        self._evidence.clear()  # this step's only (its ``record`` calls come before the next)
         if self.proposer is None:
             return {}
         decoding = [r for r in running if r.num_uncomputed_tokens == 1 and r.output_token_ids]
@@ -249,7 +181,7 @@ class Speculator:
         for r, drafts, n in zip(asked, proposals, take, strict=True):
             if n:
                 out[r.request_id] = list(drafts[:n])
-                self._evidence[r.request_id] = getattr(drafts, "evidence", 0)
+                self._evidence[r.request_id] = (getattr(drafts, "evidence", 0), out[r.request_id])
         return out
 
     def record(self, item: ScheduledRequest, num_accepted: int) -> None:
@@ -266,7 +198,11 @@ class Speculator:
         tried = min(num_accepted + 1, num_drafted)
         track = self._tracks.setdefault(req.request_id, _Track())
         track.add(num_accepted, tried, _DECAY)
-        evidence = self._evidence.pop(req.request_id, 0)
+        # The class of the drafts proposed here; drafts from elsewhere (a grammar's forced
+        # tokens, ``structured``) count as class 0.
+        evidence, proposed = self._evidence.pop(req.request_id, (0, []))
+        if item.draft_token_ids != proposed[:num_drafted]:
+            evidence = 0
         self._classes.setdefault(evidence, _Track()).add(num_accepted, tried, _CLASS_DECAY)
         self._overall.add(num_accepted, tried, _CLASS_DECAY)
         if self.acceptance(req.request_id, evidence) > self.threshold(1):

@@ -20,7 +20,7 @@ from cluster.config import SPECULATIVE_METHODS, load_config
 from cluster.engine.engine import LLMEngine
 from cluster.engine.spec import PROPOSERS, NgramProposer
 from cluster.engine.spec.proposer import Drafts, lookup
-from cluster.engine.spec.speculator import StepCost
+from cluster.engine.spec.step_cost import StepCost
 from tests.helpers import fake_config, greedy, make_config, run_until_done
 from tests.spec_helpers import FakeModeProposer, ScriptedProposer, use_proposer
 
@@ -339,6 +339,28 @@ def test_drafts_of_a_surer_evidence_class_get_the_budget() -> None:
                for name in ("sure", "doubt")}  # fmt: skip
     assert drafted["sure"] > 3 * drafted["doubt"], drafted
     assert eng.stats()["spec"]["acceptance_rate"] > 0.5
+
+
+def test_drafts_replaced_after_the_proposal_do_not_count_for_its_class() -> None:
+    """A grammar's forced tokens (``structured``) replace the proposed drafts: their outcome is
+    not the proposer's evidence class's (it goes to class 0)."""
+    prompts = {"sure0": [2 + j % 500 for j in range(10)]}
+    ref = _run(LLMEngine(fake_config()), prompts, greedy(30))
+    eng = LLMEngine(fake_config(**SPEC))
+    use_proposer(eng, _ClassedProposer(ref, eng.vocab_size))
+    drafts = eng.structured.drafts
+
+    def replaced(running: Any, proposed: Any) -> Any:  # wrong tokens instead of the proposal
+        return {
+            rid: [(t + 7) % eng.vocab_size for t in d]
+            for rid, d in drafts(running, proposed).items()
+        }
+
+    eng.structured.drafts = replaced  # type: ignore[method-assign]
+    assert _run(eng, prompts, greedy(30)) == ref
+    spec = eng.speculator
+    assert spec.num_draft_tokens > 0 and spec.num_accepted_tokens == 0
+    assert 8 not in spec._classes and spec._classes[0].p < 0.5
 
 
 def test_a_draft_rows_cost_is_read_off_the_steps_apart_from_the_batchs() -> None:
