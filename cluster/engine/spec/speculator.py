@@ -35,7 +35,6 @@ Method ``none`` has no proposer: ``propose`` returns nothing and the engine runs
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -101,15 +100,6 @@ class Speculator:
             if sum(it.num_new_tokens for it in items) == len(items) + drafts:
                 self.step_cost.observe(len(items), drafts, seconds)
 
-    def worth(self, p: float, batch: int) -> int:
-        """How many drafts pay for a request of per-draft acceptance ``p`` in a batch."""
-        threshold = self.threshold(batch)
-        if p <= threshold:
-            return 0
-        if p >= 1.0 or threshold <= 0.0:
-            return self.config.num_speculative_tokens
-        return min(self.config.num_speculative_tokens, math.ceil(math.log(threshold, p)) - 1)
-
     def threshold(self, batch: int) -> float:
         return max(self.config.min_acceptance_rate, self.step_cost.threshold(batch))
 
@@ -145,6 +135,7 @@ class Speculator:
         if not asked:
             return {}
         proposals = self.proposer.propose(asked, room)
+        classes = [getattr(d, "evidence", 0) for d in proposals]  # a plain list: class 0
         threshold = self.threshold(len(decoding))
         # (chance that drafts 1..j of a request are all accepted, its index, j): the step's
         # budget goes to the likeliest first, so a sure request drafts deep, a doubtful none.
@@ -153,7 +144,7 @@ class Speculator:
         for i, (r, drafts) in enumerate(zip(asked, proposals, strict=True)):
             if not drafts:
                 continue
-            p = self.acceptance(r.request_id, getattr(drafts, "evidence", 0))
+            p = self.acceptance(r.request_id, classes[i])
             if p <= threshold:  # not worth it now: a probe of one draft now and then
                 track = self._tracks.setdefault(r.request_id, _Track())
                 if track.pause_steps:
@@ -178,10 +169,10 @@ class Speculator:
         for _chance, i, j in candidates[: max(0, budget)]:
             take[i] = max(take[i], j)
         out: dict[str, list[int]] = {}
-        for r, drafts, n in zip(asked, proposals, take, strict=True):
+        for r, drafts, cls, n in zip(asked, proposals, classes, take, strict=True):
             if n:
                 out[r.request_id] = list(drafts[:n])
-                self._evidence[r.request_id] = (getattr(drafts, "evidence", 0), out[r.request_id])
+                self._evidence[r.request_id] = (cls, out[r.request_id])
         return out
 
     def record(self, item: ScheduledRequest, num_accepted: int) -> None:
@@ -210,7 +201,6 @@ class Speculator:
 
     def forget(self, request_id: str) -> None:
         self._tracks.pop(request_id, None)
-        self._evidence.pop(request_id, None)
 
     def stats(self) -> dict[str, Any]:
         drafted = self.num_draft_tokens
