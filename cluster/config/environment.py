@@ -13,7 +13,8 @@ returns the config's value when it is set, else the environment's.
   * ``$PDSERVE_ADVERTISE_HOST``: ``transfer.advertise_host`` (Kubernetes: the pod IP);
   * ``$RAY_AUTH_MODE``: whether Ray's own token authentication was turned off (S7);
   * ``$MALLOC_ARENA_MAX`` / ``$MALLOC_MMAP_THRESHOLD_``: glibc's allocator in the replicas
-    (``replica_allocator_env``: pdserve's defaults unless the launching environment sets them).
+    (``replica_allocator_env``: pdserve's defaults per role unless the launching environment
+    sets them).
 """
 
 from __future__ import annotations
@@ -110,15 +111,22 @@ def _read_keys_file(path: str) -> tuple[str, ...]:
 # glibc's defaults (an arena per thread, up to 8 x cores, and a mmap threshold that rises after
 # every large free) a router replica's heap kept growing ~2-3 MiB/min under steady traffic while
 # the bytes in use stayed flat: freed chunks scattered over many arenas, never returned (soak,
-# RELIABILITY L2). Two arenas and a fixed mmap threshold (large buffers go straight to mmap and
-# back) hold it flat. Only glibc reads these; an allocator preloaded instead ignores them.
-REPLICA_ALLOCATOR_ENV = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "131072"}
+# RELIABILITY L2). Two arenas everywhere; the router (torch-free) also gets a fixed mmap
+# threshold (large buffers go straight to mmap and back), which holds its heap flat. The pools
+# keep glibc's rising threshold: fixed at 128 KiB, every activation of a prefill (MiBs, a few per
+# layer) was a fresh mmap, page-faulted and unmapped again, and a 1,024-token prefill of the
+# default model took 1.6x as long on 1 torch thread and 3.1x on 2 (the faults serialize the
+# threads). Only glibc reads these; an allocator preloaded instead ignores them.
+POOL_ALLOCATOR_ENV = {"MALLOC_ARENA_MAX": "2"}
+ROUTER_ALLOCATOR_ENV = {**POOL_ALLOCATOR_ENV, "MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
-def replica_allocator_env() -> dict[str, str]:
-    """The allocator variables each Ray replica starts with: pdserve's defaults, except those
-    the launching environment sets itself (its own value is passed on)."""
-    return {k: os.environ.get(k, v) for k, v in REPLICA_ALLOCATOR_ENV.items()}
+def replica_allocator_env(role: str) -> dict[str, str]:
+    """The allocator variables a Ray replica of ``role`` (``router``, ``prefill``, ``decode``)
+    starts with: pdserve's defaults, except those the launching environment sets itself (its
+    own value is passed on)."""
+    defaults = ROUTER_ALLOCATOR_ENV if role == "router" else POOL_ALLOCATOR_ENV
+    return {k: os.environ.get(k, v) for k, v in defaults.items()}
 
 
 def cpu_count() -> int:
