@@ -301,18 +301,13 @@ def measure_serving(
     serving: dict[str, ServingCost] = {}
     raw: dict[str, Any] = {}
     for kind, cfg in configs.items():
-        samples = [
-            ServingSample(
-                r.prompt_len,
-                r.max_tokens,
-                [t - r.send for t in r.chunk_times],
-                r.phases["prefill_ms"] / 1000,
-            )
-            for r in runs.unloaded[kind]
-            if r.ok and r.phases
-        ]
         serving[kind], raw[kind] = calibrate(
-            kind, samples, steps, cfg, transfer.get(cfg.transfer.transports[0]), bytes_per_block
+            kind,
+            serving_samples(runs.unloaded[kind]),
+            steps,
+            cfg,
+            transfer.get(cfg.transfer.transports[0]),
+            bytes_per_block,
         )
         progress(f"serving {kind}: {serving[kind]}")
     return serving, raw
@@ -327,6 +322,20 @@ class ServingSample:
     max_tokens: int
     token_times: list[float]
     prefill_s: float
+
+
+def serving_samples(records: Sequence[Any]) -> list[ServingSample]:
+    """``bench serve``'s unloaded ``RequestRecord``s that completed, as calibration samples."""
+    return [
+        ServingSample(
+            r.prompt_len,
+            r.max_tokens,
+            [t - r.send for t in r.chunk_times],
+            r.phases["prefill_ms"] / 1000,
+        )
+        for r in records
+        if r.ok and r.phases
+    ]
 
 
 def calibrate(

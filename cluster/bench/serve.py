@@ -124,8 +124,14 @@ def measure(
     scale: float,
     progress: Callable[[str], None],
     deploy: bool = True,
+    seed: int = 100,
 ) -> ArmRuns:
-    """Deploy the arms side by side, warm each up, then unloaded and loaded runs, interleaved."""
+    """Deploy the arms side by side, warm each up, then unloaded and loaded runs, interleaved.
+
+    The requests at the i-th rate are ``workload.items(per_rate, seed=seed + i)``, sent at
+    ``poisson_offsets(per_rate, rate, seed + 100 + i)``. A caller measuring several workloads on
+    the same deployment gives each its own ``seed``: the same seed draws the same prompts from
+    workloads whose class picks coincide, and the second would hit the first one's prefix cache."""
     configs = arm_ports(configs)
     targets = {arm: f"127.0.0.1:{cfg.router.grpc_port}" for arm, cfg in configs.items()}
     arms = list(configs)
@@ -147,8 +153,8 @@ def measure(
             runs.unloaded[arm].extend(recs)
     progress("unloaded baseline done")
     for i, rate in enumerate(rates):
-        load = workload.items(per_rate, vocab, seed=100 + i, scale=scale)
-        offsets = poisson_offsets(per_rate, rate, seed=200 + i)
+        load = workload.items(per_rate, vocab, seed=seed + i, scale=scale)
+        offsets = poisson_offsets(per_rate, rate, seed=seed + 100 + i)
         for arm in arms[i % len(arms) :] + arms[: i % len(arms)]:
             progress(f"{arm}: {per_rate} requests at {rate} req/s")
             runs.loaded.setdefault(arm, {})[rate] = asyncio.run(

@@ -59,3 +59,7 @@ def test_plan_validate_smoke(tmp_path: Path) -> None:
     # goodput are never 0 for requests that were served.
     assert all(r["measured"] > 0 for r in rows if not r["figure"].startswith("tpot"))
     assert (tmp_path / "results" / "profile.json").exists()
+    # The serving section was re-calibrated on this deployment, for every arm.
+    assert set(payload["serving"]) == {"disagg", "colocated", "colocated_chunked"}
+    serving = payload["serving"].values()
+    assert all(c["prefill_scale"] > 0 and c["decode_scale"] > 0 for c in serving)
