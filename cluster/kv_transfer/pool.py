@@ -31,6 +31,18 @@ TORCH_DTYPES = {
 }
 
 
+def _prefault(region: mmap.mmap) -> None:
+    """Write every page of a fresh memfd mapping once, now.
+
+    A memfd's pages are allocated on first write; left to the engine, that write is the KV of
+    a prompt, and each of its blocks (180 pages at the default layout) page-faults inside the
+    step. Measured on 2 cores, default model, 100-token prompts on fresh blocks: 183-192 ms a
+    prefill into a private pool, 210-218 ms into an untouched memfd. A private pool is written
+    at allocation too (``torch.zeros``), so this costs no memory the other does not.
+    """
+    np.frombuffer(region, dtype=np.uint8)[:: mmap.PAGESIZE] = 0
+
+
 class KVPool:
     def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, *, shm_path: str = "") -> None:
         expected = layout.block_shape
@@ -73,6 +85,7 @@ class KVPool:
         try:
             os.ftruncate(fd, nbytes)  # zero-filled
             region = mmap.mmap(fd, nbytes)
+            _prefault(region)
         except BaseException:
             os.close(fd)
             raise
