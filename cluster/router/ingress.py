@@ -32,6 +32,7 @@ from ray import serve
 
 from cluster.common.errors import PDServeError, internal_error
 from cluster.common.faults import FaultPoints
+from cluster.common.heap import freeze_startup_heap, heap_stats
 from cluster.common.protocol import StreamChunk
 from cluster.common.tokenizer import load_tokenizer
 from cluster.config import config_from_dict
@@ -112,6 +113,7 @@ class Router:
         )
         await self.grpc.start()
         self.readiness.start()
+        freeze_startup_heap("router")  # last: the tokenizer and the listeners are up
 
     async def __del__(self) -> None:
         # Graceful shutdown (Serve calls it): open gRPC streams get the grace period.
@@ -348,6 +350,7 @@ class Router:
             "in_flight": self.admission.num_inflight,
             "rejected": self.admission.num_rejected,
             "ready": self.readiness.ready,
+            "heap": heap_stats(),
         }
 
     def pid(self) -> int:

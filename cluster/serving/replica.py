@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 from typing import Any, ClassVar, Protocol, TypeVar
 
 from cluster.common.faults import FaultPoints
+from cluster.common.heap import freeze_startup_heap, heap_stats
 from cluster.config import ClusterConfig, PoolConfig
 from cluster.serving.calls import KEEPALIVE, Keepalive
 from cluster.serving.metrics import PoolMetrics
@@ -78,6 +79,8 @@ class PoolReplica:
         self.pool: PoolConfig = config.prefill if self.role == "prefill" else config.decode
         self.metrics = PoolMetrics(self.role)
         self._metrics_task: asyncio.Task[None] | None = None
+        # Last: the model, the engine and the KV side are built (``common.heap``).
+        freeze_startup_heap(f"{self.role} replica {replica_id}")
 
     def autoscaling_signals(self, stats: dict[str, Any]) -> dict[str, float]:
         raise NotImplementedError
@@ -158,6 +161,7 @@ class PoolReplica:
         s["paused_faults"] = self.worker.faults.paused()
         s["pid"] = os.getpid()
         s["kv_used_blocks"] = s["engine"]["kv"]["num_used_blocks"]  # as of the last step
+        s["heap"] = heap_stats()
         return s
 
     def check_integrity(self) -> str:
