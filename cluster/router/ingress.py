@@ -32,7 +32,6 @@ from ray import serve
 
 from cluster.common.errors import PDServeError, internal_error
 from cluster.common.faults import FaultPoints
-from cluster.common.heap import freeze_startup_heap, heap_stats
 from cluster.common.protocol import StreamChunk
 from cluster.common.tokenizer import load_tokenizer
 from cluster.config import config_from_dict
@@ -54,6 +53,7 @@ from cluster.router.responses import (
     grpc_chunk,
     openai_error,
 )
+from cluster.serving.heap import freeze_startup_heap, heap_stats
 from cluster.serving.metrics import RouterMetrics
 from cluster.serving.options import router_admission_limit
 from cluster.serving.routers import recent_ranking_ms

@@ -26,9 +26,9 @@ from collections.abc import AsyncIterator
 from typing import Any, ClassVar, Protocol, TypeVar
 
 from cluster.common.faults import FaultPoints
-from cluster.common.heap import freeze_startup_heap, heap_stats
 from cluster.config import ClusterConfig, PoolConfig
 from cluster.serving.calls import KEEPALIVE, Keepalive
+from cluster.serving.heap import freeze_startup_heap, heap_stats
 from cluster.serving.metrics import PoolMetrics
 from cluster.serving.routing_policy import snapshot_from_stats
 
@@ -79,7 +79,7 @@ class PoolReplica:
         self.pool: PoolConfig = config.prefill if self.role == "prefill" else config.decode
         self.metrics = PoolMetrics(self.role)
         self._metrics_task: asyncio.Task[None] | None = None
-        # Last: the model, the engine and the KV side are built (``common.heap``).
+        # Last: the model, the engine and the KV side are built (``serving.heap``).
         freeze_startup_heap(f"{self.role} replica {replica_id}")
 
     def autoscaling_signals(self, stats: dict[str, Any]) -> dict[str, float]:

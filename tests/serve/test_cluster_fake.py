@@ -156,7 +156,7 @@ def test_grpc_and_openai_match_the_engine(app: App) -> None:
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == fake_text
     assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == len(p)
-    # Every replica froze its start-up objects out of the garbage collector (common.heap).
+    # Every replica froze its start-up objects out of the garbage collector (serving.heap).
     heaps = [s["heap"] for role in ("prefill", "decode") for s in app.stats(role).values()]
     heaps.append(app.router.stats.remote().result(timeout_s=30)["heap"])
     assert heaps and all(h["frozen"] > 10_000 for h in heaps), heaps

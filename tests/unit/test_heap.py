@@ -1,11 +1,11 @@
-"""``common.heap``: start-up objects frozen out of the collector, later garbage still collected."""
+"""``serving.heap``: start-up objects frozen out of the collector, later garbage still collected."""
 
 from __future__ import annotations
 
 import gc
 from typing import Any
 
-from cluster.common.heap import freeze_startup_heap, heap_stats
+from cluster.serving.heap import freeze_startup_heap, heap_stats
 
 
 def test_startup_objects_are_frozen_and_later_cycles_still_collected() -> None:
