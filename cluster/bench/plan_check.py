@@ -108,7 +108,7 @@ def run_check(config: ClusterConfig, mode: str, profile_path: Path | None, out: 
                 per_rate,
                 # The calibration and the SLOs come from these: 4 of each class (2 gave a
                 # median of 4 samples, and one slow first long prompt set an arm's
-                # prefill_scale 30% high: 1.37 against 1.03-1.07 in other runs).
+                # prefill_scale at 1.37 against 1.03-1.21 in other runs).
                 per_class=ctx.pick(4, 4, 1) if i == 0 else 0,
                 vocab=vocab,
                 scale=scale,
