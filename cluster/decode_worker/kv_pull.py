@@ -36,6 +36,9 @@ class KVPull:
         # The lease needs no abort from here: acked, given up, or its pull failed (the receiver
         # then told the sender itself).
         self._settled = False
+        # ``finish`` ended the lease from here (its last pull's ack, or an abort when nothing
+        # was left to pull): the prefill call ends once the sender reads that.
+        self._finished = False
 
     # -- while the prefill runs ---------------------------------------------------------------
 
@@ -83,7 +86,7 @@ class KVPull:
             await self._pull(params, res, final=True)
         else:
             self.receiver.abort(params, reason="not_needed")  # all here already: release it
-        self._settled = True
+        self._settled = self._finished = True
         return reused
 
     async def _pull(self, params: KVTransferParams, res: KVReservation, *, final: bool) -> None:
@@ -123,3 +126,10 @@ class KVPull:
     def settled(self) -> bool:
         """Nothing of the lease is left to abort from here (acked, given up, or failed)."""
         return self._settled
+
+    @property
+    def finished(self) -> bool:
+        """``finish`` returned: every block is here and the sender was told (an ack, or an abort
+        when nothing was left to pull). Over a pushed transport (zmq) nothing confirms the ack,
+        so the sender may read it only after this request is done."""
+        return self._finished

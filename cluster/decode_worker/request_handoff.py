@@ -39,6 +39,9 @@ from cluster.serving.calls import within_deadline
 from cluster.serving.signals import RecentWindow
 
 logger = logging.getLogger(__name__)
+# How long a finished request waits for its prefill call to end by itself (the prefill replica
+# reads the ack in about a millisecond; it is usually done before the decode is).
+CALL_END_WAIT_S = 0.5
 
 
 class PrefillClient(Protocol):
@@ -111,7 +114,10 @@ class RequestHandoff:
             if self.pull is not None:  # tells the prefill side to free its blocks, and waits
                 await self.pull.cancel()  # until no pull writes the reserved ones any more
             if prefill_stream is not None:
-                await _aclose(prefill_stream)
+                if self.pull is not None and self.pull.finished:
+                    await _let_end(prefill_stream)
+                else:
+                    await _aclose(prefill_stream)
             if self.in_engine and not self.finished:
                 ctx.engine.abort(self.rid)
 
@@ -331,6 +337,20 @@ class RequestHandoff:
 
     async def _before_deadline(self, aw: Any) -> Any:
         return await within_deadline(aw, self.call.deadline, self.rid)
+
+
+async def _let_end(stream: AsyncIterator[Any]) -> None:
+    """A prefill call whose lease this side ended (the last pull's ack, or an abort): it ends
+    once the sender reads that, usually long before the decode does. Closing it first would
+    make the prefill replica abort a lease that was about to be acked (its counters then say
+    ``aborted``, and the ack arrives stale), so give it a moment to end, then close it."""
+    try:
+        async with asyncio.timeout(CALL_END_WAIT_S):
+            async for _ in stream:
+                pass
+    except Exception:  # timed out, or the prefill replica went away: it ends either way
+        logger.debug("a prefill call did not end by itself", exc_info=True)
+    await _aclose(stream)
 
 
 async def _aclose(stream: AsyncIterator[Any]) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -118,6 +119,37 @@ def test_remote_prefill_matches_oracle(transport: str) -> None:
         assert pair.decode.counters["remote_prefills"] == 6
         assert pair.decode.stats()["transfer"]["transfers_ok"] == 6
         pair.wait_idle_clean()
+    finally:
+        pair.close()
+
+
+def test_an_ack_read_after_the_decode_finished_still_ends_the_lease_as_acked() -> None:
+    """Over zmq nothing confirms the last pull's ack: a short decode can finish before the
+    prefill replica reads it. The prefill call is then let end by itself (it ends on the ack)
+    rather than closed at once, which made the prefill replica abort a lease about to be acked
+    (counted ``aborted``, its ack then ``stale``)."""
+    import threading
+
+    prompt = _prompt(40, 3)
+    expected = _oracle({"a": prompt}, 2)
+    pair = Pair(transport="zmq")
+    handlers = pair.prefill.sender._handlers
+    real_ack, ack_read = handlers._ack, threading.Event()
+
+    def late_ack(*args: Any) -> None:  # the sender thread reads the ack 0.1 s late
+        time.sleep(0.1)
+        real_ack(*args)
+        ack_read.set()
+
+    handlers._ack = late_ack
+    try:
+        chunks = asyncio.run(_collect(pair.decode, _call("a", prompt, 2)))
+        assert [t for c in chunks for t in c.token_ids] == expected["a"]
+        assert ack_read.is_set()  # the request ended only after the ack was read
+        pair.wait_idle_clean()
+        sent = pair.prefill.sender.stats()
+        assert sent["leases_acked"] == 1 and sent.get("leases_aborted", 0) == 0
+        assert sent["rejected_total"] == 0
     finally:
         pair.close()
 
