@@ -6,7 +6,8 @@ in other shares) at one rate each, and the arms that fit on this machine (``benc
 side once), the same seeded requests are
   * simulated (``cluster.planner``) on this machine's profile (measured first with ``pdserve
     profile --quick`` unless ``--profile`` names one), its serving section re-calibrated per arm
-    from this deployment's own unloaded requests (every arm deployed, as it is measured), and
+    from this deployment's own unloaded requests and a burst of ``BURST`` concurrent short ones
+    (every arm deployed, as it is measured), and
   * sent to the arms over gRPC (``bench serve``'s load generator and interleaving),
 and the predicted p50/p90 TTFT, p50/p90 TPOT and goodput are compared with the measured ones
 (goodput against the per-class SLOs ``bench serve`` sets from the measured unloaded runs, the
@@ -62,7 +63,7 @@ def _figure(m: dict[str, Any], key: str, sub: str) -> float:
 
 
 def run_check(config: ClusterConfig, mode: str, profile_path: Path | None, out: Path) -> int:
-    from cluster.bench.profile import run_profile
+    from cluster.bench.profile import BURST, run_profile
     from cluster.config.model_paths import model_limits
 
     ctx = BenchContext(name="plan-check", mode=mode, config=config)
@@ -95,6 +96,7 @@ def run_check(config: ClusterConfig, mode: str, profile_path: Path | None, out: 
     slos = None
     arm_profiles: dict[str, Profile] = {}
     serving: dict[str, ServingCost] = {}
+    calibration: dict[str, Any] = {}
     with local_apps() as put:
         for i, (name, mix_rate) in enumerate(mixes):
             workload = WORKLOADS[name]
@@ -115,10 +117,13 @@ def run_check(config: ClusterConfig, mode: str, profile_path: Path | None, out: 
                 progress=ctx.progress,
                 deploy=i == 0,
                 seed=seed,
+                burst=ctx.pick(BURST, BURST, 2) if i == 0 else 0,
             )
             if slos is None:
                 slos = class_slos(runs.unloaded)
-                arm_profiles, serving = _calibrated(profile, specs, runs.unloaded)
+                arm_profiles, serving, calibration = _calibrated(
+                    profile, specs, runs.unloaded, runs.burst
+                )
                 for arm, cost in serving.items():
                     ctx.progress(f"serving {arm} (this deployment): {cost}")
             for arm, spec in specs.items():
@@ -128,6 +133,7 @@ def run_check(config: ClusterConfig, mode: str, profile_path: Path | None, out: 
                     spec, arm_profiles[arm], workload, rate, per_rate, seed, vocab, scale=scale
                 )
                 predicted = slo_metrics(sim, sim_dur, slos)
+                stolen = runs.steal.get(arm, {}).get(rate)  # the hypervisor's share, that run
                 for label, key, sub in FIGURES:
                     p, m = _figure(predicted, key, sub), _figure(measured, key, sub)
                     err = p / m - 1 if m else (0.0 if p == m else float("inf"))
@@ -140,6 +146,7 @@ def run_check(config: ClusterConfig, mode: str, profile_path: Path | None, out: 
                             "predicted": p,
                             "measured": m,
                             "error_%": 100 * err,
+                            "steal_%": None if stolen is None else 100 * stolen,
                         }
                     )
                 ctx.progress(
@@ -159,6 +166,7 @@ def run_check(config: ClusterConfig, mode: str, profile_path: Path | None, out: 
         "tolerance": TOLERANCE,
         "slos": slos.to_dict() if slos else {},
         "serving": {arm: vars(cost) for arm, cost in serving.items()},
+        "calibration": calibration,  # the samples behind each arm's serving section
         "profile_serving": {kind: vars(cost) for kind, cost in profile.serving.items()},
         "rows": rows,
         "within_25pct": within,
@@ -176,25 +184,29 @@ def run_check(config: ClusterConfig, mode: str, profile_path: Path | None, out: 
 
 
 def _calibrated(
-    profile: Profile, specs: dict[str, ArmSpec], unloaded: dict[str, list[Any]]
-) -> tuple[dict[str, Profile], dict[str, ServingCost]]:
+    profile: Profile,
+    specs: dict[str, ArmSpec],
+    unloaded: dict[str, list[Any]],
+    burst: dict[str, list[Any]],
+) -> tuple[dict[str, Profile], dict[str, ServingCost], dict[str, Any]]:
     """Per arm, the profile with its serving section calibrated on this deployment's unloaded
-    requests (all arms deployed side by side, as they are measured), not on the separate
+    requests and burst (all arms deployed side by side, as they are measured), not on the separate
     two-arm deployment ``pdserve profile`` measures: the stack's cost around the engine depends
     on what else is deployed on the machine. Step and transfer costs stay the profile's."""
-    from cluster.bench.profile import calibrate, serving_samples
+    from cluster.bench.profile import burst_samples, calibrate, serving_samples
 
-    profiles, costs = {}, {}
+    profiles, costs, raws = {}, {}, {}
     for arm, spec in specs.items():
         kind = "local" if spec.colocated else "remote"
         transfer = None if spec.colocated else profile.transfer_cost(spec.transport)
-        costs[arm], _ = calibrate(
+        costs[arm], raws[arm] = calibrate(
             kind,
             serving_samples(unloaded[arm]),
             profile.steps,
             spec.config,
             transfer,
             profile.bytes_per_block,
+            burst_samples(burst.get(arm, [])),
         )
         profiles[arm] = dataclasses.replace(profile, serving={kind: costs[arm]})
-    return profiles, costs
+    return profiles, costs, raws

@@ -17,8 +17,9 @@ What it measures (the file format is ``cluster.planner.profile``):
      a local Ray Serve cluster (``bench serve``'s arms), a few unloaded requests of each
      ``mixed-long`` class: what the stack adds around the engine (TTFT minus the engine's
      prefill, the engine's prefill inside a replica and the client's TPOT over the bare
-     engine's). These are unloaded single requests; ``pdserve plan --validate`` checks the
-     predictions under load.
+     engine's). These are unloaded single requests, plus a burst of ``BURST`` short ones sent
+     at once: what each decode step gains per concurrent stream (``stream_cost``). ``pdserve
+     plan --validate`` checks the predictions under load.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from cluster.engine.engine import LLMEngine
 from cluster.planner.profile import Profile, ServingCost, StepCosts, TransferCost
 
 Progress = Callable[[str], None]
+BURST = 8  # concurrent requests of the serving calibration's burst (a loaded run's concurrency)
 
 
 def _grid(mode: str) -> dict[str, Any]:
@@ -297,6 +299,7 @@ def measure_serving(
             vocab=vocab,
             scale=1.0,
             progress=progress,
+            burst=BURST,
         )
     serving: dict[str, ServingCost] = {}
     raw: dict[str, Any] = {}
@@ -308,6 +311,7 @@ def measure_serving(
             cfg,
             transfer.get(cfg.transfer.transports[0]),
             bytes_per_block,
+            burst_samples(runs.burst.get(kind, [])),
         )
         progress(f"serving {kind}: {serving[kind]}")
     return serving, raw
@@ -322,6 +326,57 @@ class ServingSample:
     max_tokens: int
     token_times: list[float]
     prefill_s: float
+
+
+@dataclasses.dataclass
+class BurstSample:
+    """One request of a burst sent all at once: its chunks' arrival times (this process's
+    clock, shared by the burst) and how many tokens each carried."""
+
+    prompt_len: int
+    max_tokens: int
+    chunk_times: list[float]
+    chunk_tokens: list[int]
+
+
+def burst_samples(records: Sequence[Any]) -> list[BurstSample]:
+    """A burst's ``RequestRecord``s that completed, as calibration samples."""
+    return [
+        BurstSample(r.prompt_len, r.max_tokens, list(r.chunk_times), list(r.chunk_tokens))
+        for r in records
+        if r.ok
+    ]
+
+
+def stream_cost(
+    samples: Sequence[BurstSample], dc: StepCosts, decode_scale: float
+) -> tuple[float, dict[str, Any]]:
+    """``ServingCost.stream_s`` from a burst of k requests: the time per token while all k
+    decode together (from the last one's second token, its first decode step, to the first
+    one's last), less the engine's decode step at batch k (the profile's, times the unloaded
+    ``decode_scale``, which already holds one stream's share), over the k - 1 other streams."""
+    done = [s for s in samples if len(s.chunk_times) >= 3]
+    k = len(done)
+    raw: dict[str, Any] = {"requests": len(samples), "streams": k}
+    if k < 2:
+        return 0.0, raw
+    start = max(s.chunk_times[1] for s in done)
+    end = min(s.chunk_times[-1] for s in done)
+    per_token = []
+    for s in done:
+        inside = [
+            (t, n) for t, n in zip(s.chunk_times, s.chunk_tokens, strict=True) if start <= t <= end
+        ]
+        tokens = sum(n for _, n in inside[1:])
+        if len(inside) >= 2 and tokens:
+            per_token.append((inside[-1][0] - inside[0][0]) / tokens)
+    raw["per_token_s"] = per_token
+    if not per_token:  # the streams never all decoded at once
+        return 0.0, raw
+    context = statistics.mean(s.prompt_len + s.max_tokens / 2 for s in done)
+    engine = dc.decode(k, context) * decode_scale
+    raw["engine_step_s"] = engine
+    return max(0.0, (statistics.median(per_token) - engine) / (k - 1)), raw
 
 
 def serving_samples(records: Sequence[Any]) -> list[ServingSample]:
@@ -345,11 +400,13 @@ def calibrate(
     cfg: ClusterConfig,
     transfer: TransferCost | None,
     bytes_per_block: int,
+    burst: Sequence[BurstSample] = (),
 ) -> tuple[ServingCost, dict[str, Any]]:
     """What the serving stack adds around the engine, from unloaded requests (``kind`` local:
     a colocated replica; remote: prefill and decode apart): the hops before the first token,
-    the engine's prefill and decode steps inside a replica over the bare engine's, and (remote)
-    the hand-off between the KV landing and the decode batch's first step."""
+    the engine's prefill and decode steps inside a replica over the bare engine's, (remote)
+    the hand-off between the KV landing and the decode batch's first step, and, given a
+    ``burst`` of concurrent requests, the step's cost per streamed token (``stream_cost``)."""
     local = kind == "local"
     prefill_threads = cfg.decode.num_threads if local else cfg.prefill.num_threads
     first = next(iter(steps.values()))  # a GPU profile has one table
@@ -377,13 +434,16 @@ def calibrate(
             handoff.append(max(0.0, s.token_times[1] - s.token_times[0] - pull - step))
     if not prefill_scale:
         raise RuntimeError(f"profile: no unloaded {kind} request completed")
+    stream_s, stream_raw = stream_cost(burst, dc, d_scale)
     cost = ServingCost(
         ttft_overhead_s=statistics.median(ttft_over),
         prefill_scale=statistics.median(prefill_scale),
         decode_scale=d_scale,
         handoff_s=statistics.median(handoff) if handoff else 0.0,
+        stream_s=stream_s,
     )
     raw = {
+        "burst": stream_raw,
         "prefill_scale": prefill_scale,
         "decode_scale": decode_scale,
         "ttft_overhead_s": ttft_over,

@@ -39,7 +39,7 @@ from cluster.bench.serve_load import (
     poisson_offsets,
     run_load,
 )
-from cluster.bench.workloads import bench_model_dir
+from cluster.bench.workloads import StealMeter, bench_model_dir
 from cluster.config import ClusterConfig
 from cluster.config.model_paths import model_limits
 from cluster.planner.metrics import knee, unloaded_baseline
@@ -97,6 +97,10 @@ class ArmRuns:
 
     rates: list[float]
     unloaded: dict[str, list[RequestRecord]] = field(default_factory=dict)
+    burst: dict[str, list[RequestRecord]] = field(default_factory=dict)  # sent all at once
+    # Per arm and rate: the share of the machine's core time its hypervisor took during that
+    # loaded run (None: unknown). A shared VM's neighbours can make one run slower than the next.
+    steal: dict[str, dict[float, float | None]] = field(default_factory=dict)
     loaded: dict[str, dict[float, tuple[list[RequestRecord], float]]] = field(default_factory=dict)
 
 
@@ -113,6 +117,13 @@ def unloaded_items(
     return out
 
 
+def burst_items(workload: Workload, num: int, vocab: int, scale: float) -> list[WorkItem]:
+    """``num`` requests of the class with the shortest prompts (their own seed: prompts no
+    other run sends)."""
+    short = min(workload.classes, key=lambda c: c.prompt[1]).name
+    return [i for i in unloaded_items(workload, num, vocab, scale, seed=23) if i.cls == short]
+
+
 def measure(
     put: Callable[[str, Any], None],
     configs: dict[str, Any],
@@ -125,8 +136,11 @@ def measure(
     progress: Callable[[str], None],
     deploy: bool = True,
     seed: int = 100,
+    burst: int = 0,
 ) -> ArmRuns:
     """Deploy the arms side by side, warm each up, then unloaded and loaded runs, interleaved.
+    ``burst``: after the unloaded runs, that many requests of the workload's shortest class sent
+    to each arm at once (the planner's calibration of the stack's cost per streamed token).
 
     The requests at the i-th rate are ``workload.items(per_rate, seed=seed + i)``, sent at
     ``poisson_offsets(per_rate, rate, seed + 100 + i)``. A caller measuring several workloads on
@@ -152,14 +166,23 @@ def measure(
             recs, _ = asyncio.run(run_load(targets[arm], [item], [0.0]))
             runs.unloaded[arm].extend(recs)
     progress("unloaded baseline done")
+    if burst:
+        for arm in arms:
+            items = burst_items(workload, burst, vocab, scale)
+            runs.burst[arm], _ = asyncio.run(run_load(targets[arm], items, [0.0] * len(items)))
+        progress(f"bursts of {burst} done")
     for i, rate in enumerate(rates):
         load = workload.items(per_rate, vocab, seed=seed + i, scale=scale)
         offsets = poisson_offsets(per_rate, rate, seed=seed + 100 + i)
         for arm in arms[i % len(arms) :] + arms[: i % len(arms)]:
             progress(f"{arm}: {per_rate} requests at {rate} req/s")
+            meter = StealMeter()
             runs.loaded.setdefault(arm, {})[rate] = asyncio.run(
                 run_load(targets[arm], load, offsets)
             )
+            runs.steal.setdefault(arm, {})[rate] = stolen = meter.share()
+            if stolen:
+                progress(f"{arm}: the hypervisor took {100 * stolen:.1f}% of the cores' time")
     return runs
 
 

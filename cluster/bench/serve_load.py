@@ -40,6 +40,7 @@ class RequestRecord:
     cls: str = ""  # the workload's prompt-length class
     send: float = 0.0
     chunk_times: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)  # tokens each chunk carried
     output_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from a prefix cache (the final usage)
     phases: dict[str, float] = field(default_factory=dict)  # the final usage's, milliseconds
@@ -110,6 +111,7 @@ async def run_load(
                 async for msg in stub.Generate(req, timeout=timeout_s):
                     if msg.token_ids or msg.text:
                         rec.chunk_times.append(time.perf_counter())
+                        rec.chunk_tokens.append(len(msg.token_ids))
                         rec.output_tokens += len(msg.token_ids)
                     if msg.HasField("usage"):
                         rec.cached_tokens = msg.usage.cached_tokens

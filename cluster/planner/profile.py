@@ -17,9 +17,10 @@ JSON file of this shape (``format: pdserve-profile/1``); the simulator reads it:
     what the serving stack adds around the engine, from unloaded requests on a local cluster:
     ``ttft_overhead_s`` (client TTFT minus the engine's queue and prefill), ``token_overhead_s``
     (client TPOT minus the engine's decode step), ``prefill_scale`` / ``decode_scale``
-    (engine step time inside a replica over the bare engine's: CPU the stack takes) and, for
+    (engine step time inside a replica over the bare engine's: CPU the stack takes), for
     remote, ``handoff_s`` (the first gap's excess over the pull and a decode step: the hops
-    from the first token to the request's first decode step).
+    from the first token to the request's first decode step), and ``stream_s`` (from a burst
+    of concurrent requests: what a streaming step gains per streamed token beyond the first).
   * ``model``: block size and KV bytes per block (what a transfer moves).
 
 Interpolation is piecewise linear (bilinear on the decode grid) and linear past the last point.
@@ -153,6 +154,11 @@ class ServingCost:
     prefill_scale: float = 1.0
     decode_scale: float = 1.0
     handoff_s: float = 0.0  # remote: the KV landed -> the request in the decode batch
+    # Seconds a streaming engine's step (colocated or decode) gains per token it streams beyond
+    # the first: the stack's work per streamed token (replica, Ray, router, client) on the cores
+    # the engine runs on. Unloaded requests stream one at a time and cannot see it; a burst
+    # of concurrent requests does (``cluster.bench.profile.stream_cost``).
+    stream_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,9 @@ role's real hand-off (``cluster.engine.handoff``: colocated, prefill, decode; a 
 ``BlockStream`` included): admission, chunked prefill, the token budget, preemption, prefix
 caching, KV reservations and held blocks are the engine's own code, not a second copy of its
 rules. What is simulated is only time: a step costs what the profile says a batch of that shape
-costs (``profile.StepCosts``), a KV pull what the profile's transport costs for its bytes, and
-the serving stack's hops a fixed delay (``profile.ServingCost``). Between steps the replica
+costs (``profile.StepCosts``, plus the stack's cost per token it streams), a KV pull what the
+profile's transport costs for its bytes, and the serving stack's hops a fixed delay
+(``profile.ServingCost``). Between steps the replica
 applies what arrived meanwhile (new requests, KV landed, leases released), as the engine's step
 loop does.
 
@@ -211,7 +212,11 @@ class SimEngine:
                 decode.append(req.num_computed_tokens + 1)
         d = self.costs.decode(len(decode), sum(decode) / len(decode)) if decode else 0.0
         p = self.costs.step(prefill, decode) - d
-        return d * self.serving.decode_scale + p * self.serving.prefill_scale
+        cost = d * self.serving.decode_scale + p * self.serving.prefill_scale
+        if self.role != "prefill":  # its tokens stream to clients (a prefill replica's do not)
+            streamed = sum(1 for item in batch.items if item.samples)
+            cost += self.serving.stream_s * max(0, streamed - 1)
+        return cost
 
     def _finish(self, batch: ScheduledBatch) -> None:
         now = self.clock.now

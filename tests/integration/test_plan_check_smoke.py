@@ -63,3 +63,7 @@ def test_plan_validate_smoke(tmp_path: Path) -> None:
     assert set(payload["serving"]) == {"disagg", "colocated", "colocated_chunked"}
     serving = payload["serving"].values()
     assert all(c["prefill_scale"] > 0 and c["decode_scale"] > 0 for c in serving)
+    # ... including the cost per concurrent stream, from a burst of 2 sent to each arm at once.
+    assert all(c["stream_s"] >= 0 for c in serving)
+    # (The tiny model can outrun the stream: a request in fewer than 3 chunks does not count.)
+    assert all(raw["burst"]["requests"] == 2 for raw in payload["calibration"].values())

@@ -1,8 +1,9 @@
-"""``CpuMeter``: whether other work took a benchmark arm's cores (fake clocks throughout)."""
+"""``CpuMeter``: whether other work took a benchmark arm's cores; ``StealMeter``: how much of
+the machine's core time its hypervisor took (fake clocks throughout)."""
 
 from __future__ import annotations
 
-from cluster.bench.workloads import CpuMeter, machine_busy_s
+from cluster.bench.workloads import CpuMeter, StealMeter, machine_busy_s, machine_steal_s
 
 
 class Clocks:
@@ -69,3 +70,19 @@ def test_the_machine_counter_moves_on_this_host() -> None:
         x += i
     after = machine_busy_s()
     assert after is not None and after > t
+
+
+def test_the_steal_share_is_the_hypervisors_time_over_every_cores_wall_time() -> None:
+    clock = {"wall": 10.0, "steal": 3.0}
+    meter = StealMeter(num_cores=2, steal=lambda: clock["steal"], clock=lambda: clock["wall"])
+    clock["wall"] += 4.0  # 8 core-seconds, of which the hypervisor took 2
+    clock["steal"] += 2.0
+    assert meter.share() == 0.25
+    unknown = StealMeter(num_cores=2, steal=lambda: None, clock=lambda: clock["wall"])
+    clock["wall"] += 1.0
+    assert unknown.share() is None
+
+
+def test_this_machines_steal_counter_reads() -> None:
+    stolen = machine_steal_s()
+    assert stolen is None or stolen >= 0.0

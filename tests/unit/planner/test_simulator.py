@@ -3,11 +3,14 @@ every simulated pool clean at the end, and the timing it derives from the profil
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from cluster.config import ClusterConfig
 from cluster.engine.engine import LLMEngine
 from cluster.planner.plan import arms_for, simulate, simulate_unloaded
+from cluster.planner.profile import Profile
 from cluster.planner.simulator import ArmSpec, SimCluster
 from cluster.planner.workload import MIXED_LONG, RequestClass, WorkItem, Workload
 from tests.helpers import fake_config, greedy
@@ -122,3 +125,40 @@ def test_the_same_seeds_give_the_same_predictions() -> None:
     a, da = simulate(arm, PROFILE, MIXED_LONG, 0.5, 30, 100, 49152)
     b, db = simulate(arm, PROFILE, MIXED_LONG, 0.5, 30, 100, 49152)
     assert da == db and [r.token_times for r in a] == [r.token_times for r in b]
+
+
+def _with_stream_cost(stream_s: float) -> Profile:
+    serving = {k: dataclasses.replace(v, stream_s=stream_s) for k, v in PROFILE.serving.items()}
+    return dataclasses.replace(PROFILE, serving=serving)
+
+
+def test_each_concurrent_stream_adds_its_cost_to_a_streaming_step_only() -> None:
+    """``stream_s`` (the stack's work per streamed token, from a burst) lengthens a colocated or
+    decode step by that much per token it streams beyond the first; a prefill replica streams
+    nothing to clients, so its steps keep their cost."""
+    arms = {a.name: a for a in arms_for(2, PROFILE, 700)}
+
+    def steps(
+        name: str, stream_s: float, n: int = 4, prompt: int = 64
+    ) -> tuple[list[float], list[int], list[float]]:
+        work = Workload("short", (RequestClass("c", 1.0, (prompt, prompt), 12),))
+        items = work.items(n, 49152, seed=3)
+        recs = SimCluster(arms[name], _with_stream_cost(stream_s)).run(items, [0.0] * n)
+        assert all(r.ok for r in recs)
+        times = sorted({t for r in recs for t in r.token_times})
+        streams = [sum(t in r.token_times for r in recs) for t in times]
+        return times, streams, sorted(r.token_times[0] for r in recs)
+
+    # One colocated replica: the same steps in the same order (all arrive at once), each
+    # longer by stream_s for every token it streamed beyond the first.
+    t0, n0, _ = steps("colocated_1x2", 0.0)
+    t1, n1, _ = steps("colocated_1x2", 0.005)
+    assert n0 == n1 and max(n0) == 4
+    for i in range(1, len(t0)):
+        grew = (t1[i] - t1[i - 1]) - (t0[i] - t0[i - 1])
+        assert grew == pytest.approx(0.005 * (n1[i] - 1), abs=1e-9), i
+    # 1P1D: the prefill replica's steps (the first tokens; 8 prompts queue there and share
+    # steps) unchanged, the decode steps longer.
+    p0, _, first0 = steps("1P1D", 0.0, n=8, prompt=200)
+    p1, _, first1 = steps("1P1D", 0.005, n=8, prompt=200)
+    assert first1 == first0 and p1[-1] > p0[-1] + 0.005
