@@ -32,7 +32,7 @@ from typing import Any
 from cluster.bench.harness import BenchContext
 from cluster.bench.serve import ARMS, arm_config, class_slos, measure
 from cluster.bench.serve_load import compute_metrics, local_apps
-from cluster.bench.workloads import bench_model_dir
+from cluster.bench.workloads import StealMeter, bench_model_dir
 from cluster.config import ClusterConfig
 from cluster.planner.cli import print_table
 from cluster.planner.metrics import slo_metrics
@@ -72,9 +72,15 @@ def run_check(config: ClusterConfig, mode: str, profile_path: Path | None, out: 
     if profile_path is None:
         profile_path = out / "profile.json"
         ctx.progress(f"measuring this machine's profile into {profile_path}")
+        meter = StealMeter()
         run_profile(
             config, "quick" if mode != "smoke" else "smoke", profile_path, progress=ctx.progress
         )
+        profile_steal = meter.share()
+        if profile_steal is not None:
+            ctx.progress(f"profile: the hypervisor took {100 * profile_steal:.1f}% of core time")
+    else:
+        profile_steal = None  # measured elsewhere, at another time
     profile = Profile.load(profile_path)
     total = ctx.pick(1400, 1400, 256)
     configs = {arm: arm_config(config, arm, total, model) for arm in ARMS}
@@ -97,6 +103,7 @@ def run_check(config: ClusterConfig, mode: str, profile_path: Path | None, out: 
     arm_profiles: dict[str, Profile] = {}
     serving: dict[str, ServingCost] = {}
     calibration: dict[str, Any] = {}
+    baseline_steal: float | None = None
     with local_apps() as put:
         for i, (name, mix_rate) in enumerate(mixes):
             workload = WORKLOADS[name]
@@ -120,6 +127,9 @@ def run_check(config: ClusterConfig, mode: str, profile_path: Path | None, out: 
                 burst=ctx.pick(BURST, BURST, 2) if i == 0 else 0,
             )
             if slos is None:
+                baseline_steal = runs.baseline_steal
+                if baseline_steal is not None:
+                    ctx.progress(f"calibration: the hypervisor took {100 * baseline_steal:.1f}%")
                 slos = class_slos(runs.unloaded)
                 arm_profiles, serving, calibration = _calibrated(
                     profile, specs, runs.unloaded, runs.burst
@@ -167,6 +177,12 @@ def run_check(config: ClusterConfig, mode: str, profile_path: Path | None, out: 
         "slos": slos.to_dict() if slos else {},
         "serving": {arm: vars(cost) for arm, cost in serving.items()},
         "calibration": calibration,  # the samples behind each arm's serving section
+        # The hypervisor's share of the cores' time while the profile and the calibration were
+        # measured (each row has its own run's): a figure from a stretch with much of it moves.
+        "steal_%": {
+            "profile": None if profile_steal is None else 100 * profile_steal,
+            "calibration": None if baseline_steal is None else 100 * baseline_steal,
+        },
         "profile_serving": {kind: vars(cost) for kind, cost in profile.serving.items()},
         "rows": rows,
         "within_25pct": within,

@@ -18,13 +18,15 @@ What it measures (the file format is ``cluster.planner.profile``):
      ``mixed-long`` class: what the stack adds around the engine (TTFT minus the engine's
      prefill, the engine's prefill inside a replica and the client's TPOT over the bare
      engine's). These are unloaded single requests, plus a burst of ``BURST`` short ones sent
-     at once: what each decode step gains per concurrent stream (``stream_cost``). ``pdserve
-     plan --validate`` checks the predictions under load.
+     at once and a long prompt while they decode: what each decode step gains per concurrent
+     stream, and how much a pool's steps slow while the other pool computes (``burst_costs``).
+     ``pdserve plan --validate`` checks the predictions under load.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import platform
 import random
 import statistics
@@ -330,53 +332,84 @@ class ServingSample:
 
 @dataclasses.dataclass
 class BurstSample:
-    """One request of a burst sent all at once: its chunks' arrival times (this process's
-    clock, shared by the burst) and how many tokens each carried."""
+    """One request of a burst: its chunks' arrival times (this process's clock, shared by the
+    burst), how many tokens each carried, and the prefill compute its engine reported."""
 
     prompt_len: int
     max_tokens: int
     chunk_times: list[float]
     chunk_tokens: list[int]
+    prefill_s: float = 0.0
 
 
 def burst_samples(records: Sequence[Any]) -> list[BurstSample]:
-    """A burst's ``RequestRecord``s that completed, as calibration samples."""
+    """A burst's ``RequestRecord``s (``bench serve``'s ``measure``: the short ones, then the long
+    prompt last) as calibration samples; a failed one stays, with no chunks."""
     return [
-        BurstSample(r.prompt_len, r.max_tokens, list(r.chunk_times), list(r.chunk_tokens))
+        BurstSample(
+            r.prompt_len,
+            r.max_tokens,
+            list(r.chunk_times) if r.ok else [],
+            list(r.chunk_tokens) if r.ok else [],
+            r.phases.get("prefill_ms", 0.0) / 1000 if r.ok else 0.0,
+        )
         for r in records
-        if r.ok
     ]
 
 
-def stream_cost(
-    samples: Sequence[BurstSample], dc: StepCosts, decode_scale: float
-) -> tuple[float, dict[str, Any]]:
-    """``ServingCost.stream_s`` from a burst of k requests: the time per token while all k
-    decode together (from the last one's second token, its first decode step, to the first
-    one's last), less the engine's decode step at batch k (the profile's, times the unloaded
-    ``decode_scale``, which already holds one stream's share), over the k - 1 other streams."""
-    done = [s for s in samples if len(s.chunk_times) >= 3]
-    k = len(done)
-    raw: dict[str, Any] = {"requests": len(samples), "streams": k}
-    if k < 2:
-        return 0.0, raw
-    start = max(s.chunk_times[1] for s in done)
-    end = min(s.chunk_times[-1] for s in done)
-    per_token = []
-    for s in done:
+def _gaps(samples: Sequence[BurstSample], start: float, end: float) -> list[tuple[float, float]]:
+    """(midpoint, seconds per token) of every gap between two chunks of a request, both within
+    [start, end]."""
+    out = []
+    for s in samples:
         inside = [
             (t, n) for t, n in zip(s.chunk_times, s.chunk_tokens, strict=True) if start <= t <= end
         ]
-        tokens = sum(n for _, n in inside[1:])
-        if len(inside) >= 2 and tokens:
-            per_token.append((inside[-1][0] - inside[0][0]) / tokens)
-    raw["per_token_s"] = per_token
-    if not per_token:  # the streams never all decoded at once
-        return 0.0, raw
+        for (a, _), (b, n) in itertools.pairwise(inside):
+            if n:
+                out.append(((a + b) / 2, (b - a) / n))
+    return out
+
+
+def burst_costs(
+    shorts: Sequence[BurstSample],
+    long: BurstSample | None,
+    dc: StepCosts,
+    decode_scale: float,
+) -> tuple[float, float, dict[str, Any]]:
+    """From a burst of k short requests and a long prompt sent while they decode:
+    ``(stream_s, decode_contention, raw)``.
+
+    * ``stream_s``: the time per token while all k decode together (from the last one's second
+      token, its first decode step, to the first one's last), outside the long prompt's
+      prefill, less the engine's decode step at batch k (the profile's, times the unloaded
+      ``decode_scale``, which already holds one stream's share), over the k - 1 other streams;
+    * ``decode_contention``: the time per token while the long prompt prefills (on another
+      replica: a remote arm), over the time per token outside it, less 1."""
+    done = [s for s in shorts if len(s.chunk_times) >= 3]
+    k = len(done)
+    raw: dict[str, Any] = {"requests": len(shorts), "streams": k}
+    if k < 2:
+        return 0.0, 0.0, raw
+    start = max(s.chunk_times[1] for s in done)
+    end = min(s.chunk_times[-1] for s in done)
+    if long is not None and long.chunk_times and long.prefill_s > 0:
+        busy = (long.chunk_times[0] - long.prefill_s, long.chunk_times[0])  # its prefill
+    else:
+        busy = (float("inf"), float("inf"))
+    gaps = _gaps(done, start, end)
+    alone = [g for t, g in gaps if not busy[0] <= t <= busy[1]]
+    during = [g for t, g in gaps if busy[0] <= t <= busy[1]]
+    raw["per_token_alone_s"], raw["per_token_during_prefill_s"] = alone, during
+    if not alone:  # the streams never all decoded at once
+        return 0.0, 0.0, raw
+    step = statistics.median(alone)
     context = statistics.mean(s.prompt_len + s.max_tokens / 2 for s in done)
     engine = dc.decode(k, context) * decode_scale
     raw["engine_step_s"] = engine
-    return max(0.0, (statistics.median(per_token) - engine) / (k - 1)), raw
+    stream_s = max(0.0, (step - engine) / (k - 1))
+    contention = max(0.0, statistics.median(during) / step - 1) if during else 0.0
+    return stream_s, contention, raw
 
 
 def serving_samples(records: Sequence[Any]) -> list[ServingSample]:
@@ -406,7 +439,9 @@ def calibrate(
     a colocated replica; remote: prefill and decode apart): the hops before the first token,
     the engine's prefill and decode steps inside a replica over the bare engine's, (remote)
     the hand-off between the KV landing and the decode batch's first step, and, given a
-    ``burst`` of concurrent requests, the step's cost per streamed token (``stream_cost``)."""
+    ``burst`` of concurrent requests (short ones, then a long prompt), the step's cost per
+    streamed token and (remote) each pool's slowdown while the other computes
+    (``burst_costs``)."""
     local = kind == "local"
     prefill_threads = cfg.decode.num_threads if local else cfg.prefill.num_threads
     first = next(iter(steps.values()))  # a GPU profile has one table
@@ -434,16 +469,26 @@ def calibrate(
             handoff.append(max(0.0, s.token_times[1] - s.token_times[0] - pull - step))
     if not prefill_scale:
         raise RuntimeError(f"profile: no unloaded {kind} request completed")
-    stream_s, stream_raw = stream_cost(burst, dc, d_scale)
+    shorts, long = (burst[:-1], burst[-1]) if len(burst) > 1 else (burst, None)
+    stream_s, decode_contention, burst_raw = burst_costs(shorts, long, dc, d_scale)
+    p_scale = statistics.median(prefill_scale)
+    prefill_contention = 0.0
+    if not local and long is not None and long.prefill_s > 0:
+        # The long prompt prefilled while the shorts decoded on the other replica.
+        alone = predicted_prefill(pc, long.prompt_len, chunk) * p_scale
+        prefill_contention = max(0.0, long.prefill_s / alone - 1)
+        burst_raw["long_prefill_s"], burst_raw["long_prefill_alone_s"] = long.prefill_s, alone
     cost = ServingCost(
         ttft_overhead_s=statistics.median(ttft_over),
-        prefill_scale=statistics.median(prefill_scale),
+        prefill_scale=p_scale,
         decode_scale=d_scale,
         handoff_s=statistics.median(handoff) if handoff else 0.0,
         stream_s=stream_s,
+        decode_contention=0.0 if local else decode_contention,
+        prefill_contention=prefill_contention,
     )
     raw = {
-        "burst": stream_raw,
+        "burst": burst_raw,
         "prefill_scale": prefill_scale,
         "decode_scale": decode_scale,
         "ttft_overhead_s": ttft_over,

@@ -97,10 +97,12 @@ class ArmRuns:
 
     rates: list[float]
     unloaded: dict[str, list[RequestRecord]] = field(default_factory=dict)
-    burst: dict[str, list[RequestRecord]] = field(default_factory=dict)  # sent all at once
+    # Short requests sent all at once, then one long prompt (the last record) while they decode.
+    burst: dict[str, list[RequestRecord]] = field(default_factory=dict)
     # Per arm and rate: the share of the machine's core time its hypervisor took during that
     # loaded run (None: unknown). A shared VM's neighbours can make one run slower than the next.
     steal: dict[str, dict[float, float | None]] = field(default_factory=dict)
+    baseline_steal: float | None = None  # the same, over the unloaded runs and the bursts
     loaded: dict[str, dict[float, tuple[list[RequestRecord], float]]] = field(default_factory=dict)
 
 
@@ -117,11 +119,20 @@ def unloaded_items(
     return out
 
 
-def burst_items(workload: Workload, num: int, vocab: int, scale: float) -> list[WorkItem]:
-    """``num`` requests of the class with the shortest prompts (their own seed: prompts no
-    other run sends)."""
+BURST_LONG_AT_S = 2.5  # when the burst's long prompt is sent (its shorts decode by then)
+
+
+def burst_items(
+    workload: Workload, num: int, vocab: int, scale: float
+) -> tuple[list[WorkItem], list[float]]:
+    """``num`` requests of the class with the shortest prompts, sent at once, and one of the
+    class with the longest, sent ``BURST_LONG_AT_S`` later (scaled with the lengths): it
+    prefills while they decode. Their own seed: prompts no other run sends."""
     short = min(workload.classes, key=lambda c: c.prompt[1]).name
-    return [i for i in unloaded_items(workload, num, vocab, scale, seed=23) if i.cls == short]
+    long = max(workload.classes, key=lambda c: c.prompt[1]).name
+    drawn = unloaded_items(workload, num, vocab, scale, seed=23)
+    items = [i for i in drawn if i.cls == short] + [next(i for i in drawn if i.cls == long)]
+    return items, [0.0] * num + [BURST_LONG_AT_S * scale]
 
 
 def measure(
@@ -140,7 +151,8 @@ def measure(
 ) -> ArmRuns:
     """Deploy the arms side by side, warm each up, then unloaded and loaded runs, interleaved.
     ``burst``: after the unloaded runs, that many requests of the workload's shortest class sent
-    to each arm at once (the planner's calibration of the stack's cost per streamed token).
+    to each arm at once, and a long prompt while they decode (the planner's calibration of the
+    stack's cost per streamed token and of the pools' contention: ``burst_items``).
 
     The requests at the i-th rate are ``workload.items(per_rate, seed=seed + i)``, sent at
     ``poisson_offsets(per_rate, rate, seed + 100 + i)``. A caller measuring several workloads on
@@ -158,6 +170,7 @@ def measure(
         for item in warm:
             asyncio.run(run_load(targets[arm], [item], [0.0]))
     runs = ArmRuns(list(rates))
+    meter = StealMeter()
     items = unloaded_items(workload, per_class, vocab, scale)
     for arm in arms:
         runs.unloaded[arm] = []
@@ -168,9 +181,10 @@ def measure(
     progress("unloaded baseline done")
     if burst:
         for arm in arms:
-            items = burst_items(workload, burst, vocab, scale)
-            runs.burst[arm], _ = asyncio.run(run_load(targets[arm], items, [0.0] * len(items)))
+            items, offsets = burst_items(workload, burst, vocab, scale)
+            runs.burst[arm], _ = asyncio.run(run_load(targets[arm], items, offsets))
         progress(f"bursts of {burst} done")
+    runs.baseline_steal = meter.share()
     for i, rate in enumerate(rates):
         load = workload.items(per_rate, vocab, seed=seed + i, scale=scale)
         offsets = poisson_offsets(per_rate, rate, seed=seed + 100 + i)

@@ -19,8 +19,10 @@ JSON file of this shape (``format: pdserve-profile/1``); the simulator reads it:
     (client TPOT minus the engine's decode step), ``prefill_scale`` / ``decode_scale``
     (engine step time inside a replica over the bare engine's: CPU the stack takes), for
     remote, ``handoff_s`` (the first gap's excess over the pull and a decode step: the hops
-    from the first token to the request's first decode step), and ``stream_s`` (from a burst
-    of concurrent requests: what a streaming step gains per streamed token beyond the first).
+    from the first token to the request's first decode step), ``stream_s`` (from a burst
+    of concurrent requests: what a streaming step gains per streamed token beyond the first)
+    and, for remote, ``decode_contention`` / ``prefill_contention`` (a step's extra time, as a
+    fraction, while the other pool's engine is busy: a long prompt sent into the burst).
   * ``model``: block size and KV bytes per block (what a transfer moves).
 
 Interpolation is piecewise linear (bilinear on the decode grid) and linear past the last point.
@@ -159,6 +161,11 @@ class ServingCost:
     # the engine runs on. Unloaded requests stream one at a time and cannot see it; a burst
     # of concurrent requests does (``cluster.bench.profile.stream_cost``).
     stream_s: float = 0.0
+    # remote: how much longer a decode (prefill) step takes while the other pool's engine is
+    # busy too, as a fraction: replicas that share a machine's cores (and its serving stack)
+    # slow each other down; replicas on cores or devices of their own measure about 0.
+    decode_contention: float = 0.0
+    prefill_contention: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -138,6 +138,8 @@ class SimEngine:
         self.on_token = on_token
         self.on_reserved: Callable[[KVReservation, float], None] = lambda res, t: None
         self.on_streamed: Callable[[str, int, float], None] = lambda rid, n, t: None
+        # Whether another pool's engine is busy as a step starts (the cluster sets it).
+        self.contended: Callable[[], bool] = lambda: False
         # Prefill role, the first token: the held table (None: that token finished it).
         self.on_first: Callable[[Request, list[int] | None, float], None] = lambda r, b, t: None
         self._inbox: list[Callable[[], None]] = []
@@ -167,6 +169,11 @@ class SimEngine:
                 on_remote()
 
         self.post(add)
+
+    @property
+    def busy(self) -> bool:
+        """A step is running."""
+        return self._busy
 
     @property
     def load(self) -> int:
@@ -216,6 +223,9 @@ class SimEngine:
         if self.role != "prefill":  # its tokens stream to clients (a prefill replica's do not)
             streamed = sum(1 for item in batch.items if item.samples)
             cost += self.serving.stream_s * max(0, streamed - 1)
+        if self.contended():  # the other pool's engine computes too, on shared cores
+            s = self.serving
+            cost *= 1 + (s.prefill_contention if self.role == "prefill" else s.decode_contention)
         return cost
 
     def _finish(self, batch: ScheduledBatch) -> None:
@@ -306,9 +316,11 @@ class SimCluster:
             self.prefills = [engine(f"p{i}", "prefill") for i in range(arm.prefill)]
         for d in self.decodes:
             d.on_reserved = self._reserved
+            d.contended = lambda: any(p.busy for p in self.prefills)
         for p in self.prefills:
             p.on_streamed = self._streamed
             p.on_first = self._first
+            p.contended = lambda: any(d.busy for d in self.decodes)
         # The serving stack's delay, split evenly over its hops: in and out for a colocated
         # request; in, to the prefill pool, back, and out for a remote one.
         hops = 2 if arm.colocated else 4

@@ -67,3 +67,6 @@ def test_plan_validate_smoke(tmp_path: Path) -> None:
     assert all(c["stream_s"] >= 0 for c in serving)
     # (The tiny model can outrun the stream: a request in fewer than 3 chunks does not count.)
     assert all(raw["burst"]["requests"] == 2 for raw in payload["calibration"].values())
+    # The hypervisor's share while the profile and the calibration ran (None: no /proc/stat).
+    assert set(payload["steal_%"]) == {"profile", "calibration"}
+    assert all(v is None or 0 <= v <= 100 for v in payload["steal_%"].values())

@@ -4,6 +4,7 @@ every simulated pool clean at the end, and the timing it derives from the profil
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 
@@ -162,3 +163,31 @@ def test_each_concurrent_stream_adds_its_cost_to_a_streaming_step_only() -> None
     p0, _, first0 = steps("1P1D", 0.0, n=8, prompt=200)
     p1, _, first1 = steps("1P1D", 0.005, n=8, prompt=200)
     assert first1 == first0 and p1[-1] > p0[-1] + 0.005
+
+
+def test_a_pools_steps_slow_by_its_contention_while_the_other_pool_computes() -> None:
+    """1P1D on shared cores: a decode step that starts while the prefill replica computes takes
+    ``1 + decode_contention`` times as long, and a prefill step during decodes ``1 +
+    prefill_contention``; a request alone (nothing overlaps) is unchanged."""
+    arm = {a.name: a for a in arms_for(2, PROFILE, 700)}["1P1D"]
+
+    def profile(c: float) -> Profile:
+        serving = {
+            k: dataclasses.replace(v, decode_contention=c, prefill_contention=c)
+            for k, v in PROFILE.serving.items()
+        }
+        return dataclasses.replace(PROFILE, serving=serving)
+
+    short = WorkItem(_prompt(64, 1), 40, "short")
+    long = WorkItem(_prompt(900, 2), 4, "long")  # arrives while the short one decodes
+    runs = {c: SimCluster(arm, profile(c)).run([short, long], [0.0, 0.5]) for c in (0.0, 0.5)}
+    (a0, b0), (a1, b1) = runs[0.0], runs[0.5]
+    assert a1.token_times[0] == a0.token_times[0]  # its prefill overlapped nothing
+    gaps0 = [y - x for x, y in itertools.pairwise(a0.token_times[1:])]
+    gaps1 = [y - x for x, y in itertools.pairwise(a1.token_times[1:])]
+    assert max(gaps1) == pytest.approx(1.5 * max(gaps0), rel=0.05)  # during the long prefill
+    assert min(gaps1) == pytest.approx(min(gaps0), rel=1e-6)  # after it
+    # The long prompt's prefill steps ran beside the short one's decodes: about 1.5x.
+    assert 1.3 < (b1.token_times[0] - 0.5) / (b0.token_times[0] - 0.5) < 1.5
+    alone = SimCluster(arm, profile(0.5)).run([long], [0.0])[0]
+    assert alone.token_times == SimCluster(arm, profile(0.0)).run([long], [0.0])[0].token_times

@@ -1,0 +1,68 @@
+"""``burst_costs``: the serving calibration's cost per concurrent stream and the pools'
+contention, from a burst of short requests and a long prompt sent while they decode."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.bench.profile import BurstSample, burst_costs
+from tests.unit.planner.synthetic import costs
+
+STEPS = costs(1.0)
+K = 8
+
+
+def _burst(
+    per_token: float,
+    *,
+    k: int = K,
+    slow: tuple[float, float, float] | None = None,
+    merged: bool = False,
+) -> list[BurstSample]:
+    """k requests of 64 + 40 tokens: first tokens 0.05 s apart (their prefills, one at a time),
+    then all decode together, one token per ``per_token``, or per ``per_token * factor`` in the
+    ``slow`` = (from, to, factor) stretch; ``merged``: every other chunk carries two tokens (a
+    client that fell behind gets chunks merged)."""
+    out = []
+    for i in range(k):
+        times, t = [0.1 + i * 0.05], 0.1 + k * 0.05  # every one decodes from t
+        for _ in range(39):
+            times.append(t)
+            t += per_token * (slow[2] if slow and slow[0] <= t < slow[1] else 1.0)
+        tokens = [1] * 40
+        if merged:
+            times = times[:1] + times[2::2]
+            tokens = [1] + [2] * (len(times) - 1)
+        out.append(BurstSample(64, 40, times, tokens))
+    return out
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_the_per_stream_cost_is_what_the_steps_gain_over_the_engine(merged: bool) -> None:
+    scale, extra = 1.3, 0.004
+    engine = STEPS.decode(K, 64 + 20) * scale
+    stream_s, contention, raw = burst_costs(
+        _burst(engine + extra * (K - 1), merged=merged), None, STEPS, scale
+    )
+    assert stream_s == pytest.approx(extra, rel=1e-6) and contention == 0.0
+    assert raw["streams"] == K and raw["per_token_during_prefill_s"] == []
+
+
+def test_the_steps_during_the_long_prefill_give_the_contention_not_the_stream_cost() -> None:
+    scale, extra = 1.0, 0.002
+    per_token = STEPS.decode(K, 64 + 20) * scale + extra * (K - 1)
+    # The long prompt prefills from 1.0 to 2.0 s (its first token at 2.0, 1 s of compute),
+    # the shorts' steps take 1.5x as long meanwhile.
+    shorts = _burst(per_token, slow=(1.0, 2.0, 1.5))
+    long = BurstSample(900, 8, [2.0, 2.1], [1, 1], prefill_s=1.0)
+    stream_s, contention, raw = burst_costs(shorts, long, STEPS, scale)
+    assert stream_s == pytest.approx(extra, rel=1e-6)  # those slow steps left out
+    assert contention == pytest.approx(0.5, abs=0.02)
+    assert len(raw["per_token_during_prefill_s"]) >= K * 5
+
+
+def test_no_burst_or_a_faster_one_than_the_engine_costs_nothing() -> None:
+    assert burst_costs([], None, STEPS, 1.0)[:2] == (0.0, 0.0)
+    assert burst_costs(_burst(0.05, k=1), None, STEPS, 1.0)[:2] == (0.0, 0.0)  # nothing to fit
+    fast = STEPS.decode(4, 84) * 0.5  # noise below the engine's own step is no negative cost
+    assert burst_costs(_burst(fast, k=4), None, STEPS, 1.0)[:2] == (0.0, 0.0)
