@@ -6,8 +6,8 @@ in other shares) at one rate each, and the arms that fit on this machine (``benc
 side once), the same seeded requests are
   * simulated (``cluster.planner``) on this machine's profile (measured first with ``pdserve
     profile --quick`` unless ``--profile`` names one), its serving section re-calibrated per arm
-    from this deployment's own unloaded requests and a burst of ``BURST`` concurrent short ones
-    (every arm deployed, as it is measured), and
+    from this deployment's own unloaded requests and a burst (``BURST`` short ones at once, a
+    long prompt while they decode; every arm deployed, as it is measured), and
   * sent to the arms over gRPC (``bench serve``'s load generator and interleaving),
 and the predicted p50/p90 TTFT, p50/p90 TPOT and goodput are compared with the measured ones
 (goodput against the per-class SLOs ``bench serve`` sets from the measured unloaded runs, the

@@ -180,9 +180,9 @@ def measure(
             runs.unloaded[arm].extend(recs)
     progress("unloaded baseline done")
     if burst:
+        burst_load, burst_offsets = burst_items(workload, burst, vocab, scale)
         for arm in arms:
-            items, offsets = burst_items(workload, burst, vocab, scale)
-            runs.burst[arm], _ = asyncio.run(run_load(targets[arm], items, offsets))
+            runs.burst[arm], _ = asyncio.run(run_load(targets[arm], burst_load, burst_offsets))
         progress(f"bursts of {burst} done")
     runs.baseline_steal = meter.share()
     for i, rate in enumerate(rates):

@@ -159,7 +159,7 @@ class ServingCost:
     # Seconds a streaming engine's step (colocated or decode) gains per token it streams beyond
     # the first: the stack's work per streamed token (replica, Ray, router, client) on the cores
     # the engine runs on. Unloaded requests stream one at a time and cannot see it; a burst
-    # of concurrent requests does (``cluster.bench.profile.stream_cost``).
+    # of concurrent requests does (``cluster.bench.profile.burst_costs``).
     stream_s: float = 0.0
     # remote: how much longer a decode (prefill) step takes while the other pool's engine is
     # busy too, as a fraction: replicas that share a machine's cores (and its serving stack)

@@ -5,11 +5,11 @@ role's real hand-off (``cluster.engine.handoff``: colocated, prefill, decode; a 
 ``BlockStream`` included): admission, chunked prefill, the token budget, preemption, prefix
 caching, KV reservations and held blocks are the engine's own code, not a second copy of its
 rules. What is simulated is only time: a step costs what the profile says a batch of that shape
-costs (``profile.StepCosts``, plus the stack's cost per token it streams), a KV pull what the
-profile's transport costs for its bytes, and the serving stack's hops a fixed delay
-(``profile.ServingCost``). Between steps the replica
-applies what arrived meanwhile (new requests, KV landed, leases released), as the engine's step
-loop does.
+costs (``profile.StepCosts``, plus the stack's cost per token it streams, and more while the
+other pool computes on shared cores), a KV pull what the profile's transport costs for its
+bytes, and the serving stack's hops a fixed delay (``profile.ServingCost``). Between steps the
+replica applies what arrived meanwhile (new requests, KV landed, leases released), as the
+engine's step loop does.
 
 A remote request goes as in the cluster (README, architecture): router -> the decode replica
 with the least work (it reserves the prompt's blocks first) -> then the prefill replica with the
