@@ -117,6 +117,10 @@ class LLMEngine:
             self.requests[r.request_id] = r
             self.outputs.add(r, with_text=self.handoff.streams_text)
         self.counters.num_prompt_tokens += len(prompt)
+        if admission.remote:
+            # Its blocks now if the running batch's next step leaves them free: the prefill call
+            # waits for them, and the next step would only hand them out once it is over.
+            self._reservations.extend(self.scheduler.reserve_between_steps())
         return admission
 
     def abort_request(self, request_id: str, error: str | None = None) -> bool:

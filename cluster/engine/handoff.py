@@ -5,9 +5,10 @@ chosen by role from ``HANDOFFS``, which the engine calls at three points:
 
   * admit (``admit``): where a new request goes. ``decode`` keeps a request whose prompt is
     prefilled elsewhere (``WAITING_FOR_KV``, no blocks yet); everything else is the scheduler's.
-  * reserve (``reserve``, each step after the running batch): ``decode`` gives the requests it
-    keeps their blocks (its own cached prefix first); the KV is then written into them from
-    outside and ``kv_arrived`` hands the request to the scheduler, which feeds its first token.
+  * reserve (``reserve``, each step after the running batch, and at admission what the running
+    batch's next step leaves free): ``decode`` gives the requests it keeps their blocks (its own
+    cached prefix first); the KV is then written into them from outside and ``kv_arrived``
+    hands the request to the scheduler, which feeds its first token.
   * finish (``ends_here`` / ``hold``, after each token): ``prefill`` ends a request's part with
     its first token and holds its blocks (not freed, not evictable) until ``release`` (the
     decode side pulled them, or the lease ended).
@@ -73,7 +74,9 @@ class Handoff:
         """How many of a request's n samples this engine runs (``parallel``)."""
         return n
 
-    def reserve(self, num_running: int, max_num_seqs: int) -> list[KVReservation]:
+    def reserve(
+        self, num_running: int, max_num_seqs: int, keep_free: int = 0
+    ) -> list[KVReservation]:
         return []
 
     def computed(self, req: Request) -> None:
@@ -188,8 +191,11 @@ class DecodeHandoff(Handoff):
             self.kv_waiting.append(req)
         return Admission(num_cached, remote)
 
-    def reserve(self, num_running: int, max_num_seqs: int) -> list[KVReservation]:
-        """Blocks for waiting requests, oldest first, while seats and blocks last."""
+    def reserve(
+        self, num_running: int, max_num_seqs: int, keep_free: int = 0
+    ) -> list[KVReservation]:
+        """Blocks for waiting requests, oldest first, while seats and blocks (all but
+        ``keep_free``) last."""
         out: list[KVReservation] = []
         bm = self.block_manager
         while self.kv_waiting and num_running + len(self.kv_reserved) < max_num_seqs:
@@ -199,7 +205,7 @@ class DecodeHandoff(Handoff):
             # last block needs one more block to decode at all, and kv-arrived requests that
             # cannot take a step are not running, so nothing could be preempted to make room.
             needed = bm.blocks_needed(req.num_prompt_tokens + 1) - len(hits)
-            if not bm.can_allocate(needed, hits):
+            if not bm.can_allocate(needed + keep_free, hits):
                 break
             self.kv_waiting.popleft()
             table = bm.allocate(req.request_id, needed, hits)

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from cluster.config import SchedulerConfig
 from cluster.engine.batch import ScheduledBatch, ScheduledRequest
 from cluster.engine.block_manager import BlockManager
-from cluster.engine.handoff import Handoff
+from cluster.engine.handoff import Handoff, KVReservation
 from cluster.engine.request import Request, RequestStatus
 
 __all__ = ["ScheduledBatch", "ScheduledRequest", "Scheduler"]
@@ -51,6 +51,27 @@ class Scheduler:
         while idx > 0 and self.waiting[idx - 1].arrival_time > request.arrival_time:
             idx -= 1
         self.waiting.insert(idx, request)
+
+    def reserve_between_steps(self) -> list[KVReservation]:
+        """The hand-off's block reservations now, between steps, from what the running batch's
+        next step leaves free: the same blocks a reservation made in that step could take."""
+        return self.handoff.reserve(
+            len(self.running), self.config.max_num_seqs, keep_free=self._blocks_for_next_step()
+        )
+
+    def _blocks_for_next_step(self) -> int:
+        """New blocks the running requests' next step takes (their chunks or tokens, in
+        order, within the token budget; drafts only ever use spare blocks)."""
+        bm = self.block_manager
+        budget, total = self.config.max_num_batched_tokens, 0
+        for req in self.running:
+            if budget <= 0:
+                break
+            n = self._num_tokens_to_schedule(req, budget)
+            table = len(bm.block_table(req.request_id))
+            total += max(0, bm.blocks_needed(req.num_computed_tokens + n) - table)
+            budget -= n
+        return total
 
     @property
     def num_unfinished(self) -> int:

@@ -54,7 +54,9 @@ class EngineLoop:
         self._idle_wait_s = idle_wait_s
         self._liveness_s = liveness_s
         self._before_step = before_step  # fault-injection hook (tests)
-        self._after_step = after_step  # e.g. hand new KV reservations to the transfer side
+        # After each step and each add (an admission may reserve blocks at once): e.g. hand new
+        # KV reservations to the transfer side.
+        self._after_step = after_step
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.heartbeat = time.monotonic()
         self.fatal_error: str | None = None
@@ -109,6 +111,8 @@ class EngineLoop:
             admission = engine.add(request_id, prompt_token_ids, params, **kwargs)
             for rid in sample_ids(request_id, kwargs.get("n", 1)):
                 self._sinks[rid] = sink
+            if self._after_step is not None:
+                self._after_step(engine)
             return admission
 
         return self.call(add)

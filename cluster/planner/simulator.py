@@ -165,8 +165,11 @@ class SimEngine:
         def add() -> None:
             if not self.handoff.admit(req, prefill).remote:  # type: ignore[arg-type]
                 self.scheduler.add(req)
-            elif on_remote is not None:
+                return
+            if on_remote is not None:
                 on_remote()
+            for res in self.scheduler.reserve_between_steps():  # as the engine's add does
+                self.on_reserved(res, self.clock.now)
 
         self.post(add)
 

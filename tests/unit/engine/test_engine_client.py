@@ -121,3 +121,26 @@ def test_cancelled_remote_add_frees_its_reservation() -> None:
     assert _engine_state(client) == ([], 0)
     assert not client._reservations
     client.stop()
+
+
+def test_a_remote_adds_reservation_comes_with_the_add_not_after_a_step() -> None:
+    """The prefill call waits for these blocks: a step (under load, tens of ms) must not."""
+    gate = threading.Event()
+    config = fake_config(**{"decode.local_prefill_threshold": 8})
+    engine = LLMEngine(config, role="decode")
+    client = EngineClient(engine, before_step=lambda: gate.wait(10)).start()
+
+    async def scenario() -> None:
+        added = await client.add("r", PROMPT, greedy(20), lambda o: None, prefill="auto")
+        assert added.remote and added.reservation is not None
+        res = await asyncio.wait_for(added.reservation, 5)  # no step has run: the gate holds it
+        assert res.request_id == "r" and len(res.block_ids) == 3  # 40 + 1 tokens
+        assert engine.counters.num_steps == 0
+        client.abort("r")
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        gate.set()
+    assert _engine_state(client) == ([], 0)
+    client.stop()

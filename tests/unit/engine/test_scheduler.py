@@ -286,6 +286,37 @@ def test_decode_role_with_kv_copied_in_equals_local_run() -> None:
     _assert_idle_clean(dec)
 
 
+def test_decode_role_reserves_a_remote_requests_blocks_at_admission() -> None:
+    """No step needed: the prefill call waits for these blocks, and a step may be long."""
+    dec = _engine("decode")
+    assert dec.add("x", _prompt(40), greedy(8), prefill="remote").remote
+    (res,) = dec.take_reservations()
+    assert res.request_id == "x" and len(res.block_ids) == 3  # 40 + the first token: 3 blocks
+    assert dec.abort_request("x")
+    dec.step()
+    _assert_idle_clean(dec)
+
+
+def test_a_reservation_at_admission_leaves_the_running_batchs_next_blocks_free() -> None:
+    dec = _engine("decode", **{"cache.num_blocks": 6})
+    dec.add("run", _prompt(32, 1), greedy(20))  # local: 2 blocks, then a 3rd for its 33rd token
+    while not dec.requests["run"].output_token_ids:
+        dec.step()
+    assert dec.block_manager.num_free_blocks == 4
+    dec.add("x", _prompt(63, 2), greedy(8), prefill="remote")  # needs 4: "run" needs 1 of them
+    assert dec.take_reservations() == []
+    dec.step()
+    assert dec.scheduler.num_preemptions == 0 and dec.take_reservations() == []
+    while "run" in dec.requests:  # its blocks return when it ends; a step reserves them then
+        dec.step()
+    dec.step()
+    (res,) = dec.take_reservations()
+    assert res.request_id == "x" and dec.scheduler.num_preemptions == 0
+    assert dec.abort_request("x")
+    dec.step()
+    _assert_idle_clean(dec)
+
+
 def test_decode_role_reuses_its_own_prefix_cache() -> None:
     p = _prompt(40)
     dec = _engine("decode")
