@@ -1,8 +1,7 @@
 """Messages between the pools (router -> decode -> prefill), torch-free.
 
-They ride on Ray Serve's handles, i.e. Ray's internal plane (protected by Ray's token auth and
-network policy), never on pdserve's own KV sockets. Each is a plain dataclass so every role can
-build and read it without importing another role.
+They ride on Ray Serve's handles, Ray's internal plane (Ray's token auth, network policy), never
+on pdserve's KV sockets. Plain dataclasses: every role builds and reads them without the others.
 """
 
 from __future__ import annotations
@@ -86,6 +85,7 @@ class PrefillReply:
     prefill_queue_ms: float
     prefill_ms: float
     sample_first_tokens: list[tuple[int, Any, Any]] = field(default_factory=list)  # PrefillCall.n
+    first_text: str | None = None  # its text as a decode engine holds it back (None: ask one)
 
 
 @dataclass(slots=True)

@@ -11,6 +11,7 @@ the request in the engine.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -192,10 +193,18 @@ class RequestHandoff:
         self.remote_cached_tokens = reply.num_cached_tokens
         if reply.kv is None:
             await pull.cancel()  # nothing (more) to pull: stop streamed parts before any free
+        early = self._early_first(reply)
+        if early is not None:  # the first token now, not once this engine's step is over
+            yield self._chunk(early)
         first = await ctx.engine.accept_first_token(
             self.rid, reply.first_token_id, reply.first_logprob, reply.first_top_logprobs
         )
-        yield self._chunk(first)  # the first token, before any (more) KV moves
+        if early is None:
+            yield self._chunk(first)  # the first token, before any (more) KV moves
+        else:
+            rest = self._after_early(early, first)
+            if rest is not None:
+                yield self._chunk(rest)
         # The samples' first tokens (a full last block): they then share every prompt block.
         for sid, (token, lp, top) in zip(
             sample_ids(self.rid, self.call.n)[1:], reply.sample_first_tokens, strict=False
@@ -204,6 +213,48 @@ class RequestHandoff:
         if first.finished or reply.kv is None:
             return
         await self._pull(KVTransferParams.from_dict(reply.kv), reservation, pull)
+
+    def _early_first(self, reply: PrefillReply) -> RequestOutput | None:
+        """The first token's output as this engine will compute it, from the prefill
+        replica's reply (which carries its text): it goes to the client while this engine is
+        still busy with a step. None when the token ends the request (the engine ends it)."""
+        if reply.first_text is None or reply.finish_reason is not None:
+            return None
+        with_logprobs = reply.first_logprob is not None and self.call.params.logprobs is not None
+        return RequestOutput(
+            self.rid,
+            [reply.first_token_id],
+            reply.first_text,
+            finished=False,
+            new_logprobs=[reply.first_logprob or 0.0] if with_logprobs else None,
+            new_top_logprobs=[reply.first_top_logprobs or []] if with_logprobs else None,
+            num_output_tokens=1,
+        )
+
+    def _after_early(self, early: RequestOutput, first: RequestOutput) -> RequestOutput | None:
+        """What this engine's output for the first token adds to the early one sent: nothing,
+        or (never expected: both engines run the same code on the same token) the end."""
+        same = first.new_token_ids == early.new_token_ids and first.new_text == early.new_text
+        if same and not first.finished:
+            return None
+        logger.error(
+            "request %s: the decode engine's first token %r (%r, finished=%s) differs from the "
+            "prefill replica's %r (%r)",
+            self.rid,
+            first.new_token_ids,
+            first.new_text,
+            first.finished,
+            early.new_token_ids,
+            early.new_text,
+        )
+        extra = first.new_text[len(early.new_text) :]
+        if not first.new_text.startswith(early.new_text):
+            extra = ""  # sent text cannot be taken back
+        if not extra and not first.finished:
+            return None
+        return dataclasses.replace(
+            first, new_token_ids=[], new_text=extra, new_logprobs=None, new_top_logprobs=None
+        )
 
     async def _prefill_reply(
         self, prefill_stream: AsyncIterator[PrefillProgress | PrefillReply], pull: KVPull

@@ -67,6 +67,10 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
+        """New blocks ``request_id``'s table needs to hold ``num_tokens`` tokens."""
+        return max(0, self.blocks_needed(num_tokens) - len(self.block_table(request_id)))
+
     def cached_hashes(self) -> list[int]:
         """The hashes of every block in the prefix cache (what routers index)."""
         return list(self._cached)

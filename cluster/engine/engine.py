@@ -85,8 +85,7 @@ class LLMEngine:
         arrival_time: float | None = None,
         n: int = 1,
     ) -> Admission:
-        """Validate and queue a request (``n`` samples of it: ``parallel``); raises
-        ``ValueError`` naming the bad field."""
+        """Validate and queue a request (``n`` samples: ``parallel``); ValueError names a field."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id: must be a non-empty string")
         for rid in sample_ids(request_id, check_n(n)):
@@ -115,18 +114,15 @@ class LLMEngine:
             self.scheduler.add(req)
         for r in (req, *self.samples.add(req, self.handoff.num_samples(req, n))):
             self.requests[r.request_id] = r
-            self.outputs.add(r, with_text=self.handoff.streams_text)
+            self.outputs.add(r)
         self.counters.num_prompt_tokens += len(prompt)
-        if admission.remote:
-            # Its blocks now if the running batch's next step leaves them free: the prefill call
-            # waits for them, and the next step would only hand them out once it is over.
+        if admission.remote:  # its blocks now, not after a step: the prefill call waits for them
             self._reservations.extend(self.scheduler.reserve_between_steps())
         return admission
 
     def abort_request(self, request_id: str, error: str | None = None) -> bool:
-        """End a request, all its samples, wherever they are (queued, running, awaiting KV,
-        held); frees their blocks (not the pins of a streamed prompt: a lease may be reading
-        them, ``release`` frees)."""
+        """End a request, all its samples, wherever they are (queued, running, awaiting KV, held);
+        frees their blocks (a streamed prompt's pins: ``release``, a lease may be reading them)."""
         live = [self.requests[r] for r in self.samples.samples(request_id) if r in self.requests]
         if not live:
             return self.handoff.release(request_id)  # held for a pull, or unknown
@@ -154,7 +150,7 @@ class LLMEngine:
         logprob: float | None = None,
         top_logprobs: list[tuple[int, float]] | None = None,
     ) -> RequestOutput:
-        """The prefill replica's first token: stream it now, before the KV has arrived."""
+        """The prefill replica's first token (the server already streamed it), before the KV."""
         req = self.requests[request_id]
         if req.output_token_ids:
             raise ValueError(f"request {request_id!r} already has its first token")

@@ -57,8 +57,6 @@ class KVReservation:
 class Handoff:
     """Colocated: every request is prefilled and decoded by this engine; nothing crosses."""
 
-    streams_text = True  # whether outputs carry text (the prefill role's go to a decode replica)
-
     def __init__(self, config: ClusterConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.block_manager = block_manager
@@ -120,8 +118,6 @@ class Handoff:
 
 class PrefillHandoff(Handoff):
     """Prefill role: a request ends here after its first token; its blocks wait for a pull."""
-
-    streams_text = False
 
     def __init__(self, config: ClusterConfig, block_manager: BlockManager) -> None:
         super().__init__(config, block_manager)

@@ -87,17 +87,19 @@ class OutputProcessor:
         self.structured = structured
         self._detok: dict[str, IncrementalDetokenizer] = {}
 
-    def add(self, req: Request, with_text: bool) -> None:
+    def add(self, req: Request) -> None:
+        """Track a new request (every role detokenizes: a prefill replica's first token goes
+        to the client with its text, straight from the decode replica, before that engine
+        takes it)."""
         self.structured.add(req)
-        if with_text:
-            p = req.params
-            self._detok[req.request_id] = IncrementalDetokenizer(
-                self.tokenizer,
-                p.stop,
-                p.skip_special_tokens,
-                req.prompt_token_ids,
-                p.include_stop_str_in_output,
-            )
+        p = req.params
+        self._detok[req.request_id] = IncrementalDetokenizer(
+            self.tokenizer,
+            p.stop,
+            p.skip_special_tokens,
+            req.prompt_token_ids,
+            p.include_stop_str_in_output,
+        )
 
     def forget(self, request_id: str) -> None:
         self._detok.pop(request_id, None)
@@ -160,7 +162,11 @@ class OutputProcessor:
         request finished with the last of them."""
         with_logprobs = em.logprobs[0] is not None and req.params.logprobs is not None
         finished = status is not None or held_block_ids is not None
-        out = self._output(req, em.token_ids[:num_appended], finished, status)
+        # A held output (prefill role) ends only this engine's part: its text is held back as
+        # a running request's is, so it equals what the decode engine computes for that token.
+        out = self._output(
+            req, em.token_ids[:num_appended], finished, status, flush=status is not None
+        )
         if with_logprobs:
             out.new_logprobs = [lp or 0.0 for lp in em.logprobs[:num_appended]]
             out.new_top_logprobs = [top or [] for top in em.top_logprobs[:num_appended]]
@@ -176,14 +182,20 @@ class OutputProcessor:
         return out
 
     def _output(
-        self, req: Request, token_ids: list[int], finished: bool, status: RequestStatus | None
+        self,
+        req: Request,
+        token_ids: list[int],
+        finished: bool,
+        status: RequestStatus | None,
+        flush: bool = True,
     ) -> RequestOutput:
+        """``flush``: hand out held-back text too (the request ended)."""
         detok = self._detok.get(req.request_id)
         reason = status.finish_reason if status is not None else None
         return RequestOutput(
             request_id=req.request_id,
             new_token_ids=token_ids,
-            new_text=detok.delta(finished) if detok is not None else "",
+            new_text=detok.delta(flush) if detok is not None else "",
             finished=finished,
             finish_reason=reason.value if reason is not None else None,
             num_prompt_tokens=req.num_prompt_tokens,

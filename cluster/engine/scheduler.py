@@ -53,25 +53,14 @@ class Scheduler:
         self.waiting.insert(idx, request)
 
     def reserve_between_steps(self) -> list[KVReservation]:
-        """The hand-off's block reservations now, between steps, from what the running batch's
-        next step leaves free: the same blocks a reservation made in that step could take."""
-        return self.handoff.reserve(
-            len(self.running), self.config.max_num_seqs, keep_free=self._blocks_for_next_step()
-        )
-
-    def _blocks_for_next_step(self) -> int:
-        """New blocks the running requests' next step takes (their chunks or tokens, in
-        order, within the token budget; drafts only ever use spare blocks)."""
-        bm = self.block_manager
-        budget, total = self.config.max_num_batched_tokens, 0
+        """The hand-off's reservations now, from what the running batch's next step leaves free
+        (its requests' chunks or tokens within the budget; drafts only use spare blocks)."""
+        bm, budget, keep = self.block_manager, self.config.max_num_batched_tokens, 0
         for req in self.running:
-            if budget <= 0:
-                break
-            n = self._num_tokens_to_schedule(req, budget)
-            table = len(bm.block_table(req.request_id))
-            total += max(0, bm.blocks_needed(req.num_computed_tokens + n) - table)
+            n = self._fit(req.num_uncomputed_tokens, max(budget, 0))
+            keep += bm.blocks_to_grow(req.request_id, req.num_computed_tokens + n)
             budget -= n
-        return total
+        return self.handoff.reserve(len(self.running), self.config.max_num_seqs, keep_free=keep)
 
     @property
     def num_unfinished(self) -> int:
@@ -155,7 +144,7 @@ class Scheduler:
     def _ensure_blocks(self, req: Request, n: int, batch: ScheduledBatch) -> bool:
         """Blocks for ``n`` more tokens of ``req``, preempting the newest others if needed."""
         bm = self.block_manager
-        needed = bm.blocks_needed(req.num_computed_tokens + n) - len(bm.block_table(req.request_id))
+        needed = bm.blocks_to_grow(req.request_id, req.num_computed_tokens + n)
         while needed > bm.num_free_blocks:
             victim = self.preempt_newest()
             assert victim is not None

@@ -387,8 +387,12 @@ class SimCluster:
         st = self._remote[req.request_id]
 
         def reply() -> None:  # the first token reaches the decode replica
-            st.reply_at = self.clock.now
-            st.decode.post(lambda: st.decode.append(st.req, self.clock.now))
+            at = st.reply_at = self.clock.now
+
+            def take() -> None:  # between steps; it streamed on at once (its text came with it)
+                st.decode.append(st.req, at if held is not None else self.clock.now)
+
+            st.decode.post(take)
             if held is None:  # it finished there: nothing to pull (a lease's pins go)
                 st.done = True
                 assert st.prefill is not None

@@ -272,6 +272,7 @@ class PrefillWorker:
             num_cached_tokens=out.num_cached_tokens,
             prefill_queue_ms=queue_ms,
             prefill_ms=prefill_ms,
+            first_text=out.new_text,
         )
 
     def _on_release(self, request_id: str, reason: str) -> None:

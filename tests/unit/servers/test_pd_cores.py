@@ -320,3 +320,94 @@ def test_prompts_that_fill_their_last_block_cannot_stall_a_full_decode_pool() ->
         pair.wait_idle_clean()
     finally:
         pair.close()
+
+
+def test_the_first_token_reaches_the_client_before_the_decode_engine_takes_it() -> None:
+    """The prefill reply carries the first token's text: the client has it while the decode
+    engine is still busy (its accept held here), and every chunk after it, text held back for
+    a stop string and logprobs too, is what one engine alone streams."""
+    never = " t9999 never"  # holds back the last 11 characters of each text delta
+    params = {
+        "a": greedy(10, logprobs=2),
+        "b": greedy(10, stop=(never,), logprobs=1),
+        "c": greedy(10, stop=(never,), include_stop_str_in_output=True),
+    }
+    prompts = {"a": _prompt(40, 1), "b": _prompt(57, 2), "c": _prompt(33, 3)}
+    eng = LLMEngine(_cfg())
+    for rid, p in prompts.items():
+        eng.add(rid, p, params[rid])
+    expected: dict[str, list[Any]] = {rid: [] for rid in prompts}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            expected[out.request_id].append(out)
+    pair = Pair()
+    real_accept = pair.decode.engine.accept_first_token
+    try:
+
+        async def one(rid: str, released: asyncio.Event) -> list[StreamChunk]:
+            call = GenerateCall(rid, prompts[rid], hash_block_tokens(prompts[rid], 16), params[rid])
+            stream = aiter(pair.decode.generate(call))
+            first = await asyncio.wait_for(anext(stream), 10)  # the engine's accept is held
+            while not (first.token_ids or first.text):
+                first = await asyncio.wait_for(anext(stream), 10)
+            released.set()
+            return [first, *[chunk async for chunk in stream]]
+
+        async def main() -> dict[str, list[StreamChunk]]:
+            released = {rid: asyncio.Event() for rid in prompts}
+
+            async def held_accept(rid: str, *args: Any) -> Any:
+                await released[rid].wait()
+                return await real_accept(rid, *args)
+
+            pair.decode.engine.accept_first_token = held_accept  # type: ignore[method-assign,assignment]
+            return dict(
+                zip(
+                    prompts,
+                    await asyncio.gather(*(one(rid, released[rid]) for rid in prompts)),
+                    strict=True,
+                )
+            )
+
+        results = asyncio.run(main())
+        for rid, chunks in results.items():
+            want = expected[rid]
+            assert chunks[0].token_ids == want[0].new_token_ids, rid
+            assert chunks[0].text == want[0].new_text, rid
+            assert [t for c in chunks for t in c.token_ids] == [
+                t for o in want for t in o.new_token_ids
+            ], rid
+            assert "".join(c.text for c in chunks) == "".join(o.new_text for o in want), rid
+            lps = [x for c in chunks for x in c.logprobs or []]
+            assert lps == [x for o in want for x in o.new_logprobs or []], rid
+            assert chunks[-1].usage is not None and chunks[-1].usage.prefill_mode == "remote"
+        pair.wait_idle_clean()
+    finally:
+        pair.decode.engine.accept_first_token = real_accept  # type: ignore[method-assign]
+        pair.close()
+
+
+def test_a_decode_engine_first_token_unlike_the_early_one_adds_only_what_was_not_sent() -> None:
+    """Never expected (both engines run the same code on the same token), but if it happens:
+    text sent is never taken back; more text, or the end, follows as a chunk of its own."""
+    from types import SimpleNamespace
+
+    from cluster.decode_worker.request_handoff import RequestHandoff
+    from cluster.engine.outputs import RequestOutput
+
+    def out(text: str, finished: bool = False) -> RequestOutput:
+        reason = "stop" if finished else None
+        return RequestOutput("r", [7], text, finished, reason, num_output_tokens=1)
+
+    handoff: Any = SimpleNamespace(rid="r")
+    after = RequestHandoff._after_early
+    assert after(handoff, out(" t7"), out(" t7")) is None
+    more = after(handoff, out(" t"), out(" t7"))
+    assert more is not None and (more.new_token_ids, more.new_text, more.finished) == (
+        [],
+        "7",
+        False,
+    )
+    end = after(handoff, out(" t7"), out(" t7", finished=True))
+    assert end is not None and (end.new_text, end.finish_reason) == ("", "stop")
+    assert after(handoff, out(" t7"), out(" x")) is None  # unlike: nothing sent twice
