@@ -9,7 +9,8 @@ Entries into the engine thread for one request:
   * local prefill: ``add``;
   * remote prefill (decode role): ``add`` (which also says local or remote and how much of the
     prompt is cached here), ``accept_first_token``, ``kv_arrived``; the block reservation in
-    between is handed out by the step loop itself, into the Future ``add`` returned;
+    between goes into the Future ``add`` returned: resolved with the add itself when the running
+    batch's next step leaves the blocks free, else by the step loop after a later step;
   * prefill role: ``add``, then ``release`` once the KV was pulled (the output that ends the
     request here carries the held block table).
 Failure paths add ``kv_failed`` or ``abort``.
