@@ -109,18 +109,33 @@ class RequestHandoff:
             if not self.finished:  # a remote first token may already have ended it
                 async for chunk in self._decode():
                     yield chunk
+        except EngineDeadError:  # a step failed (entry 2 or 3): the router retries or aborts
+            raise PDServeError(
+                ErrorCode.UNAVAILABLE, "the decode replica is unavailable", self.rid
+            ) from None
         finally:
-            if added is not None and added.reservation is not None:
-                added.reservation.cancel()
-            if self.pull is not None:  # tells the prefill side to free its blocks, and waits
-                await self.pull.cancel()  # until no pull writes the reserved ones any more
-            if prefill_stream is not None:
-                if self.pull is not None and self.pull.finished:
-                    await _let_end(prefill_stream)
-                else:
-                    await _aclose(prefill_stream)
-            if self.in_engine and not self.finished:
-                ctx.engine.abort(self.rid)
+            # In a task of its own: a cancellation that lands on one of its awaits (a client
+            # gone while the stream was already closing) must not skip the engine's abort.
+            await asyncio.shield(asyncio.ensure_future(self._end(added, prefill_stream)))
+
+    async def _end(
+        self,
+        added: Added | None,
+        prefill_stream: AsyncIterator[PrefillProgress | PrefillReply] | None,
+    ) -> None:
+        """Leave nothing behind: the reservation, the pull (and with it the prefill side's
+        lease), the prefill call, the request in the engine."""
+        if added is not None and added.reservation is not None:
+            added.reservation.cancel()
+        if self.pull is not None:  # tells the prefill side to free its blocks, and waits
+            await self.pull.cancel()  # until no pull writes the reserved ones any more
+        if prefill_stream is not None:
+            if self.pull is not None and self.pull.finished:
+                await _let_end(prefill_stream)
+            else:
+                await _aclose(prefill_stream)
+        if self.in_engine and not self.finished:
+            self.ctx.engine.abort(self.rid)
 
     async def _add(self, aloop: asyncio.AbstractEventLoop) -> Added:
         ctx = self.ctx

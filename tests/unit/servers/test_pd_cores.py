@@ -411,3 +411,94 @@ def test_a_decode_engine_first_token_unlike_the_early_one_adds_only_what_was_not
     end = after(handoff, out(" t7"), out(" t7", finished=True))
     assert end is not None and (end.new_text, end.finish_reason) == ("", "stop")
     assert after(handoff, out(" t7"), out(" x")) is None  # unlike: nothing sent twice
+
+
+def test_a_decode_engine_that_dies_after_the_early_first_token_ends_the_stream_unavailable() -> (
+    None
+):
+    """The client has the first token already: the router must see UNAVAILABLE (it reports
+    ABORTED), not an unnamed internal error; nothing stays behind on the prefill side."""
+    from cluster.common.errors import ErrorCode, PDServeError
+    from cluster.engine.step_loop import EngineDeadError
+
+    pair = Pair()
+    real_accept = pair.decode.engine.accept_first_token
+
+    async def dead(*args: Any) -> Any:
+        raise EngineDeadError("engine step failed: boom")
+
+    pair.decode.engine.accept_first_token = dead  # type: ignore[method-assign,assignment]
+    try:
+        chunks: list[StreamChunk] = []
+
+        async def main() -> None:
+            async for chunk in pair.decode.generate(_call("d", _prompt(40, 9), 6)):
+                chunks.append(chunk)
+
+        with pytest.raises(PDServeError) as err:
+            asyncio.run(main())
+        assert err.value.code == ErrorCode.UNAVAILABLE
+        assert [t for c in chunks for t in c.token_ids] != []  # the early first token went out
+        pair.decode.engine.accept_first_token = real_accept  # type: ignore[method-assign]
+        pair.wait_idle_clean()
+    finally:
+        pair.decode.engine.accept_first_token = real_accept  # type: ignore[method-assign]
+        pair.close()
+
+
+class SlowClose(InProcessPrefill):
+    """A prefill call that takes a moment to close (a slow network path)."""
+
+    def prefill(self, call: PrefillCall) -> AsyncIterator[PrefillReply]:
+        inner = self.server.prefill(call)
+
+        async def stream() -> AsyncIterator[Any]:
+            try:
+                async for item in inner:
+                    yield item
+            finally:
+                await asyncio.sleep(0.3)
+                await inner.aclose()  # type: ignore[attr-defined]
+
+        return stream()
+
+
+def test_a_second_cancellation_during_the_streams_cleanup_still_frees_the_request() -> None:
+    """A client gone twice (the stream cancelled after the first token, before the KV came, then
+    again while it closes the prefill call): the decode engine's abort still runs. Skipped, the
+    request waits for KV forever and its reserved blocks stay held."""
+    cfg = _cfg(**{"testing.fake_model.decode_delay_s": 0.005})
+    pair = Pair.__new__(Pair)
+    pair.prefill = PrefillWorker(cfg).start()
+    pair.client = SlowClose(pair.prefill)
+    pair.decode = DecodeWorker(cfg, pair.client).start()
+    real_accept = pair.decode.engine.accept_first_token
+
+    async def never(*args: Any) -> Any:
+        await asyncio.Event().wait()  # the engine's turn for the first token never comes
+
+    pair.decode.engine.accept_first_token = never  # type: ignore[method-assign,assignment]
+    try:
+
+        async def main() -> None:
+            first = asyncio.Event()
+
+            async def consume() -> None:
+                async for chunk in pair.decode.generate(_call("c", _prompt(60, 5), 400)):
+                    if chunk.token_ids and len(chunk.token_ids) and not first.is_set():
+                        first.set()
+
+            task = asyncio.create_task(consume())
+            await asyncio.wait_for(first.wait(), 10)  # the early first token
+            task.cancel()
+            await asyncio.sleep(0.1)  # the stream is closing the prefill call (0.3 s)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.sleep(1.0)  # the cleanup, in a task of its own, ends
+
+        asyncio.run(main())
+        pair.wait_idle_clean()
+    finally:
+        pair.decode.engine.accept_first_token = real_accept  # type: ignore[method-assign]
+        pair.close()
