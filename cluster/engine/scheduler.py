@@ -162,7 +162,7 @@ class Scheduler:
         if bm.has_table(rid):
             # Its KV was imported (decode role): only the tokens after it remain to be fed.
             n = self._num_tokens_to_schedule(req, budget)
-            needed = bm.blocks_needed(req.num_computed_tokens + n) - len(bm.block_table(rid))
+            needed = bm.blocks_to_grow(rid, req.num_computed_tokens + n)
             if n == 0 or needed > bm.num_free_blocks:
                 return 0
             if needed > 0:
