@@ -138,8 +138,8 @@ def test_an_ack_read_after_the_decode_finished_still_ends_the_lease_as_acked() -
 
     def late_ack(*args: Any) -> None:  # the sender thread reads the ack 0.1 s late
         time.sleep(0.1)
-        real_ack(*args)
-        ack_read.set()
+        ack_read.set()  # before it is handled: handling it lets the prefill call (and so the
+        real_ack(*args)  # request) end, which may come before a set() placed after this call
 
     handlers._ack = late_ack
     try:
