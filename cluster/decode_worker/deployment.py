@@ -11,6 +11,7 @@ fault hooks come from ``serving.replica.PoolReplica``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncIterator
@@ -99,8 +100,9 @@ class DecodeServer(PoolReplica):
     ) -> AsyncIterator[Accepted | StreamChunk | Keepalive]:
         self._started()
         yield Accepted(self.replica_id)
-        async for chunk in self.with_keepalives(self.worker.generate(call)):
-            yield chunk
+        async with contextlib.aclosing(self.with_keepalives(self.worker.generate(call))) as items:
+            async for chunk in items:
+                yield chunk
 
     async def dependencies_ready(self) -> bool:
         if self.prefill_client is None:  # a colocated cluster: no prefill pool to ask

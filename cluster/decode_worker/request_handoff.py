@@ -11,6 +11,7 @@ the request in the engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -62,6 +63,9 @@ class DecodeContext:
     faults: FaultPoints
     counters: dict[str, int]
     recent_tpot: RecentWindow
+    # Every stream in progress here (each one's ``stage``): where requests wait, for operators
+    # and for tests that look for a stream left behind.
+    live: set[RequestHandoff] = dataclasses.field(default_factory=set)
 
 
 class RequestHandoff:
@@ -83,12 +87,14 @@ class RequestHandoff:
         self.failure: str | None = None  # why the hand-off failed the request, in client words
         self.prompt_logprobs: list[Any] | None = None  # sample 0's, sent with each one's first
         self.started: set[int] = set()  # samples whose first chunk went out
+        self.stage = "adding"  # adding, blocks, prefill, first_token, pull, decode, ending
 
     async def stream(self) -> AsyncIterator[StreamChunk]:
         ctx = self.ctx
         aloop = asyncio.get_running_loop()
         prefill_stream: AsyncIterator[PrefillProgress | PrefillReply] | None = None
         added: Added | None = None
+        ctx.live.add(self)
         try:
             added = await self._add(aloop)
             if added.remote:
@@ -96,19 +102,26 @@ class RequestHandoff:
                 ctx.counters["remote_prefills"] += 1
                 assert ctx.prefill_client is not None and added.reservation is not None
                 self.pull = KVPull(ctx.receiver, added.reservation)
+                self.stage = "blocks"
                 # Blocks here first, then the prefill: a prefill replica's pool then only ever
                 # holds KV that has somewhere to go. (Prefilling while waiting for blocks here
                 # deadlocks two full pools: these blocks reserved for prompts that cannot
                 # prefill, that pool full of prompts waiting for blocks here.)
                 await self._before_deadline(asyncio.shield(added.reservation))
+                self.stage = "prefill"
                 prefill_stream = ctx.prefill_client.prefill(self._prefill_call())
-                async for chunk in self._remote_handoff(prefill_stream, added.reservation):
-                    yield chunk
+                async with contextlib.aclosing(
+                    self._remote_handoff(prefill_stream, added.reservation)
+                ) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
             else:
                 ctx.counters["local_prefills"] += 1
             if not self.finished:  # a remote first token may already have ended it
-                async for chunk in self._decode():
-                    yield chunk
+                self.stage = "decode"
+                async with contextlib.aclosing(self._decode()) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
         except EngineDeadError:  # a step failed (entry 2 or 3): the router retries or aborts
             raise PDServeError(
                 ErrorCode.UNAVAILABLE, "the decode replica is unavailable", self.rid
@@ -116,6 +129,7 @@ class RequestHandoff:
         finally:
             # In a task of its own: a cancellation that lands on one of its awaits (a client
             # gone while the stream was already closing) must not skip the engine's abort.
+            self.stage = "ending"
             await asyncio.shield(asyncio.ensure_future(self._end(added, prefill_stream)))
 
     async def _end(
@@ -125,17 +139,20 @@ class RequestHandoff:
     ) -> None:
         """Leave nothing behind: the reservation, the pull (and with it the prefill side's
         lease), the prefill call, the request in the engine."""
-        if added is not None and added.reservation is not None:
-            added.reservation.cancel()
-        if self.pull is not None:  # tells the prefill side to free its blocks, and waits
-            await self.pull.cancel()  # until no pull writes the reserved ones any more
-        if prefill_stream is not None:
-            if self.pull is not None and self.pull.finished:
-                await _let_end(prefill_stream)
-            else:
-                await _aclose(prefill_stream)
-        if self.in_engine and not self.finished:
-            self.ctx.engine.abort(self.rid)
+        try:
+            if added is not None and added.reservation is not None:
+                added.reservation.cancel()
+            if self.pull is not None:  # tells the prefill side to free its blocks, and waits
+                await self.pull.cancel()  # until no pull writes the reserved ones any more
+            if prefill_stream is not None:
+                if self.pull is not None and self.pull.finished:
+                    await _let_end(prefill_stream)
+                else:
+                    await _aclose(prefill_stream)
+            if self.in_engine and not self.finished:
+                self.ctx.engine.abort(self.rid)
+        finally:
+            self.ctx.live.discard(self)
 
     async def _add(self, aloop: asyncio.AbstractEventLoop) -> Added:
         ctx = self.ctx
@@ -208,6 +225,7 @@ class RequestHandoff:
         self.remote_cached_tokens = reply.num_cached_tokens
         if reply.kv is None:
             await pull.cancel()  # nothing (more) to pull: stop streamed parts before any free
+        self.stage = "first_token"
         early = self._early_first(reply)
         if early is not None:  # the first token now, not once this engine's step is over
             yield self._chunk(early)
@@ -286,6 +304,7 @@ class RequestHandoff:
     ) -> None:
         ctx = self.ctx
         pull.hold(kv)  # heartbeat the lease while the request waits for blocks
+        self.stage = "pull"
         await self._before_deadline(asyncio.shield(reservation))
         self.usage.phases["decode_queue_ms"] = (time.monotonic() - self.arrival) * 1000
         await ctx.faults.hit_async("d.after_alloc_before_pull")

@@ -19,7 +19,9 @@ The decode replica owns each request's prefill/decode hand-off (``generate(call)
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -96,8 +98,10 @@ class DecodeWorker:
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[StreamChunk]:
         seed = call.params.seed if call.params.seed is not None else self._rng.getrandbits(63)
-        async for chunk in RequestHandoff(self._ctx, call, seed).stream():
-            yield chunk
+        # Closed here, not left to the garbage collector, however this stream ends.
+        async with contextlib.aclosing(RequestHandoff(self._ctx, call, seed).stream()) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     # -- introspection ------------------------------------------------------------------------
 
@@ -108,5 +112,6 @@ class DecodeWorker:
             "transfer": self.receiver.stats(),
             "recent_tpot_ms": self.recent_tpot.median(),
             "peak_running": self.engine.peak_running,
+            "handoff_stages": dict(Counter(h.stage for h in self._ctx.live)),
             **self.counters,
         }

@@ -12,6 +12,7 @@ come from ``serving.replica.PoolReplica``; options (replicas, CPUs, queue limits
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -46,8 +47,9 @@ class PrefillServer(PoolReplica):
         self._started()
         self.recent_requests.append(call.request_id)  # where requests went (routing tests)
         yield Accepted(self.replica_id)
-        async for reply in self.with_keepalives(self.worker.prefill(call)):
-            yield reply
+        async with contextlib.aclosing(self.with_keepalives(self.worker.prefill(call))) as items:
+            async for reply in items:
+                yield reply
 
     def autoscaling_signals(self, stats: dict[str, Any]) -> dict[str, float]:
         return prefill_autoscaling_stats(stats)

@@ -19,6 +19,7 @@ The request id travels through every pool and appears in every log line about it
 # descriptors do not pickle.
 import asyncio
 import collections
+import contextlib
 import logging
 import os
 import time
@@ -142,14 +143,15 @@ class Router:
         )
         try:
             with self.admission.admitted(parsed.request_id):
-                async for chunk in self._relay(parsed, t0):
-                    if chunk.token_ids or chunk.text:
-                        self.readiness.saw_progress()
-                        if first is None:
-                            first = time.monotonic()
-                    if chunk.usage is not None:
-                        usage = chunk.usage
-                    yield chunk
+                async with contextlib.aclosing(self._relay(parsed, t0)) as relayed:
+                    async for chunk in relayed:
+                        if chunk.token_ids or chunk.text:
+                            self.readiness.saw_progress()
+                            if first is None:
+                                first = time.monotonic()
+                        if chunk.usage is not None:
+                            usage = chunk.usage
+                        yield chunk
         except PDServeError as e:
             status = e.code.value.lower()
             self.counts["errors"] += 1
@@ -196,8 +198,9 @@ class Router:
         parsed = await self._parse(lambda: self.parser.from_grpc(request), request.ByteSize())
         self.parse_ms["grpc"].append((time.perf_counter() - t0) * 1000)
         parsed.deadline = deadline_within(parsed.deadline, remaining_s)
-        async for chunk in self._run(parsed, "grpc"):
-            yield grpc_chunk(chunk)
+        async with contextlib.aclosing(self._run(parsed, "grpc")) as chunks:
+            async for chunk in chunks:
+                yield grpc_chunk(chunk)
 
     def _model_info(self, metadata: Mapping[str, str]) -> "pb.ModelInfo":
         self.auth.check(metadata.get("authorization"))
@@ -251,8 +254,9 @@ class Router:
             )
         chunks: list[StreamChunk] = []
         try:
-            async for chunk in self._run(parsed, route):
-                chunks.append(chunk)
+            async with contextlib.aclosing(self._run(parsed, route)) as stream:
+                async for chunk in stream:
+                    chunks.append(chunk)
         except PDServeError as e:
             status, payload = openai_error(e)
             return JSONResponse(payload, status_code=status)
@@ -264,9 +268,10 @@ class Router:
 
     async def _sse(self, parsed: ParsedRequest, route: str, fmt: Any) -> AsyncIterator[str]:
         try:
-            async for chunk in self._run(parsed, route):
-                for event in fmt.events(chunk):
-                    yield event
+            async with contextlib.aclosing(self._run(parsed, route)) as chunks:
+                async for chunk in chunks:
+                    for event in fmt.events(chunk):
+                        yield event
             for event in fmt.finish():
                 yield event
         except PDServeError as e:

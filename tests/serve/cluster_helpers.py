@@ -145,7 +145,17 @@ class App:
             for role in ("decode", "prefill") if self.prefill else ("decode",):
                 for rid, s in self.stats(role).items():
                     if s["kv_used_blocks"] != 0 or s.get("num_active_leases"):
-                        bad.append(f"{role} {rid}: {s['kv_used_blocks']} blocks")
+                        eng = s["engine"]  # who holds them: a live request, or no one (a leak)
+                        live = ", ".join(
+                            f"{k} {eng.get(k, 0)}"
+                            for k in ("num_running", "num_waiting", "num_waiting_for_kv")
+                        )
+                        leases = s.get("num_active_leases", 0)
+                        stages = s.get("handoff_stages", {})  # decode: streams still open
+                        bad.append(
+                            f"{role} {rid}: {s['kv_used_blocks']} blocks ({live}; leases "
+                            f"{leases}; streams {stages})"
+                        )
             return bad
 
         assert wait_until(lambda: not held(), limit, 0.25), held()

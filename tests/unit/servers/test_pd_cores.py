@@ -7,6 +7,7 @@ completes oracle-identical proves its KV arrived intact. Every test ends clean o
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 import time
 from collections.abc import AsyncIterator
@@ -195,6 +196,33 @@ def test_cancelling_the_stream_frees_both_pools() -> None:
             async for _chunk in gen:
                 break  # the first token arrived: cancel mid-stream
             await gen.aclose()
+
+        asyncio.run(main())
+        pair.wait_idle_clean()
+    finally:
+        pair.close()
+
+
+def test_closing_the_stream_ends_the_request_before_aclose_returns() -> None:
+    """Ray Serve closes (or throws into) the outermost generator only: every generator nested
+    in it must be closed with it, not left to the garbage collector (a collection can be
+    minutes away in a big process: the request's reserved blocks waited for it)."""
+    pair = Pair(**{"testing.fake_model.decode_delay_s": 0.02})
+    try:
+
+        async def main() -> None:
+            gen = pair.decode.generate(_call("c", _prompt(50, 2), 200))
+            first = await gen.__anext__()
+            assert first.token_ids and pair.decode.stats()["handoff_stages"] in (
+                {"first_token": 1},  # the early first token: accept and pull still to come
+                {"decode": 1},
+            )
+            gc.disable()  # nothing may depend on a collection
+            try:
+                await gen.aclose()
+                assert pair.decode.stats()["handoff_stages"] == {}  # ended inside aclose
+            finally:
+                gc.enable()
 
         asyncio.run(main())
         pair.wait_idle_clean()
