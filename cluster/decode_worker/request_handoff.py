@@ -138,19 +138,20 @@ class RequestHandoff:
         prefill_stream: AsyncIterator[PrefillProgress | PrefillReply] | None,
     ) -> None:
         """Leave nothing behind: the reservation, the pull (and with it the prefill side's
-        lease), the prefill call, the request in the engine."""
+        lease), the request in the engine, the prefill call."""
         try:
             if added is not None and added.reservation is not None:
                 added.reservation.cancel()
             if self.pull is not None:  # tells the prefill side to free its blocks, and waits
                 await self.pull.cancel()  # until no pull writes the reserved ones any more
+            # Before the prefill call closes: however that ends, the engine's blocks go.
+            if self.in_engine and not self.finished:
+                self.ctx.engine.abort(self.rid)
             if prefill_stream is not None:
                 if self.pull is not None and self.pull.finished:
                     await _let_end(prefill_stream)
                 else:
                     await _aclose(prefill_stream)
-            if self.in_engine and not self.finished:
-                self.ctx.engine.abort(self.rid)
         finally:
             self.ctx.live.discard(self)
 
@@ -433,7 +434,9 @@ async def _let_end(stream: AsyncIterator[Any]) -> None:
         async with asyncio.timeout(CALL_END_WAIT_S):
             async for _ in stream:
                 pass
-    except Exception:  # timed out, or the prefill replica went away: it ends either way
+    # Timed out, the prefill replica went away, or Serve cancelled the call along with this
+    # request (its CancelledError is the call's, not this cleanup task's): it ends either way.
+    except (Exception, asyncio.CancelledError):
         logger.debug("a prefill call did not end by itself", exc_info=True)
     await _aclose(stream)
 
@@ -443,7 +446,9 @@ async def _aclose(stream: AsyncIterator[Any]) -> None:
     if aclose is not None:
         try:
             await aclose()
-        except Exception:  # a dead prefill replica's stream may fail to close: it is gone anyway
+        # A dead prefill replica's stream may fail to close, a call Serve cancelled with this
+        # request raise CancelledError: either way it is gone.
+        except (Exception, asyncio.CancelledError):
             logger.debug("closing a prefill stream failed", exc_info=True)
 
 
