@@ -60,6 +60,7 @@ METRIC_NAMES = (
     "ray_pdserve_kv_transfer_failures_total",
     "ray_pdserve_kv_lease_expired_total",
     "ray_pdserve_kv_leases_active",
+    "ray_pdserve_decode_streams",
     "ray_pdserve_spec_draft_tokens_total",
     "ray_pdserve_spec_accepted_tokens_total",
     "ray_pdserve_autoscaling_decisions_total",  # recorded by serving.autoscaling on the controller
@@ -145,6 +146,10 @@ class PoolMetrics:
         )
         self.expired = rm.Counter("pdserve_kv_lease_expired", "Leases that expired.", tags)
         self.leases = rm.Gauge("pdserve_kv_leases_active", "Leases held.", tags)
+        self.streams = rm.Gauge(
+            "pdserve_decode_streams", "Decode streams in progress by stage.", ("pool", "stage")
+        )
+        self._stages: set[str] = set()  # every stage reported so far (gone ones read 0)
         self.spec_drafted = rm.Counter(
             "pdserve_spec_draft_tokens", "Speculative draft tokens verified.", tags
         )
@@ -206,6 +211,10 @@ class PoolMetrics:
             if d:
                 self.failures.inc(d, {"pool": self.pool, "reason": reason})
         self.leases.set(stats.get("num_active_leases", transfer.get("leases_active", 0)), tags)
+        stages = stats.get("handoff_stages") or {}
+        self._stages.update(stages)
+        for stage in self._stages:
+            self.streams.set(stages.get(stage, 0), {"pool": self.pool, "stage": stage})
 
     def observe_transfer(self, seconds: float) -> None:
         self.transfer_s.observe(seconds, {"pool": self.pool})
