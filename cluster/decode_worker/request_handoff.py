@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -89,7 +89,7 @@ class RequestHandoff:
         self.started: set[int] = set()  # samples whose first chunk went out
         self.stage = "adding"  # adding, blocks, prefill, first_token, pull, decode, ending
 
-    async def stream(self) -> AsyncIterator[StreamChunk]:
+    async def stream(self) -> AsyncGenerator[StreamChunk, None]:
         ctx = self.ctx
         aloop = asyncio.get_running_loop()
         prefill_stream: AsyncIterator[PrefillProgress | PrefillReply] | None = None
@@ -203,7 +203,7 @@ class RequestHandoff:
         self,
         prefill_stream: AsyncIterator[PrefillProgress | PrefillReply],
         reservation: asyncio.Future[KVReservation],
-    ) -> AsyncIterator[StreamChunk]:
+    ) -> AsyncGenerator[StreamChunk, None]:
         ctx = self.ctx
         pull = self.pull
         assert pull is not None
@@ -342,7 +342,7 @@ class RequestHandoff:
             self.failure = what
         await ctx.engine.kv_failed(self.rid, recompute=recompute, error=what)
 
-    async def _decode(self) -> AsyncIterator[StreamChunk]:
+    async def _decode(self) -> AsyncGenerator[StreamChunk, None]:
         while True:
             outs = await self._next_outputs()
             error = outs.pop() if outs[-1].error is not None else None

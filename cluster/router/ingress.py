@@ -23,7 +23,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -128,7 +128,7 @@ class Router:
 
     # -- the shared path ----------------------------------------------------------------------
 
-    async def _run(self, parsed: ParsedRequest, route: str) -> AsyncIterator[StreamChunk]:
+    async def _run(self, parsed: ParsedRequest, route: str) -> AsyncGenerator[StreamChunk, None]:
         """Stream one validated request; records metrics; raises PDServeError."""
         t0 = time.monotonic()
         first: float | None = None
@@ -178,7 +178,7 @@ class Router:
                 usage.phases if usage else None,
             )
 
-    async def _relay(self, parsed: ParsedRequest, t0: float) -> AsyncIterator[StreamChunk]:
+    async def _relay(self, parsed: ParsedRequest, t0: float) -> AsyncGenerator[StreamChunk, None]:
         await self.faults.hit_async("router.before_relay")
         stream = self.relay.stream(parsed.to_call((time.monotonic() - t0) * 1000))
         try:

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, ClassVar, Protocol, TypeVar
 
 from cluster.common.faults import FaultPoints
@@ -98,7 +98,7 @@ class PoolReplica:
                 logger.exception("publishing %s metrics failed", self.role)
             await asyncio.sleep(METRICS_PERIOD_S)
 
-    async def with_keepalives(self, items: AsyncIterator[T]) -> AsyncIterator[T | Keepalive]:
+    async def with_keepalives(self, items: AsyncIterator[T]) -> AsyncGenerator[T | Keepalive, None]:
         """``items``, with a ``Keepalive`` whenever they fall silent for a quarter of
         ``router.stall_timeout_s`` while this replica is alive: a caller tells a quiet stream
         (a request queued, a lease held) from a hung or stopped replica, which sends nothing
