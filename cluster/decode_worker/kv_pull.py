@@ -99,7 +99,10 @@ class KVPull:
             self._settled = True  # the receiver told the sender (or the sender is gone)
             raise
         finally:
-            self._in_flight = None
+            # A cancelled await leaves a started pull still writing the reserved blocks:
+            # it stays in flight, for ``cancel`` to wait on, until the receiver ends it.
+            if fut.done():
+                self._in_flight = None
         self.next_block = n
         self.num_pulled += result.num_blocks
 
@@ -109,7 +112,6 @@ class KVPull:
         """Stop: abort the lease and any pull in flight, and wait until none writes the
         reserved blocks any more (then the caller may free or recompute into them)."""
         self._last = True
-        in_flight = self._in_flight
         if self.params is not None and not self._settled:
             self._settled = True
             self.receiver.abort(self.params)
@@ -118,6 +120,7 @@ class KVPull:
         if self._parts is not None:
             with contextlib.suppress(asyncio.CancelledError, KVTransferError):
                 await self._parts
+        in_flight = self._in_flight  # a part's, or the last pull's (its caller was cancelled)
         if in_flight is not None:
             with contextlib.suppress(KVTransferError, asyncio.CancelledError):
                 await asyncio.wrap_future(in_flight)
