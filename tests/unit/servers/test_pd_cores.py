@@ -71,10 +71,10 @@ def _call(rid: str, prompt: list[int], max_tokens: int, **kw: Any) -> GenerateCa
 
 
 class Pair:
-    def __init__(self, **overrides: Any) -> None:
+    def __init__(self, client: type[InProcessPrefill] = InProcessPrefill, **overrides: Any) -> None:
         cfg = _cfg(**overrides)
         self.prefill = PrefillWorker(cfg).start()
-        self.client = InProcessPrefill(self.prefill)
+        self.client = client(self.prefill)
         self.decode = DecodeWorker(cfg, self.client).start()
 
     def wait_idle_clean(self, timeout: float = 5.0) -> None:
@@ -496,11 +496,7 @@ def test_a_second_cancellation_during_the_streams_cleanup_still_frees_the_reques
     """A client gone twice (the stream cancelled after the first token, before the KV came, then
     again while it closes the prefill call): the decode engine's abort still runs. Skipped, the
     request waits for KV forever and its reserved blocks stay held."""
-    cfg = _cfg(**{"testing.fake_model.decode_delay_s": 0.005})
-    pair = Pair.__new__(Pair)
-    pair.prefill = PrefillWorker(cfg).start()
-    pair.client = SlowClose(pair.prefill)
-    pair.decode = DecodeWorker(cfg, pair.client).start()
+    pair = Pair(SlowClose, **{"testing.fake_model.decode_delay_s": 0.005})
     real_accept = pair.decode.engine.accept_first_token
 
     async def never(*args: Any) -> Any:
@@ -563,11 +559,9 @@ def test_a_prefill_call_cancelled_with_its_parent_cannot_keep_the_request_in_the
     never hears of it), and the prefill call, cancelled by Serve with its parent, raises
     CancelledError as the stream closes it: the engine's abort still runs. Skipped (CI's F9
     abort storm, 1 run in 3), the request waited for KV forever with its blocks reserved."""
-    cfg = _cfg(**{"testing.fake_model.decode_delay_s": 0.005})
-    pair = Pair.__new__(Pair)
-    pair.prefill = PrefillWorker(cfg).start()
-    client = pair.client = CancelledWithItsParent(pair.prefill)
-    pair.decode = DecodeWorker(cfg, client).start()
+    pair = Pair(CancelledWithItsParent, **{"testing.fake_model.decode_delay_s": 0.005})
+    client = pair.client
+    assert isinstance(client, CancelledWithItsParent)
     engine = pair.decode.engine
     real_kv_arrived = engine.kv_arrived
     gate = threading.Event()  # the decode engine busy with a step until set
