@@ -389,17 +389,16 @@ def from_plain(cls: type[T], data: Any, *, skip: tuple[str, ...] = ()) -> T:
     """Build dataclass ``cls`` from a plain mapping holding exactly its fields (minus ``skip``)."""
     if not isinstance(data, Mapping):
         raise KVTransferError(Reason.MALFORMED, f"{cls.__name__}: expected a mapping")
-    assert dataclasses.is_dataclass(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.name not in skip]
-    keys = set(data) - set(skip)
-    if keys != set(names):
-        missing = sorted(set(names) - keys)
-        extra = sorted(str(k) for k in keys - set(names))
+    names, checks = _schema(typing.cast(type, cls), skip)
+    keys = set(data)
+    keys.difference_update(skip)
+    if keys != names:
+        missing = sorted(names - keys)
+        extra = sorted(str(k) for k in keys - names)
         raise KVTransferError(
             Reason.MALFORMED, f"{cls.__name__}: missing fields {missing}, unknown {extra[:5]}"
         )
-    hints = _hints(cls)
-    kwargs = {n: _check_value(data[n], hints[n], f"{cls.__name__}.{n}") for n in names}
+    kwargs = {n: check(data[n]) for n, check in checks}
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:
@@ -407,7 +406,8 @@ def from_plain(cls: type[T], data: Any, *, skip: tuple[str, ...] = ()) -> T:
 
 
 def to_plain(obj: Any) -> dict[str, Any]:
-    return {f.name: _plain_value(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    names = _field_names(typing.cast(type, type(obj)))
+    return {name: _plain_value(getattr(obj, name)) for name in names}
 
 
 def _plain_value(v: Any) -> Any:
@@ -417,52 +417,114 @@ def _plain_value(v: Any) -> Any:
 
 
 @cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
-def _check_value(value: Any, tp: Any, name: str) -> Any:
+Check = typing.Callable[[Any], Any]  # a plain value -> the field's value, or KVTransferError
+Schema = tuple[frozenset[str], tuple[tuple[str, Check], ...]]
+
+
+@cache
+def _schema(cls: type, skip: tuple[str, ...]) -> Schema:
+    """The field names of ``cls`` (minus ``skip``) and one compiled check per field: the type
+    hints are read once per class, not on every message (a pull decodes several)."""
+    assert dataclasses.is_dataclass(cls)
+    hints = typing.get_type_hints(cls)
+    names = [n for n in _field_names(cls) if n not in skip]
+    return frozenset(names), tuple((n, _compile(hints[n], f"{cls.__name__}.{n}")) for n in names)
+
+
+def _fail(name: str, what: str) -> KVTransferError:
+    return KVTransferError(Reason.MALFORMED, f"{name}: {what}")
+
+
+def _compile(tp: Any, name: str) -> Check:
+    """The check of one schema type (the rules in this module's docstring)."""
     origin = typing.get_origin(tp)
     if tp is bool:
-        if not isinstance(value, bool):
-            raise KVTransferError(Reason.MALFORMED, f"{name}: expected bool")
-        return value
+
+        def check_bool(value: Any) -> Any:
+            if not isinstance(value, bool):
+                raise _fail(name, "expected bool")
+            return value
+
+        return check_bool
     if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise KVTransferError(Reason.MALFORMED, f"{name}: expected int")
-        if not _INT_MIN <= value <= _UINT_MAX:
-            raise KVTransferError(Reason.MALFORMED, f"{name}: int out of range")
-        return value
+
+        def check_int(value: Any) -> Any:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise _fail(name, "expected int")
+            if not _INT_MIN <= value <= _UINT_MAX:
+                raise _fail(name, "int out of range")
+            return value
+
+        return check_int
     if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise KVTransferError(Reason.MALFORMED, f"{name}: expected number")
-        return float(value)
+
+        def check_float(value: Any) -> Any:
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise _fail(name, "expected number")
+            return float(value)
+
+        return check_float
     if tp is str:
-        if not isinstance(value, str) or len(value) > MAX_STR_LEN:
-            raise KVTransferError(Reason.MALFORMED, f"{name}: expected str <= {MAX_STR_LEN}")
-        return value
+
+        def check_str(value: Any) -> Any:
+            if not isinstance(value, str) or len(value) > MAX_STR_LEN:
+                raise _fail(name, f"expected str <= {MAX_STR_LEN}")
+            return value
+
+        return check_str
     if origin is tuple:
-        if not isinstance(value, list | tuple) or len(value) > MAX_LIST_LEN:
-            raise KVTransferError(Reason.MALFORMED, f"{name}: expected a list")
         args = typing.get_args(tp)
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_check_value(v, args[0], name) for v in value)
-        if len(value) != len(args):
-            raise KVTransferError(Reason.MALFORMED, f"{name}: expected {len(args)} items")
-        return tuple(_check_value(v, a, name) for v, a in zip(value, args))
+            item = _compile(args[0], name)
+
+            def check_list(value: Any) -> Any:
+                if not isinstance(value, list | tuple) or len(value) > MAX_LIST_LEN:
+                    raise _fail(name, "expected a list")
+                return tuple([item(v) for v in value])
+
+            return check_list
+        items = tuple(_compile(a, name) for a in args)
+
+        def check_fixed(value: Any) -> Any:
+            if not isinstance(value, list | tuple) or len(value) > MAX_LIST_LEN:
+                raise _fail(name, "expected a list")
+            if len(value) != len(items):
+                raise _fail(name, f"expected {len(items)} items")
+            return tuple([c(v) for v, c in zip(value, items)])
+
+        return check_fixed
     if origin is dict:
         key_tp, val_tp = typing.get_args(tp)
-        if not isinstance(value, Mapping) or len(value) > _MAX_MAP_LEN:
-            raise KVTransferError(Reason.MALFORMED, f"{name}: expected a small mapping")
-        return {
-            _check_value(k, key_tp, name): _check_value(v, val_tp, f"{name}.{k}")
-            for k, v in value.items()
-        }
+        check_key, check_val = _compile(key_tp, name), _compile(val_tp, name)
+
+        def check_map(value: Any) -> Any:
+            if not isinstance(value, Mapping) or len(value) > _MAX_MAP_LEN:
+                raise _fail(name, "expected a small mapping")
+            out = {}
+            for k, v in value.items():
+                key = check_key(k)
+                try:
+                    out[key] = check_val(v)
+                except KVTransferError:
+                    _compile(val_tp, f"{name}.{k}")(v)  # the same error, naming the key
+                    raise
+            return out
+
+        return check_map
     if origin in (typing.Union, types.UnionType):
-        for arg in typing.get_args(tp):
-            try:
-                return _check_value(value, arg, name)
-            except KVTransferError:
-                continue
-        raise KVTransferError(Reason.MALFORMED, f"{name}: no matching type")
+        options = tuple(_compile(a, name) for a in typing.get_args(tp))
+
+        def check_union(value: Any) -> Any:
+            for option in options:
+                try:
+                    return option(value)
+                except KVTransferError:
+                    continue
+            raise _fail(name, "no matching type")
+
+        return check_union
     raise TypeError(f"{name}: unsupported schema type {tp!r}")  # a bug in a dataclass here
