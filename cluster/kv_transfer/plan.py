@@ -2,7 +2,7 @@
 
 A frame is a list of segments ``(src_start, dst_start, count)``: blocks consecutive in BOTH pools
 (one ``memcpy``, zero-copy send). Runs of consecutive ids coalesce into one frame up to the frame
-size (and to a quarter of a transfer of 4 MiB or more, so frames pipeline); blocks smaller than
+size (and to a quarter of a transfer of 16 MiB or more, so frames pipeline); blocks smaller than
 64 KiB (below pyzmq's zero-copy threshold) are packed several segments to a frame, so no frame
 is under 64 KiB unless the whole transfer is.
 """
@@ -19,11 +19,14 @@ from cluster.kv_transfer.protocol import KVTransferError, KVTransferParams, Reas
 MIN_FRAME_BYTES = 1 << 16
 # A transfer of at least PIPELINE_FRAMES * PIPELINE_MIN_FRAME_BYTES goes in at least
 # PIPELINE_FRAMES frames, so the receiver copies one frame into its blocks while the next is
-# still on the wire (one 6 MB frame: the copy waited for the whole of it). Measured on 2 cores,
-# zmq ipc, 512 tokens of the default layout, 76 interleaved pulls each: int8 KV (1 frame -> 4)
-# 5.93 -> 4.99 ms, fp32 (3 frames of 8 MiB -> 4) 13.4 -> 12.9 ms; 8 frames was worse.
+# still on the wire. A frame costs about 0.2 ms of its own on 2 cores (its header, a tracked
+# zero-copy send, a wake-up of the receiver's thread, whose copy then competes with both zmq
+# I/O threads for the cores), so a frame must carry a few MiB before splitting pays. Measured
+# on 2 cores, zmq ipc, 512 tokens of the default layout, interleaved pulls: int8 KV (6.3 MB)
+# in 4 frames of 1.6 MB was 4-7% slower than in one frame; fp32 (23.6 MB) in 4 frames of
+# 5.9 MB as fast as in 3 of 8 MiB (within 3%), and 1 frame -> 4 was 13.4 -> 12.9 ms.
 PIPELINE_FRAMES = 4
-PIPELINE_MIN_FRAME_BYTES = 1 << 20
+PIPELINE_MIN_FRAME_BYTES = 4 << 20
 MAX_FRAMES = 1 << 14
 
 # (first source block, first destination block, number of blocks)

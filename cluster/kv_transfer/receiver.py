@@ -102,6 +102,7 @@ class KVReceiver:
         self._routing_ids = itertools.count(1)
         self._commands = CommandQueue()
         self._stopping = False
+        self._next_gauges = 0.0
         self._thread: threading.Thread | None = None
 
     # -- caller API (any thread) --------------------------------------------------------------
@@ -324,9 +325,12 @@ class KVReceiver:
         for conn in [*self._conns.values(), *self._closing]:
             conn.tick(now)
         self._gc_connections(now)
-        self.stats_obj.set_gauge("connections_active", len(self._conns))
-        self.stats_obj.set_gauge("pulls_active", len(self._active))
-        self.stats_obj.set_gauge("leases_held", sum(len(c.holds) for c in self._conns.values()))
+        if now >= self._next_gauges:  # once a tick, not on every message of every pull
+            self._next_gauges = now + _TICK_S
+            stats = self.stats_obj
+            stats.set_gauge("connections_active", len(self._conns))
+            stats.set_gauge("pulls_active", len(self._active))
+            stats.set_gauge("leases_held", sum(len(c.holds) for c in self._conns.values()))
 
     def _gc_connections(self, now: float) -> None:
         idle_after = 2 * self.config.lease_s

@@ -279,11 +279,15 @@ class PeerConnection:
             self._landed(pull)
 
     def _landed(self, pull: RecvPull) -> None:
-        self.link.send(Ack(pull.pull_id, pull.params.transfer_id))
+        ack = Ack(pull.pull_id, pull.params.transfer_id)
         if TRANSPORTS[self.transport].needs_confirm:
+            self.link.send(ack)
             pull.confirming = True
         else:
+            # Done here: the caller hears first, then the sender (whose release of the lease
+            # and of its sent frames would otherwise compete with the caller for the cores).
             self._complete(pull)
+            self.link.send(ack)
 
     def _complete(self, pull: RecvPull) -> None:
         del self.pulls[pull.pull_id]
