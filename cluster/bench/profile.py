@@ -313,7 +313,7 @@ def measure_serving(
             cfg,
             transfer.get(cfg.transfer.transports[0]),
             bytes_per_block,
-            burst_samples(runs.burst.get(kind, [])),
+            [burst_samples(runs.burst[kind])] if kind in runs.burst else [],
         )
         progress(f"serving {kind}: {serving[kind]}")
     return serving, raw
@@ -433,15 +433,16 @@ def calibrate(
     cfg: ClusterConfig,
     transfer: TransferCost | None,
     bytes_per_block: int,
-    burst: Sequence[BurstSample] = (),
+    bursts: Sequence[Sequence[BurstSample]] = (),
 ) -> tuple[ServingCost, dict[str, Any]]:
     """What the serving stack adds around the engine, from unloaded requests (``kind`` local:
     a colocated replica; remote: prefill and decode apart): the hops before the first token,
     the engine's prefill and decode steps inside a replica over the bare engine's, (remote)
-    the hand-off between the KV landing and the decode batch's first step, and, given a
-    ``burst`` of concurrent requests (short ones, then a long prompt), the step's cost per
-    streamed token and (remote) each pool's slowdown while the other computes
-    (``burst_costs``)."""
+    the hand-off between the KV landing and the decode batch's first step, and, given
+    ``bursts`` of concurrent requests (each: short ones, then a long prompt), the step's cost
+    per streamed token and (remote) each pool's slowdown while the other computes
+    (``burst_costs``). Every figure is a median: over the samples, and over the bursts (one
+    burst is one moment of a shared machine)."""
     local = kind == "local"
     prefill_threads = cfg.decode.num_threads if local else cfg.prefill.num_threads
     first = next(iter(steps.values()))  # a GPU profile has one table
@@ -469,26 +470,32 @@ def calibrate(
             handoff.append(max(0.0, s.token_times[1] - s.token_times[0] - pull - step))
     if not prefill_scale:
         raise RuntimeError(f"profile: no unloaded {kind} request completed")
-    shorts, long = (burst[:-1], burst[-1]) if len(burst) > 1 else (burst, None)
-    stream_s, decode_contention, burst_raw = burst_costs(shorts, long, dc, d_scale)
     p_scale = statistics.median(prefill_scale)
-    prefill_contention = 0.0
-    if not local and long is not None and long.prefill_s > 0:
-        # The long prompt prefilled while the shorts decoded on the other replica.
-        alone = predicted_prefill(pc, long.prompt_len, chunk) * p_scale
-        prefill_contention = max(0.0, long.prefill_s / alone - 1)
-        burst_raw["long_prefill_s"], burst_raw["long_prefill_alone_s"] = long.prefill_s, alone
+    streams, decode_cont, prefill_cont, bursts_raw = [], [], [], []
+    for burst in bursts:
+        shorts, long = (burst[:-1], burst[-1]) if len(burst) > 1 else (burst, None)
+        stream_s, contention, burst_raw = burst_costs(shorts, long, dc, d_scale)
+        bursts_raw.append(burst_raw)
+        if "engine_step_s" in burst_raw:  # the shorts decoded together: a fit
+            streams.append(stream_s)
+            if burst_raw["per_token_during_prefill_s"]:
+                decode_cont.append(contention)
+        if not local and long is not None and long.prefill_s > 0:
+            # The long prompt prefilled while the shorts decoded on the other replica.
+            alone = predicted_prefill(pc, long.prompt_len, chunk) * p_scale
+            prefill_cont.append(max(0.0, long.prefill_s / alone - 1))
+            burst_raw["long_prefill_s"], burst_raw["long_prefill_alone_s"] = long.prefill_s, alone
     cost = ServingCost(
         ttft_overhead_s=statistics.median(ttft_over),
         prefill_scale=p_scale,
         decode_scale=d_scale,
         handoff_s=statistics.median(handoff) if handoff else 0.0,
-        stream_s=stream_s,
-        decode_contention=0.0 if local else decode_contention,
-        prefill_contention=prefill_contention,
+        stream_s=statistics.median(streams) if streams else 0.0,
+        decode_contention=statistics.median(decode_cont) if decode_cont and not local else 0.0,
+        prefill_contention=statistics.median(prefill_cont) if prefill_cont else 0.0,
     )
     raw = {
-        "burst": burst_raw,
+        "bursts": bursts_raw,
         "prefill_scale": prefill_scale,
         "decode_scale": decode_scale,
         "ttft_overhead_s": ttft_over,

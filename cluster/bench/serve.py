@@ -123,14 +123,14 @@ BURST_LONG_AT_S = 2.5  # when the burst's long prompt is sent (its shorts decode
 
 
 def burst_items(
-    workload: Workload, num: int, vocab: int, scale: float
+    workload: Workload, num: int, vocab: int, scale: float, seed: int = 23
 ) -> tuple[list[WorkItem], list[float]]:
     """``num`` requests of the class with the shortest prompts, sent at once, and one of the
     class with the longest, sent ``BURST_LONG_AT_S`` later (scaled with the lengths): it
     prefills while they decode. Their own seed: prompts no other run sends."""
     short = min(workload.classes, key=lambda c: c.prompt[1]).name
     long = max(workload.classes, key=lambda c: c.prompt[1]).name
-    drawn = unloaded_items(workload, num, vocab, scale, seed=23)
+    drawn = unloaded_items(workload, num, vocab, scale, seed=seed)
     items = [i for i in drawn if i.cls == short] + [next(i for i in drawn if i.cls == long)]
     return items, [0.0] * num + [BURST_LONG_AT_S * scale]
 
@@ -148,6 +148,7 @@ def measure(
     deploy: bool = True,
     seed: int = 100,
     burst: int = 0,
+    sample_seed: int = 0,
 ) -> ArmRuns:
     """Deploy the arms side by side, warm each up, then unloaded and loaded runs, interleaved.
     ``burst``: after the unloaded runs, that many requests of the workload's shortest class sent
@@ -157,7 +158,10 @@ def measure(
     The requests at the i-th rate are ``workload.items(per_rate, seed=seed + i)``, sent at
     ``poisson_offsets(per_rate, rate, seed + 100 + i)``. A caller measuring several workloads on
     the same deployment gives each its own ``seed``: the same seed draws the same prompts from
-    workloads whose class picks coincide, and the second would hit the first one's prefix cache."""
+    workloads whose class picks coincide, and the second would hit the first one's prefix cache.
+    For the same reason, a caller that takes unloaded requests or a burst on an arm more than
+    once gives each time its own small ``sample_seed`` (0, 2, 4, ...: it shifts those prompts'
+    seeds, which sit apart from the loaded runs')."""
     configs = arm_ports(configs)
     targets = {arm: f"127.0.0.1:{cfg.router.grpc_port}" for arm, cfg in configs.items()}
     arms = list(configs)
@@ -171,7 +175,7 @@ def measure(
             asyncio.run(run_load(targets[arm], [item], [0.0]))
     runs = ArmRuns(list(rates))
     meter = StealMeter()
-    items = unloaded_items(workload, per_class, vocab, scale)
+    items = unloaded_items(workload, per_class, vocab, scale, seed=1 + sample_seed)
     for arm in arms:
         runs.unloaded[arm] = []
     for item in items:  # one at a time: no queueing, no batching; arms interleaved
@@ -180,7 +184,9 @@ def measure(
             runs.unloaded[arm].extend(recs)
     progress("unloaded baseline done")
     if burst:
-        burst_load, burst_offsets = burst_items(workload, burst, vocab, scale)
+        burst_load, burst_offsets = burst_items(
+            workload, burst, vocab, scale, seed=23 + sample_seed
+        )
         for arm in arms:
             runs.burst[arm], _ = asyncio.run(run_load(targets[arm], burst_load, burst_offsets))
         progress(f"bursts of {burst} done")

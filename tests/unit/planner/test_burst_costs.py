@@ -66,3 +66,29 @@ def test_no_burst_or_a_faster_one_than_the_engine_costs_nothing() -> None:
     assert burst_costs(_burst(0.05, k=1), None, STEPS, 1.0)[:2] == (0.0, 0.0)  # nothing to fit
     fast = STEPS.decode(4, 84) * 0.5  # noise below the engine's own step is no negative cost
     assert burst_costs(_burst(fast, k=4), None, STEPS, 1.0)[:2] == (0.0, 0.0)
+
+
+def test_calibrate_takes_the_median_over_bursts_that_could_be_fitted() -> None:
+    """One burst is one moment of a shared machine: the calibration takes the median over all
+    of them, and a burst whose shorts never decoded together counts as no measurement, not 0."""
+    from cluster.bench.profile import ServingSample, calibrate, predicted_prefill
+    from cluster.config import config_from_dict
+
+    cfg = config_from_dict({"decode": {"num_threads": 1}})
+    scale = 1.3
+    per_token = STEPS.decode(1, 64 + 20) * scale
+    chunk = cfg.for_pool("decode").scheduler.chunk_size
+    prefill = predicted_prefill(STEPS, 64, chunk)
+    unloaded = [
+        ServingSample(64, 40, [0.1 + per_token * i for i in range(40)], prefill) for _ in range(3)
+    ]
+    engine = STEPS.decode(K, 64 + 20) * scale
+    long = BurstSample(900, 8, [100.0, 100.1], [1, 1], prefill_s=0.5)  # after the shorts
+    bursts = [[*_burst(engine + extra * (K - 1)), long] for extra in (0.010, 0.001, 0.004)]
+    bursts.append([*_burst(0.05, k=1), long])  # nothing to fit
+    cost, raw = calibrate("local", unloaded, {"1": STEPS}, cfg, None, 4096, bursts)
+    assert cost.decode_scale == pytest.approx(scale, rel=1e-6)
+    assert cost.prefill_scale == pytest.approx(1.0, rel=1e-6)
+    assert cost.stream_s == pytest.approx(0.004, rel=1e-6)
+    assert [b["streams"] for b in raw["bursts"]] == [K, K, K, 1]
+    assert cost.decode_contention == 0.0  # local: no other pool
