@@ -119,20 +119,25 @@ def unloaded_items(
     return out
 
 
-BURST_LONG_AT_S = 2.5  # when the burst's long prompt is sent (its shorts decode by then)
+# The burst's long prompt is sent once every short one has streamed this many tokens: all of
+# them then decode together for a few steps before it prefills. (A fixed 2.5 s was too early
+# for the 1P1D arm: its one-thread prefill replica took the first short alone, then the other
+# seven in one 2.4-3.3 s step, so the shorts never decoded together outside the long prefill.)
+BURST_LONG_AFTER_TOKENS = 6
 
 
 def burst_items(
     workload: Workload, num: int, vocab: int, scale: float, seed: int = 23
 ) -> tuple[list[WorkItem], list[float]]:
     """``num`` requests of the class with the shortest prompts, sent at once, and one of the
-    class with the longest, sent ``BURST_LONG_AT_S`` later (scaled with the lengths): it
-    prefills while they decode. Their own seed: prompts no other run sends."""
+    class with the longest, sent as soon as they all decode (``run_load``'s
+    ``last_after_tokens=BURST_LONG_AFTER_TOKENS``): it prefills while they decode. Their own
+    seed: prompts no other run sends."""
     short = min(workload.classes, key=lambda c: c.prompt[1]).name
     long = max(workload.classes, key=lambda c: c.prompt[1]).name
     drawn = unloaded_items(workload, num, vocab, scale, seed=seed)
     items = [i for i in drawn if i.cls == short] + [next(i for i in drawn if i.cls == long)]
-    return items, [0.0] * num + [BURST_LONG_AT_S * scale]
+    return items, [0.0] * (num + 1)
 
 
 def measure(
@@ -188,7 +193,14 @@ def measure(
             workload, burst, vocab, scale, seed=23 + sample_seed
         )
         for arm in arms:
-            runs.burst[arm], _ = asyncio.run(run_load(targets[arm], burst_load, burst_offsets))
+            runs.burst[arm], _ = asyncio.run(
+                run_load(
+                    targets[arm],
+                    burst_load,
+                    burst_offsets,
+                    last_after_tokens=BURST_LONG_AFTER_TOKENS,
+                )
+            )
         progress(f"bursts of {burst} done")
     runs.baseline_steal = meter.share()
     for i, rate in enumerate(rates):

@@ -82,21 +82,37 @@ async def run_load(
     items: Sequence[WorkItem],
     offsets: Sequence[float],
     timeout_s: float = 600.0,
+    last_after_tokens: int | None = None,
 ) -> tuple[list[RequestRecord], float]:
     """Send each item at its offset over gRPC to ``target`` (one arm's router); returns the
-    records and the run's duration."""
+    records and the run's duration. ``last_after_tokens``: the last item is held until every
+    other one has streamed that many tokens (or ended), and its offset counts from then."""
     import grpc
 
     from cluster.pb.pdserve.v1 import generation_pb2 as pb
     from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 
+    gated = last_after_tokens is not None and len(items) > 1
+    waiting = set(range(len(items) - 1)) if gated else set()
+    released = asyncio.Event()
+
+    def progressed(index: int, rec: RequestRecord, ended: bool = False) -> None:
+        if index in waiting and (ended or rec.output_tokens >= (last_after_tokens or 0)):
+            waiting.discard(index)
+            if not waiting:
+                released.set()
+
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.GenerationStub(channel)
         start = time.perf_counter()
 
-        async def one(item: WorkItem, offset: float) -> RequestRecord:
+        async def one(index: int, item: WorkItem, offset: float) -> RequestRecord:
             rec = RequestRecord(len(item.token_ids), item.max_tokens, item.cls)
-            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+            base = start
+            if gated and index == len(items) - 1:
+                await released.wait()
+                base = time.perf_counter()
+            await asyncio.sleep(max(0.0, base + offset - time.perf_counter()))
             req = pb.GenerateRequest(
                 token_ids=pb.TokenIds(ids=item.token_ids),
                 sampling=pb.SamplingParameters(
@@ -113,15 +129,20 @@ async def run_load(
                         rec.chunk_times.append(time.perf_counter())
                         rec.chunk_tokens.append(len(msg.token_ids))
                         rec.output_tokens += len(msg.token_ids)
+                        progressed(index, rec)
                     if msg.HasField("usage"):
                         rec.cached_tokens = msg.usage.cached_tokens
                         ph = msg.usage.phases
                         rec.phases = {name: getattr(ph, name) for name in PHASES}
             except grpc.aio.AioRpcError as e:
                 rec.error = f"{e.code().name}: {e.details()}"
+            finally:
+                progressed(index, rec, ended=True)
             return rec
 
-        records = await asyncio.gather(*(one(i, o) for i, o in zip(items, offsets)))
+        records = await asyncio.gather(
+            *(one(n, i, o) for n, (i, o) in enumerate(zip(items, offsets, strict=True)))
+        )
         return list(records), time.perf_counter() - start
 
 

@@ -119,3 +119,50 @@ def test_client_metrics_match_the_injected_schedule() -> None:
     good = sum(1 for r in records if r.ttft <= 0.05 and (r.tpot is None or r.tpot <= 0.02))
     assert m["slo_attainment"] == pytest.approx(good / 4)
     assert m["itl_s"]["n"] == sum(k - 1 for _, k in ITEMS)
+
+
+class SlowStarts(pb_grpc.GenerationServicer):
+    """Each request's first token after a delay set by its prompt length (ms), then one token
+    every 5 ms; a prompt of length 1 is refused. Records when each request arrived and when it
+    sent each token."""
+
+    def __init__(self) -> None:
+        self.arrived: dict[int, float] = {}
+        self.sent: dict[int, list[float]] = {}
+
+    async def Generate(self, request: pb.GenerateRequest, context: Any):
+        n_in = len(request.token_ids.ids)
+        self.arrived[n_in] = time.perf_counter()
+        if n_in == 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "refused")
+        await asyncio.sleep(n_in / 1000)
+        for i in range(request.sampling.max_tokens):
+            if i:
+                await asyncio.sleep(0.005)
+            self.sent.setdefault(n_in, []).append(time.perf_counter())
+            yield pb.GenerateResponse(token_ids=[i], text="x")
+
+
+def test_the_gated_last_request_waits_until_every_other_one_streams_enough_tokens() -> None:
+    # The burst calibration's long prompt is sent once all the shorts decode: not on a clock.
+    items = [WorkItem([0] * n, k) for n, k in ((20, 10), (120, 10), (1, 5), (60, 2), (30, 3))]
+
+    async def main() -> tuple[Any, SlowStarts]:
+        server = grpc.aio.server()
+        fake = SlowStarts()
+        pb_grpc.add_GenerationServicer_to_server(fake, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            records, _ = await run_load(f"127.0.0.1:{port}", items, [0.0] * 5, last_after_tokens=4)
+        finally:
+            await server.stop(None)
+        return records, fake
+
+    records, fake = asyncio.run(main())
+    assert [r.ok for r in records] == [True, True, False, True, True]
+    # Released by the slowest request's 4th token (120 ms + 3 x 5 ms), not before; a refused
+    # one and one that ended with 2 tokens do not hold it.
+    assert fake.arrived[30] >= fake.sent[120][3]
+    assert fake.arrived[30] - fake.arrived[120] >= 0.12
+    assert records[-1].output_tokens == 3
