@@ -23,7 +23,6 @@ each part under its own time limit, its figures into one report:
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
 import statistics
 import subprocess
@@ -32,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cluster.bench.harness import BenchContext, BenchReport
+from cluster.bench.harness import BenchContext, BenchReport, child_env
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CONTEXT = 512
@@ -112,7 +111,7 @@ def _pytest_gpu(ctx: BenchContext) -> tuple[bool, str]:
         capture_output=True,
         text=True,
         timeout=240,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        env=child_env(ROOT),
     )
     out = proc.stdout + proc.stderr
     ctx.progress(

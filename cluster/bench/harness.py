@@ -59,6 +59,14 @@ class BenchReport:
     files: list[str] = field(default_factory=list)  # extra artefacts written (PNG...)
 
 
+def child_env(root: Path, **extra: str) -> dict[str, str]:
+    """This process's environment for a child that imports ``cluster`` from ``root``: ``root``
+    first on ``PYTHONPATH``, the caller's own entries kept after it (packages installed on a
+    path, as on a machine without a virtual environment, stay importable)."""
+    paths = [str(root), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    return dict(os.environ, **extra, PYTHONPATH=os.pathsep.join(paths))
+
+
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cluster.bench.harness import child_env
 from cluster.config import ClusterConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,7 +60,7 @@ def start_worker(
     for ep in prefill:
         cmd += ["--prefill", ep]
     cmd += ["--rpc-port", str(ports[0]), "--kv-port", str(ports[1])]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = child_env(ROOT, OMP_NUM_THREADS="1")
     with log.open("wb") as out:
         popen = subprocess.Popen(
             cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True

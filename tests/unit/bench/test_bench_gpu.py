@@ -53,3 +53,16 @@ def test_roofline_counts_every_weight_and_the_batch_kv(tiny_model_dir: Path) -> 
     assert weight_bytes_per_step(model) == layer_bytes + head + norm
     # 1 GB of weights and 1 MB of KV per token, 4 x 1000 tokens, at 1 TB/s: 5 ms.
     assert roofline_seconds(10**9, 1e6, 4, 1000, 1e12) == pytest.approx(5e-3)
+
+
+def test_child_processes_keep_the_callers_python_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The first GPU run installed the missing packages on a path (PYTHONPATH) on a machine
+    # without a venv; the worker processes and `pytest -m gpu` lost it and failed to import zmq.
+    from cluster.bench.harness import child_env
+
+    monkeypatch.setenv("PYTHONPATH", "/opt/site:/opt/more")
+    env = child_env(ROOT, OMP_NUM_THREADS="1")
+    assert env["PYTHONPATH"].split(":") == [str(ROOT), "/opt/site", "/opt/more"]
+    assert env["OMP_NUM_THREADS"] == "1"
+    monkeypatch.delenv("PYTHONPATH")
+    assert child_env(ROOT)["PYTHONPATH"] == str(ROOT)
