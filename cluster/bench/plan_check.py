@@ -156,7 +156,7 @@ def run_check(config: ClusterConfig, mode: str, profile_path: Path | None, out: 
         for arm, spec in specs.items():
             recs, dur = runs.loaded[arm][rate]
             measured = compute_metrics(recs, dur, slos=slos)
-            spread = _sampling_spread(recs, dur, slos, rng)
+            spread = _sampling_spread(recs, dur, slos, measured, rng)
             sim, sim_dur = simulate(
                 spec, arm_profiles[arm], workload, rate, per_rate, seed, vocab, scale=scale
             )
@@ -221,13 +221,16 @@ def run_check(config: ClusterConfig, mode: str, profile_path: Path | None, out: 
 
 
 def _sampling_spread(
-    records: list[Any], duration_s: float, slos: SLOs, rng: random.Random
+    records: list[Any],
+    duration_s: float,
+    slos: SLOs,
+    measured: dict[str, Any],
+    rng: random.Random,
 ) -> dict[str, float]:
     """Per figure, the half-width of the 90% bootstrap interval of the measured value (the
     run's requests resampled with replacement, ``BOOTSTRAP`` times), as a % of the value: how
     far the same run with other draws of its own requests could have landed. It holds
     sampling only, not the machine's drift between runs."""
-    base = compute_metrics(records, duration_s, slos=slos)
     draws: dict[str, list[float]] = {label: [] for label, _, _ in FIGURES}
     for _ in range(BOOTSTRAP):
         sample = rng.choices(records, k=len(records))
@@ -238,7 +241,7 @@ def _sampling_spread(
                 draws[label].append(value)
     out = {}
     for label, key, sub in FIGURES:
-        value, xs = _figure(base, key, sub), sorted(draws[label])
+        value, xs = _figure(measured, key, sub), sorted(draws[label])
         if not xs or not value or math.isnan(value):
             out[label] = math.inf
             continue

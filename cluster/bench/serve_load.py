@@ -92,9 +92,10 @@ async def run_load(
     from cluster.pb.pdserve.v1 import generation_pb2 as pb
     from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 
-    gated = last_after_tokens is not None and len(items) > 1
-    waiting = set(range(len(items) - 1)) if gated else set()
+    waiting = set(range(len(items) - 1)) if last_after_tokens is not None else set()
     released = asyncio.Event()
+    if not waiting:
+        released.set()
 
     def progressed(index: int, rec: RequestRecord, ended: bool = False) -> None:
         if index in waiting and (ended or rec.output_tokens >= (last_after_tokens or 0)):
@@ -109,7 +110,7 @@ async def run_load(
         async def one(index: int, item: WorkItem, offset: float) -> RequestRecord:
             rec = RequestRecord(len(item.token_ids), item.max_tokens, item.cls)
             base = start
-            if gated and index == len(items) - 1:
+            if index == len(items) - 1 and not released.is_set():
                 await released.wait()
                 base = time.perf_counter()
             await asyncio.sleep(max(0.0, base + offset - time.perf_counter()))

@@ -45,20 +45,31 @@ class FakeGeneration(pb_grpc.GenerationServicer):
             yield pb.GenerateResponse(token_ids=[i], text="x")
 
 
-def _run_once(items: list[WorkItem]) -> tuple[Any, float, FakeGeneration]:
-    async def main() -> tuple[Any, float, FakeGeneration]:
+def _load_against(
+    servicer: pb_grpc.GenerationServicer,
+    items: list[WorkItem],
+    offsets: list[float],
+    **kwargs: Any,
+) -> tuple[Any, float]:
+    """``run_load`` against ``servicer`` on a loopback gRPC server of its own."""
+
+    async def main() -> tuple[Any, float]:
         server = grpc.aio.server()
-        fake = FakeGeneration()
-        pb_grpc.add_GenerationServicer_to_server(fake, server)
+        pb_grpc.add_GenerationServicer_to_server(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:
-            records, duration = await run_load(f"127.0.0.1:{port}", items, [0.0, 0.01, 0.02, 0.03])
+            return await run_load(f"127.0.0.1:{port}", items, offsets, **kwargs)
         finally:
             await server.stop(None)
-        return records, duration, fake
 
     return asyncio.run(main())
+
+
+def _run_once(items: list[WorkItem]) -> tuple[Any, float, FakeGeneration]:
+    fake = FakeGeneration()
+    records, duration = _load_against(fake, items, [0.0, 0.01, 0.02, 0.03])
+    return records, duration, fake
 
 
 def _errors(records: Any, fake: FakeGeneration) -> list[float]:
@@ -146,20 +157,8 @@ class SlowStarts(pb_grpc.GenerationServicer):
 def test_the_gated_last_request_waits_until_every_other_one_streams_enough_tokens() -> None:
     # The burst calibration's long prompt is sent once all the shorts decode: not on a clock.
     items = [WorkItem([0] * n, k) for n, k in ((20, 10), (120, 10), (1, 5), (60, 2), (30, 3))]
-
-    async def main() -> tuple[Any, SlowStarts]:
-        server = grpc.aio.server()
-        fake = SlowStarts()
-        pb_grpc.add_GenerationServicer_to_server(fake, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            records, _ = await run_load(f"127.0.0.1:{port}", items, [0.0] * 5, last_after_tokens=4)
-        finally:
-            await server.stop(None)
-        return records, fake
-
-    records, fake = asyncio.run(main())
+    fake = SlowStarts()
+    records, _ = _load_against(fake, items, [0.0] * 5, last_after_tokens=4)
     assert [r.ok for r in records] == [True, True, False, True, True]
     # Released by the slowest request's 4th token (120 ms + 3 x 5 ms), not before; a refused
     # one and one that ended with 2 tokens do not hold it.
