@@ -35,6 +35,32 @@ from cluster.serving.routing_policy import snapshot_from_stats
 logger = logging.getLogger(__name__)
 METRICS_PERIOD_S = 1.0
 T = TypeVar("T")
+SERVE_LOGGER = "ray.serve"  # where Ray Serve writes a replica's access-log lines
+QUIET_CALLS = frozenset({"ready"})  # the router's probe, every router.readiness_period_s
+
+
+class QuietProbes(logging.Filter):
+    """Drops Serve's access-log line of each successful readiness probe on a pool replica.
+
+    The router asks the decode pool ``ready`` every ``router.readiness_period_s`` (0.5 s), and
+    a decode replica asks the prefill pool: one line each, 170k a day per replica, burying the
+    lines of real calls. A probe that failed or was cancelled is still logged, as is every
+    other call. Serve writes ``[client ]METHOD ROUTE STATUS LATENCYms`` with
+    ``serve_access_log`` set on the record (ray.serve._private.logging_utils.access_log_msg).
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not getattr(record, "serve_access_log", False):
+            return True
+        words = record.getMessage().split(" ")
+        return not (len(words) >= 4 and words[-3] in QUIET_CALLS and words[-2] == "OK")
+
+
+def quiet_probe_logs() -> None:
+    """Install ``QuietProbes`` on Serve's logger in this process (once)."""
+    serve_logger = logging.getLogger(SERVE_LOGGER)
+    if not any(isinstance(f, QuietProbes) for f in serve_logger.filters):
+        serve_logger.addFilter(QuietProbes())
 
 
 class EngineHandle(Protocol):
@@ -79,6 +105,9 @@ class PoolReplica:
         self.pool: PoolConfig = config.prefill if self.role == "prefill" else config.decode
         self.metrics = PoolMetrics(self.role)
         self._metrics_task: asyncio.Task[None] | None = None
+        self._hashes: list[int] = []  # the engine's last answer (``record_routing_stats``)
+        self._hashes_query: asyncio.Future[list[int]] | None = None
+        quiet_probe_logs()
         # Last: the model, the engine and the KV side are built (``serving.heap``).
         freeze_startup_heap(f"{self.role} replica {replica_id}")
 
@@ -130,11 +159,25 @@ class PoolReplica:
     # -- what Ray Serve calls ------------------------------------------------------------------
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """Cache-aware routing: this replica's cached blocks and load (``routing_policy``)."""
-        timeout_s = max(1.0, 2 * self.pool.routing.stats_period_s)
+        """Cache-aware routing: this replica's cached blocks and load (``routing_policy``).
+
+        The block hashes come from the engine thread, between two steps. While it is inside a
+        long one (a prefill of thousands of tokens takes seconds on a CPU) they are its last
+        answer: the load figures are current, the cache index a step old, and Serve's
+        controller does not log an error for a replica that is only busy. One question is
+        asked at a time (waited for up to ``2 x routing.stats_period_s``, 1 s at least, then
+        left open for the next call); a dead engine fails the call.
+        """
+        self.check_health()
         engine = self.worker.engine
-        hashes = await asyncio.wait_for(engine.cached_block_hashes(), timeout_s)
-        return snapshot_from_stats(hashes, engine.stats())
+        if self._hashes_query is None:
+            self._hashes_query = asyncio.ensure_future(engine.cached_block_hashes())
+            timeout_s = max(1.0, 2 * self.pool.routing.stats_period_s)
+            await asyncio.wait((self._hashes_query,), timeout=timeout_s)
+        if self._hashes_query.done():
+            query, self._hashes_query = self._hashes_query, None
+            self._hashes = query.result()
+        return snapshot_from_stats(self._hashes, engine.stats())
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Ray Serve's autoscaler reads this (the signals of the pool's policy)."""
