@@ -186,3 +186,35 @@ def test_a_closed_output_is_valid_json_with_logprobs_of_the_grammar_s_tokens() -
     assert len(lps) == len(toks) == need + 1 and all(-9999.0 <= lp <= 0.0 for lp in lps)
     assert engine.stats()["structured"]["num_closing_tokens"] > 0
     engine.check_integrity()
+
+
+@pytest.mark.parametrize("prompt_len", [32, 21])  # a full last block (forked), a partial one
+def test_n_samples_at_a_tight_budget_each_close_as_a_separate_request(prompt_len: int) -> None:
+    """n = 4 at max_tokens just over the shortest document: every sample's output validates,
+    each is token-identical to a separate request with its seed (its own closing), and the
+    shared prompt blocks come back."""
+    from cluster.engine.parallel import sample_ids, sample_seed
+
+    names = ["long_fixed_keys", "nested_address", "array_of_objects"]
+    prompt = [5 + i % 50 for i in range(prompt_len)]
+    alone = LLMEngine(fake_config(**ASCII, **{"cache.enable_prefix_caching": False}))
+    engine = LLMEngine(fake_config(**ASCII))
+    schemas: dict[str, Any] = {}
+    for name in names:
+        budget = _shortest(engine, SCHEMAS[name]) + 3
+        params = SamplingParams(
+            temperature=0.8, max_tokens=budget, json_schema=json.dumps(SCHEMAS[name])
+        )
+        engine.add(name, prompt, params, seed=31, n=4)
+        for i, rid in enumerate(sample_ids(name, 4)):
+            alone.add(rid, prompt, params, seed=sample_seed(31, i))
+            schemas[rid] = SCHEMAS[name]
+    expected, got = _run(alone), _run(engine)
+    assert got == expected
+    stopped, closed = check_outputs(got, schemas)
+    assert stopped + closed == 12 and closed > 0  # the budget closed some of them
+    # The samples went their own ways (each closing its own document), not one copied.
+    assert all(len({tuple(got[rid][1]) for rid in sample_ids(n, 4)}) > 1 for n in names)
+    assert engine.stats()["structured"]["num_active"] == 0
+    engine.check_integrity()
+    alone.check_integrity()
