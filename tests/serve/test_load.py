@@ -196,6 +196,11 @@ def test_l1_overload_gets_fast_resource_exhausted_not_a_queue(small: App) -> Non
     unloaded = [asyncio.run(burst(small.grpc_target, [reqs[i]], 1))[0] for i in range(10)]
     assert all(o.code == "OK" for o in unloaded)
     unloaded_ttft = statistics.median(o.ttft or 0.0 for o in unloaded)
+    floor = floor_reject_p99(reqs)
+    print(
+        "L1 floor (the router's gRPC listener alone, refusing all 200 of each burst): reject "
+        f"p99 {', '.join(f'{x * 1000:.0f}' for x in floor)} ms"
+    )
     rss_before = router.memory_info().rss
     num_rejected = 0
     for _ in range(3):
@@ -235,6 +240,32 @@ def test_l1_overload_gets_fast_resource_exhausted_not_a_queue(small: App) -> Non
     print(f"L1: router RSS +{grown:.1f} MiB")
     assert grown < 50
     small.assert_clean()
+
+
+def floor_reject_p99(reqs: list[pb.GenerateRequest], bursts: int = 3) -> list[float]:
+    """The same bursts against ``tests/serve/l1_floor.py``: what refusing costs with no cluster
+    work at all (no Ray, no pools, nothing admitted) on this machine; p99 per burst."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.serve.l1_floor", str(port)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "READY"
+        out = []
+        for _ in range(bursts):
+            outcomes = asyncio.run(burst(f"127.0.0.1:{port}", reqs, channels=20))
+            assert all(o.code == "RESOURCE_EXHAUSTED" for o in outcomes)
+            out.append(p99([o.latency for o in outcomes]))
+        return out
+    finally:
+        proc.communicate("", timeout=30)
 
 
 def start_probe(target: str) -> subprocess.Popen[str]:
