@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import sys
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
 from cluster.common.errors import ErrorCode, PDServeError
 from cluster.config import config_from_dict
@@ -23,7 +25,9 @@ def refuse() -> None:
     raise PDServeError(ErrorCode.RESOURCE_EXHAUSTED, "the floor server refuses every call")
 
 
-async def never(*_: object) -> object:  # admission refuses first: never called
+async def never(
+    _request: pb.GenerateRequest, _metadata: Mapping[str, str], _remaining: float | None
+) -> AsyncIterator[Any]:  # admission refuses first: never called
     raise AssertionError("unreachable")
     yield
 

@@ -61,7 +61,7 @@ class Replica(PoolReplica):
 def replica(monkeypatch: pytest.MonkeyPatch) -> Replica:
     monkeypatch.setattr(replica_mod, "freeze_startup_heap", lambda _what: 0)  # not pytest's heap
     config = fake_config(**{"decode.routing.stats_period_s": 0.05})  # waits 1 s at most
-    return Replica(config, "r1", Worker())  # type: ignore[arg-type]
+    return Replica(config, "r1", Worker())
 
 
 def test_a_busy_engine_gets_its_last_answer_not_an_error(replica: Replica) -> None:
