@@ -4,7 +4,7 @@ schema text the pools constrain to, checked here (torch-free, before any worker 
 A schema is refused (INVALID_ARGUMENT / HTTP 400, the message naming the field and the problem)
 when it is over ``router.max_json_schema_bytes``, not JSON, not a JSON Schema, or uses a feature
 llguidance cannot compile (a look-around pattern, a remote ``$ref``, ...): the same compile the
-pools run (``common.json_schema.schema_grammar``, with no vocabulary: a millisecond or so).
+pools run (with no vocabulary: a millisecond or so, not the model's tokens).
 """
 
 from __future__ import annotations
@@ -13,9 +13,12 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from cluster.common.errors import invalid
-from cluster.common.json_schema import schema_grammar
+import llguidance
 
+from cluster.common.errors import invalid
+
+# As the engine compiles them (cluster.engine.structured.grammar.JSON_OPTIONS): compact JSON.
+_JSON_OPTIONS: Any = {"whitespace_flexible": False}
 JSON_OBJECT_SCHEMA = '{"type":"object"}'  # JSON mode: any JSON object
 
 
@@ -26,10 +29,25 @@ def canonical(schema: Any) -> str:
 
 def check_schema(text: str, field: str, max_bytes: int) -> str:
     """``text`` (a JSON Schema's JSON text) if the pools can constrain to it."""
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > max_bytes:
+        raise invalid(
+            f"{field}: the schema is {size} bytes, over the limit of {max_bytes} bytes "
+            "(router.max_json_schema_bytes)"
+        )
     try:
-        schema_grammar(text, field, max_bytes)
+        schema = json.loads(text)
     except ValueError as e:
-        raise invalid(str(e)) from None
+        raise invalid(f"{field}: not valid JSON ({e})") from None
+    if not isinstance(schema, dict):
+        raise invalid(f"{field}: a JSON Schema must be an object, got {type(schema).__name__}")
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(text, overrides=_JSON_OPTIONS)
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+    except ValueError as e:
+        error = str(e)
+    if error:
+        raise invalid(f"{field}: unsupported or invalid JSON Schema: {error}")
     return text
 
 
