@@ -248,16 +248,8 @@ def floor_reject_p99(reqs: list[pb.GenerateRequest], bursts: int = 3) -> list[fl
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.serve.l1_floor", str(port)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
+    proc = start_helper("tests.serve.l1_floor", str(port))
     try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == "READY"
         out = []
         for _ in range(bursts):
             outcomes = asyncio.run(burst(f"127.0.0.1:{port}", reqs, channels=20))
@@ -268,10 +260,11 @@ def floor_reject_p99(reqs: list[pb.GenerateRequest], bursts: int = 3) -> list[fl
         proc.communicate("", timeout=30)
 
 
-def start_probe(target: str) -> subprocess.Popen[str]:
-    """L1's second client, in a process of its own (tests/serve/l1_probe.py), connected."""
+def start_helper(module: str, *args: str) -> subprocess.Popen[str]:
+    """``python -m module args`` from the repo root, once it printed READY (it ends when its
+    stdin closes)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.serve.l1_probe", target],
+        [sys.executable, "-m", module, *args],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -280,6 +273,11 @@ def start_probe(target: str) -> subprocess.Popen[str]:
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "READY"
     return proc
+
+
+def start_probe(target: str) -> subprocess.Popen[str]:
+    """L1's second client, in a process of its own (tests/serve/l1_probe.py), connected."""
+    return start_helper("tests.serve.l1_probe", target)
 
 
 def finish_probe(proc: subprocess.Popen[str]) -> list[tuple[str, float]]:
