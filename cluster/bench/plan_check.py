@@ -18,14 +18,19 @@ same bounds for both). The check passes when every figure is within 25%.
 Each row also has ``sampling_%``: the half-width of the measured figure's 90% bootstrap
 interval (its run's requests resampled), as a % of it. A figure whose interval is wider than
 the tolerance can miss it with a perfect model; ``resolvable_25pct`` is the share that could not.
+``exact_model_pass_p`` goes one step further: the chance that a model predicting every figure's
+true value exactly still passes the whole check, given how far each run's own requests let its
+measured figures stray (per run, the share of its bootstrap resamples in which all five figures
+stay within the tolerance of the run's figures; the runs multiplied, as independent draws). Far
+below 1, the check cannot tell a good model from a bad one at this many requests.
 
 Each mix draws its own requests (``mix_seed``). With one seed for all three,
 ``chat-heavy``'s first 16 prompts were ``mixed-long``'s, already in the arms' prefix caches
 from the run before, while the simulation started cold.
 
 Last line: ``RESULT plan-check within_25pct=<share of figures> max_error=<largest |error|>
-resolvable_25pct=<share> passed=<0|1>``; the JSON (``bench/results/plan-check.json``) has every
-figure.
+resolvable_25pct=<share> exact_model_pass_p=<probability> passed=<0|1>``; the JSON
+(``bench/results/plan-check.json``) has every figure and each run's ``exact_pass``.
 """
 
 from __future__ import annotations
@@ -71,6 +76,21 @@ def mix_seed(index: int) -> int:
 
 def _figure(m: dict[str, Any], key: str, sub: str) -> float:
     return float(m[key][sub] if sub else m[key])
+
+
+def relative_error(predicted: float, measured: float) -> float:
+    """``predicted / measured - 1``; 0 where both are 0, inf where only ``measured`` is."""
+    if measured:
+        return predicted / measured - 1
+    return 0.0 if predicted == measured else math.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """What a run's own requests leave open about its measured figures (``_sampling``)."""
+
+    spread_pct: dict[str, float]  # per figure: half-width of its 90% interval, % of it
+    exact_pass: float  # share of resamples in which an exact model passes all figures
 
 
 def run_check(config: ClusterConfig, mode: str, profile_path: Path | None, out: Path) -> int:
@@ -151,12 +171,14 @@ def run_check(config: ClusterConfig, mode: str, profile_path: Path | None, out: 
     for arm, cost in serving.items():
         ctx.progress(f"serving {arm} (this deployment): {cost}")
     rng = random.Random(0)
+    exact_pass: dict[str, dict[str, float]] = {}
     for name, rate, seed, runs in mix_runs:
         workload = WORKLOADS[name]
         for arm, spec in specs.items():
             recs, dur = runs.loaded[arm][rate]
             measured = compute_metrics(recs, dur, slos=slos)
-            spread = _sampling_spread(recs, dur, slos, measured, rng)
+            sampling = _sampling(recs, dur, slos, measured, rng)
+            exact_pass.setdefault(name, {})[arm] = sampling.exact_pass
             sim, sim_dur = simulate(
                 spec, arm_profiles[arm], workload, rate, per_rate, seed, vocab, scale=scale
             )
@@ -164,7 +186,7 @@ def run_check(config: ClusterConfig, mode: str, profile_path: Path | None, out: 
             stolen = runs.steal.get(arm, {}).get(rate)  # the hypervisor's share, that run
             for label, key, sub in FIGURES:
                 p, m = _figure(predicted, key, sub), _figure(measured, key, sub)
-                err = p / m - 1 if m else (0.0 if p == m else float("inf"))
+                err = relative_error(p, m)
                 rows.append(
                     {
                         "mix": name,
@@ -174,7 +196,7 @@ def run_check(config: ClusterConfig, mode: str, profile_path: Path | None, out: 
                         "predicted": p,
                         "measured": m,
                         "error_%": 100 * err,
-                        "sampling_%": spread[label],
+                        "sampling_%": sampling.spread_pct[label],
                         "steal_%": None if stolen is None else 100 * stolen,
                     }
                 )
@@ -189,6 +211,7 @@ def run_check(config: ClusterConfig, mode: str, profile_path: Path | None, out: 
     # How many figures this run could pin down to the tolerance at all: a figure whose own
     # sampling interval is wider than +-25% can miss with a perfect model.
     resolvable = sum(1 for r in rows if r["sampling_%"] <= 100 * TOLERANCE) / len(rows)
+    exact_p = math.prod(p for by_arm in exact_pass.values() for p in by_arm.values())
     out.mkdir(parents=True, exist_ok=True)
     payload = {
         "mode": mode,
@@ -207,6 +230,8 @@ def run_check(config: ClusterConfig, mode: str, profile_path: Path | None, out: 
         "rows": rows,
         "within_25pct": within,
         "resolvable_25pct": resolvable,
+        "exact_pass": exact_pass,  # per mix and arm (see the module's docstring)
+        "exact_model_pass_p": exact_p,
         "max_error": max(errors),
         "passed": passed,
     }
@@ -214,40 +239,47 @@ def run_check(config: ClusterConfig, mode: str, profile_path: Path | None, out: 
     print(f"wrote {out / 'plan-check.json'}", file=sys.stderr)
     print(
         f"RESULT plan-check within_25pct={within:.3g} max_error={max(errors):.3g} "
-        f"resolvable_25pct={resolvable:.3g} passed={int(passed)}",
+        f"resolvable_25pct={resolvable:.3g} exact_model_pass_p={exact_p:.3g} "
+        f"passed={int(passed)}",
         flush=True,
     )
     return 0 if passed or mode == "smoke" else 1
 
 
-def _sampling_spread(
+def _sampling(
     records: list[Any],
     duration_s: float,
     slos: SLOs,
     measured: dict[str, Any],
     rng: random.Random,
-) -> dict[str, float]:
-    """Per figure, the half-width of the 90% bootstrap interval of the measured value (the
-    run's requests resampled with replacement, ``BOOTSTRAP`` times), as a % of the value: how
-    far the same run with other draws of its own requests could have landed. It holds
-    sampling only, not the machine's drift between runs."""
-    draws: dict[str, list[float]] = {label: [] for label, _, _ in FIGURES}
+) -> Sampling:
+    """The run's requests resampled with replacement, ``BOOTSTRAP`` times, each resample's
+    figures computed as the run's were. Per figure, the half-width of the 90% interval of the
+    resampled values, as a % of the measured value: how far the same run with other draws of
+    its own requests could have landed. And the share of resamples in which a model that
+    predicts the run's figures exactly would be within ``TOLERANCE`` of every resampled figure
+    (the bootstrap's stand-in for an exact model against one run). Both hold sampling only, not
+    the machine's drift between runs."""
+    draws: list[dict[str, float]] = []
     for _ in range(BOOTSTRAP):
         sample = rng.choices(records, k=len(records))
         m = compute_metrics(sample, duration_s, slos=slos)
-        for label, key, sub in FIGURES:
-            value = _figure(m, key, sub)
-            if not math.isnan(value):
-                draws[label].append(value)
-    out = {}
-    for label, key, sub in FIGURES:
-        value, xs = _figure(measured, key, sub), sorted(draws[label])
+        draws.append({label: _figure(m, key, sub) for label, key, sub in FIGURES})
+    truth = {label: _figure(measured, key, sub) for label, key, sub in FIGURES}
+    spread = {}
+    for label, value in truth.items():
+        xs = sorted(x for d in draws if not math.isnan(x := d[label]))
         if not xs or not value or math.isnan(value):
-            out[label] = math.inf
+            spread[label] = math.inf
             continue
         lo, hi = percentile(xs, 5), percentile(xs, 95)
-        out[label] = 100 * (hi - lo) / 2 / abs(value)
-    return out
+        spread[label] = 100 * (hi - lo) / 2 / abs(value)
+    # A NaN on either side (no request with two tokens) is not a pass: the check fails on it.
+    passes = sum(
+        all(abs(relative_error(truth[label], d[label])) <= TOLERANCE for label in truth)
+        for d in draws
+    )
+    return Sampling(spread, passes / len(draws) if draws else 0.0)
 
 
 def _calibrated(

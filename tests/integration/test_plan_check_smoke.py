@@ -41,10 +41,23 @@ def test_plan_validate_smoke(tmp_path: Path) -> None:
     last = out.stdout.strip().splitlines()[-1].split()
     assert last[:2] == ["RESULT", "plan-check"], last
     keys = {k: float(v) for k, v in (p.split("=", 1) for p in last[2:])}
-    assert set(keys) == {"within_25pct", "max_error", "resolvable_25pct", "passed"}
+    assert set(keys) == {
+        "within_25pct",
+        "max_error",
+        "resolvable_25pct",
+        "exact_model_pass_p",
+        "passed",
+    }
+    assert 0 <= keys["exact_model_pass_p"] <= 1
     assert 0 <= keys["resolvable_25pct"] <= 1
     payload = json.loads((tmp_path / "results" / "plan-check.json").read_text())
     rows = payload["rows"]
+    # Per mix and arm, the chance an exact model passes that run's figures (one mix in smoke).
+    assert set(payload["exact_pass"]) == {"mixed-long"}
+    assert all(0 <= p <= 1 for p in payload["exact_pass"]["mixed-long"].values())
+    assert math.prod(payload["exact_pass"]["mixed-long"].values()) == pytest.approx(
+        payload["exact_model_pass_p"]
+    )
     assert {r["arm"] for r in rows} == {"disagg", "colocated", "colocated_chunked"}
     assert {r["figure"] for r in rows} == {
         "ttft_p50",
