@@ -2,7 +2,8 @@
 
 The KV of 32 / 512 / 1024 prompt tokens of the default model's layout (fp32, 30 layers, 3 KV
 heads, head dim 64, block 16: 737,280 bytes per block) moves from a prefill pool in a child
-process into a decode pool here. Arms, interleaved (rotated each repetition):
+process into a decode pool here. Arms, interleaved, in an order shuffled afresh each repetition
+(``arm_order``; seeded, so a run repeats):
 
   * ``memcpy``: one contiguous copy in this process (the physical reference);
   * ``raw_zmq_ipc`` / ``raw_zmq_tcp``: one contiguous buffer requested from a child and received
@@ -16,6 +17,15 @@ process into a decode pool here. Arms, interleaved (rotated each repetition):
   * ``int8_shm``, ``int8_zmq_ipc``: the contiguous pulls of the same tokens in the int8 KV layout
     (``cache.kv_dtype: int8``: head_dim int8 values and one fp32 scale per token and KV head,
     68 bytes a row instead of 256 at head dim 64), from a second sender child.
+
+Why shuffled, not rotated: with the order rotated, every arm always ran right after the same
+other arm, and what that arm left behind moved it. In one shuffled run here (60 repetitions),
+``int8_zmq_ipc`` took 2.87 ms after ``int8_shm`` (which had just written the same destination
+blocks, still in cache) and 3.21 ms over all predecessors; ``zmq_ipc`` took 8.76 ms after
+``shm``, 8.35 ms over all. Those were exactly the rotation's predecessors: on one host the same
+day, ``int8_transfer_ms_ratio_512`` read 0.345-0.351 in 5 rotated runs and 0.359-0.395 in 9
+shuffled ones (2 pairs of them alternating). A pull in service lands in blocks that no pull
+just wrote.
 
 Times are medians; a key is a ratio of two arms measured side by side (reference / ours as a
 throughput ratio). ``transfer_share_of_prefill_*`` divides the zmq ipc transfer time by the
@@ -74,6 +84,12 @@ TARGETS = {
     "transfer_share_of_prefill_1024": "<= 0.05",
     "int8_transfer_ms_ratio_512": "<= 0.35",
 }
+
+
+def arm_order(rep: int) -> tuple[str, ...]:
+    """Repetition ``rep``'s order of the arms: a permutation drawn with ``rep`` as its seed, so
+    each arm follows every other one about equally often (see the module's docstring)."""
+    return tuple(random.Random(rep).sample(ARMS, len(ARMS)))
 
 
 def int8_layout(layout: KVLayout) -> KVLayout:
@@ -200,8 +216,7 @@ def run(ctx: BenchContext) -> BenchReport:
                 "int8_zmq_ipc": partial(pull, "int8_zmq_ipc"),
             }
             for rep in range(warmup + reps):
-                order = ARMS[rep % len(ARMS) :] + ARMS[: rep % len(ARMS)]
-                for arm in order:
+                for arm in arm_order(rep):
                     t = measure[arm]()
                     if rep >= warmup:
                         times[(arm, n)].append(t)
