@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +59,15 @@ class BenchReport:
     details: dict[str, Any] = field(default_factory=dict)  # everything else, into the JSON
     targets: dict[str, str] = field(default_factory=dict)  # key -> ">= 2.5" (shown, not enforced)
     files: list[str] = field(default_factory=list)  # extra artefacts written (PNG...)
+
+
+def interleaved_order(arms: Sequence[str], rep: int) -> tuple[str, ...]:
+    """Repetition ``rep``'s order of interleaved ``arms``: a permutation drawn with ``rep`` as
+    its seed (so a run repeats), each arm following every other about equally often. Rotating
+    one fixed order instead puts each arm always right after the same one, and what that one
+    leaves behind (a cache it warmed, a process still finishing) biases the arm: in P4, the
+    int8 pull always after the int8 shm pull that had written its destination blocks."""
+    return tuple(random.Random(rep).sample(list(arms), len(arms)))
 
 
 def child_env(root: Path, **extra: str) -> dict[str, str]:

@@ -7,9 +7,10 @@ How (BENCHMARKS.md, P5; the README's benchmarks section has the notes):
     arm names, and one decode worker without a prefill pool (the local prefill). The KV moves
     over the config's transports (default shm, pool to pool). Every engine runs 1 torch thread,
     as P1's disaggregated arm, so a pull runs on the other core while the prefill computes.
-  * Arms, interleaved (rotated each repetition): ``local`` (the decode replica prefills the
-    prompt itself), ``bulk`` and ``stream``; every request is a fresh random prompt of 2,048
-    tokens (nothing cached anywhere), 2 output tokens, greedy.
+  * Arms, interleaved in an order shuffled each repetition (``harness.interleaved_order``):
+    ``local`` (the decode replica prefills the prompt itself), ``bulk`` and ``stream``; every
+    request is a fresh random prompt of 2,048 tokens (nothing cached anywhere), 2 output
+    tokens, greedy.
   * In pdserve the first token is streamed before any KV moves (README, architecture), so the
     transfer delays the first token the decode replica computes, not the first the client
     sees. The TTFT that counts here is therefore the time until the decode replica can decode:
@@ -37,7 +38,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.bench.harness import BenchContext, BenchReport, summary
+from cluster.bench.harness import BenchContext, BenchReport, interleaved_order, summary
 from cluster.bench.workloads import FIRST_PLAIN_TOKEN, bench_model_dir, exact_tokens
 from cluster.common.hashing import hash_block_tokens
 from cluster.common.protocol import GenerateCall, PrefillCall, PrefillProgress, PrefillReply
@@ -165,8 +166,7 @@ def run(ctx: BenchContext) -> BenchReport:
         for arm in ARMS:  # first calls, lazy inits, the stream path end to end
             await measure(arm, shape["warm_prompt"])
         for rep in range(shape["reps"]):
-            order = ARMS[rep % 3 :] + ARMS[: rep % 3]
-            for arm in order:
+            for arm in interleaved_order(ARMS, rep):
                 s = await measure(arm, shape["prompt"])
                 samples.append(s)
                 ctx.progress(

@@ -51,7 +51,7 @@ import numpy as np
 import torch
 import zmq
 
-from cluster.bench.harness import BenchContext, BenchReport, percentile
+from cluster.bench.harness import BenchContext, BenchReport, interleaved_order, percentile
 from cluster.bench.kv_sender_peer import SenderProcess
 from cluster.common.kv_layout import SCHEMES, KVLayout
 from cluster.kv_transfer import KVPool, KVReceiver
@@ -87,9 +87,8 @@ TARGETS = {
 
 
 def arm_order(rep: int) -> tuple[str, ...]:
-    """Repetition ``rep``'s order of the arms: a permutation drawn with ``rep`` as its seed, so
-    each arm follows every other one about equally often (see the module's docstring)."""
-    return tuple(random.Random(rep).sample(ARMS, len(ARMS)))
+    """Repetition ``rep``'s order of the arms (see the module's docstring)."""
+    return interleaved_order(ARMS, rep)
 
 
 def int8_layout(layout: KVLayout) -> KVLayout:

@@ -1,12 +1,15 @@
-"""P4's arms run in an order shuffled each repetition: with the order rotated, every arm always
-followed the same arm, and the int8 pull, always right after ``int8_shm`` had written the same
-destination blocks, read 11% faster than over all predecessors (``bench/kv_transfer.py``)."""
+"""Interleaved arms run in an order shuffled each repetition (``harness.interleaved_order``; P4
+and P5): with the order rotated, every arm always followed the same arm, and P4's int8 pull,
+always right after ``int8_shm`` had written the same destination blocks, read 11% faster than
+over all predecessors (``bench/kv_transfer.py``)."""
 
 from __future__ import annotations
 
 import itertools
 from collections import Counter
 
+from cluster.bench import kv_stream
+from cluster.bench.harness import interleaved_order
 from cluster.bench.kv_transfer import ARMS, arm_order
 
 
@@ -32,3 +35,12 @@ def test_each_arm_follows_many_others_about_evenly() -> None:
         assert len(preceding) >= len(ARMS) - 3, (arm, preceding)
         assert max(preceding.values()) <= reps // 3, (arm, preceding)
     assert follows["int8_zmq_ipc"]["int8_shm"] <= reps // 4
+
+
+def test_p5_shuffles_its_three_arms_too() -> None:
+    orders = {interleaved_order(kv_stream.ARMS, rep) for rep in range(8)}
+    assert all(sorted(o) == sorted(kv_stream.ARMS) for o in orders)
+    arms = kv_stream.ARMS
+    rotations = {arms[i:] + arms[:i] for i in range(len(arms))}
+    assert orders - rotations  # an arm also follows another than the rotation's one
+    assert {o[0] for o in orders} == set(arms)
