@@ -24,6 +24,13 @@ measured figures stray (per run, the share of its bootstrap resamples in which a
 stay within the tolerance of the run's figures; the runs multiplied, as independent draws). Far
 below 1, the check cannot tell a good model from a bad one at this many requests.
 
+Per mix and arm the JSON also has ``loaded_prefill_scale``: the median, over the loaded run's
+requests of at least ``LONG_PROMPT`` tokens (none cached), of the prefill compute their engine
+reported over the bare engine's time for the prompt alone; beside it the arm's calibrated
+``prefill_scale``, which comes from unloaded requests. A loaded replica whose prompts prefill
+faster than the calibration says shows up here (each step of theirs also holds the batch's
+decodes, so a figure below the calibrated one is the stronger for it).
+
 Each mix draws its own requests (``mix_seed``). With one seed for all three,
 ``chat-heavy``'s first 16 prompts were ``mixed-long``'s, already in the arms' prefix caches
 from the run before, while the simulation started cold.
@@ -52,7 +59,7 @@ from cluster.config import ClusterConfig
 from cluster.planner.cli import print_table
 from cluster.planner.metrics import slo_metrics
 from cluster.planner.plan import simulate
-from cluster.planner.profile import Profile, ServingCost
+from cluster.planner.profile import Profile, ServingCost, StepCosts
 from cluster.planner.simulator import ArmSpec
 from cluster.planner.workload import WORKLOADS, SLOs, percentile
 
@@ -65,6 +72,7 @@ FIGURES = (
     ("goodput", "goodput", ""),
 )
 TOLERANCE = 0.25
+LONG_PROMPT = 512  # prompts this long spend far more on their prefill than on the decodes beside it
 BOOTSTRAP = 200  # resamples behind each measured figure's sampling interval
 
 
@@ -85,6 +93,23 @@ def relative_error(predicted: float, measured: float) -> float:
     return 0.0 if predicted == measured else math.inf
 
 
+def loaded_prefill_scale(records: list[Any], costs: StepCosts, chunk: int | None) -> float | None:
+    """Median over ``records`` (served, ``LONG_PROMPT`` tokens or more, none from a prefix cache)
+    of the prefill compute the engine reported over ``predicted_prefill`` for the prompt alone;
+    None without such a request."""
+    from cluster.bench.profile import predicted_prefill
+
+    ratios = [
+        r.phases["prefill_ms"] / 1000 / predicted_prefill(costs, r.prompt_len, chunk)
+        for r in records
+        if r.ok
+        and r.prompt_len >= LONG_PROMPT
+        and not r.cached_tokens
+        and r.phases.get("prefill_ms", 0) > 0
+    ]
+    return statistics.median(ratios) if ratios else None
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """What a run's own requests leave open about its measured figures (``_sampling``)."""
@@ -94,7 +119,7 @@ class Sampling:
 
 
 def run_check(config: ClusterConfig, mode: str, profile_path: Path | None, out: Path) -> int:
-    from cluster.bench.profile import BURST, run_profile
+    from cluster.bench.profile import BURST, prefill_costs, run_profile
     from cluster.config.model_paths import model_limits
 
     ctx = BenchContext(name="plan-check", mode=mode, config=config)
@@ -172,6 +197,7 @@ def run_check(config: ClusterConfig, mode: str, profile_path: Path | None, out: 
         ctx.progress(f"serving {arm} (this deployment): {cost}")
     rng = random.Random(0)
     exact_pass: dict[str, dict[str, float]] = {}
+    loaded_prefill: dict[str, dict[str, float | None]] = {}
     for name, rate, seed, runs in mix_runs:
         workload = WORKLOADS[name]
         for arm, spec in specs.items():
@@ -179,6 +205,9 @@ def run_check(config: ClusterConfig, mode: str, profile_path: Path | None, out: 
             measured = compute_metrics(recs, dur, slos=slos)
             sampling = _sampling(recs, dur, slos, measured, rng)
             exact_pass.setdefault(name, {})[arm] = sampling.exact_pass
+            kind = "local" if spec.colocated else "remote"
+            loaded = loaded_prefill_scale(recs, *prefill_costs(kind, profile.steps, spec.config))
+            loaded_prefill.setdefault(name, {})[arm] = loaded
             sim, sim_dur = simulate(
                 spec, arm_profiles[arm], workload, rate, per_rate, seed, vocab, scale=scale
             )
@@ -203,6 +232,12 @@ def run_check(config: ClusterConfig, mode: str, profile_path: Path | None, out: 
             ctx.progress(
                 f"{name} {arm}: "
                 + ", ".join(f"{r['figure']} {r['error_%']:+.0f}%" for r in rows[-len(FIGURES) :])
+                + (
+                    f"; long prompts prefilled at {loaded:.2f}x the bare engine under load "
+                    f"(calibrated: {serving[arm].prefill_scale:.2f}x)"
+                    if loaded is not None
+                    else ""
+                )
             )
     print_table(rows)
     errors = [abs(r["error_%"]) / 100 for r in rows]
@@ -232,6 +267,8 @@ def run_check(config: ClusterConfig, mode: str, profile_path: Path | None, out: 
         "resolvable_25pct": resolvable,
         "exact_pass": exact_pass,  # per mix and arm (see the module's docstring)
         "exact_model_pass_p": exact_p,
+        # per mix and arm, beside each arm's calibrated prefill_scale (module docstring)
+        "loaded_prefill_scale": loaded_prefill,
         "max_error": max(errors),
         "passed": passed,
     }

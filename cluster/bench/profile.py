@@ -444,11 +444,9 @@ def calibrate(
     (``burst_costs``). Every figure is a median: over the samples, and over the bursts (one
     burst is one moment of a shared machine)."""
     local = kind == "local"
-    prefill_threads = cfg.decode.num_threads if local else cfg.prefill.num_threads
+    pc, chunk = prefill_costs(kind, steps, cfg)
     first = next(iter(steps.values()))  # a GPU profile has one table
-    pc = steps.get(str(prefill_threads or 1), first)
     dc = steps.get(str(cfg.decode.num_threads or 1), first)
-    chunk = cfg.for_pool("decode" if local else "prefill").scheduler.chunk_size
     prefill_scale, decode_scale, ttft_over, handoff = [], [], [], []
     for s in samples:
         ttft = s.token_times[0]
@@ -502,6 +500,18 @@ def calibrate(
         "handoff_s": handoff,
     }
     return cost, raw
+
+
+def prefill_costs(
+    kind: str, steps: dict[str, StepCosts], cfg: ClusterConfig
+) -> tuple[StepCosts, int | None]:
+    """The bare engine's step costs a ``kind`` arm prefills with (local: its decode replica's
+    threads; remote: its prefill replica's), and that pool's chunk size."""
+    local = kind == "local"
+    threads = cfg.decode.num_threads if local else cfg.prefill.num_threads
+    first = next(iter(steps.values()))  # a GPU profile has one table
+    chunk = cfg.for_pool("decode" if local else "prefill").scheduler.chunk_size
+    return steps.get(str(threads or 1), first), chunk
 
 
 def predicted_prefill(costs: StepCosts, tokens: int, chunk: int | None) -> float:

@@ -58,6 +58,10 @@ def test_plan_validate_smoke(tmp_path: Path) -> None:
     assert math.prod(payload["exact_pass"]["mixed-long"].values()) == pytest.approx(
         payload["exact_model_pass_p"]
     )
+    # Each arm's long prompts' prefill under load (None here: the tiny model's are short).
+    loaded = payload["loaded_prefill_scale"]["mixed-long"]
+    assert set(loaded) == {"disagg", "colocated", "colocated_chunked"}
+    assert all(v is None or v > 0 for v in loaded.values())
     assert {r["arm"] for r in rows} == {"disagg", "colocated", "colocated_chunked"}
     assert {r["figure"] for r in rows} == {
         "ttft_p50",

@@ -73,3 +73,24 @@ def test_nothing_measured_is_no_pass() -> None:
     s = _sampling(records, DURATION_S, slos, measured, random.Random(1))
     assert s.spread_pct["tpot_p50"] == math.inf
     assert s.exact_pass == 0.0
+
+
+def test_loaded_prefill_scale_reads_long_uncached_prompts_only() -> None:
+    from cluster.bench.plan_check import LONG_PROMPT, loaded_prefill_scale
+    from cluster.bench.profile import predicted_prefill
+    from tests.unit.planner.synthetic import costs
+
+    table, chunk = costs(1.0), 256
+
+    def served(prompt_len: int, scale: float, cached: int = 0) -> RequestRecord:
+        r = record(0.0, 0.5, 0.05)
+        r.prompt_len, r.cached_tokens = prompt_len, cached
+        r.phases = {"prefill_ms": 1000 * scale * predicted_prefill(table, prompt_len, chunk)}
+        return r
+
+    records = [served(768, 1.1), served(1024, 1.2), served(900, 1.3)]
+    records += [served(96, 3.0), served(1024, 3.0, cached=512)]  # short, or partly cached
+    failed = served(1024, 3.0)
+    failed.error = "UNAVAILABLE"
+    assert loaded_prefill_scale([*records, failed], table, chunk) == pytest.approx(1.2)
+    assert loaded_prefill_scale([served(LONG_PROMPT - 1, 1.0)], table, chunk) is None
