@@ -67,6 +67,11 @@ class TransferConfig:
         )
 
     @property
+    def max_frame_bytes(self) -> int:
+        """KV bytes per data frame: ``frame_bytes``, capped by ``max_message_bytes``."""
+        return min(self.frame_bytes, self.max_message_bytes)
+
+    @property
     def is_loopback_bind(self) -> bool:
         if self.bind_host == "localhost":
             return True

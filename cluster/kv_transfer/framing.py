@@ -28,6 +28,9 @@ from cluster.kv_transfer.protocol import (
 from cluster.kv_transfer.security import MAC_BYTES, HeaderSigner
 
 Buffer = Any  # bytes, memoryview, numpy view or zmq.Frame: anything with the buffer protocol
+# Send flags as plain ints (combining the IntFlag members costs more than the send of a header).
+_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+_LAST = int(zmq.NOBLOCK)
 Direction = Literal["send", "recv"]
 
 
@@ -75,7 +78,7 @@ class Framer:
         reused only once every tracker is done (zmq has handed the bytes to the kernel).
         """
         header = encode(msg)
-        prefix: list[Buffer] = [identity] if self.router else []
+        prefix: list[bytes] = [identity] if self.router else []
         if self.signer.enabled:
             prefix.append(self.signer.sign(header))
         prefix.append(header)
@@ -84,14 +87,18 @@ class Framer:
             variants = self.faults.apply("send", msg.TAG, variants[0])
         trackers: list[zmq.MessageTracker] = []
         for variant in variants:
-            parts = prefix + variant
-            last = len(parts) - 1
-            for i, part in enumerate(parts):
-                flags = zmq.NOBLOCK | (zmq.SNDMORE if i < last else 0)
-                if track and i >= len(prefix):
-                    trackers.append(sock.send(part, flags=flags, copy=False, track=True))
+            # The prefix parts are small: copied into zmq's message (no Frame, no tracker).
+            more = bool(variant)
+            last = len(prefix) - 1
+            for i, part in enumerate(prefix):
+                sock.send(part, _MORE if i < last or more else _LAST)
+            last = len(variant) - 1
+            for i, data in enumerate(variant):
+                flags = _MORE if i < last else _LAST
+                if track:
+                    trackers.append(sock.send(data, flags, copy=False, track=True))
                 else:
-                    sock.send(part, flags=flags, copy=False)
+                    sock.send(data, flags, copy=False)
         return trackers
 
     def recv(self, sock: zmq.Socket[Any]) -> list[Inbound]:

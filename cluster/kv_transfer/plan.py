@@ -102,8 +102,9 @@ def check_source_frames(
     num_blocks: int,
     bytes_per_block: int,
     max_frame_bytes: int,
-) -> None:
-    """Sender side: every requested block is in the lease and the pool, once; frames fit."""
+) -> set[int]:
+    """Sender side: every requested block is in the lease and the pool, once; frames fit.
+    Returns the requested block ids."""
     if not frames or len(frames) > MAX_FRAMES:
         raise KVTransferError(Reason.BAD_BLOCKS, f"{len(frames)} frames requested")
     seen: set[int] = set()
@@ -125,6 +126,7 @@ def check_source_frames(
             total += count * bytes_per_block
         if total > max_frame_bytes:
             raise KVTransferError(Reason.BAD_BLOCKS, f"a frame of {total} bytes exceeds the limit")
+    return seen
 
 
 def crc_segments(views: Sequence[memoryview | object]) -> int:
@@ -141,9 +143,10 @@ def check_pull_request(
     """Receiver side, before anything is queued: (source ids, destination ids) or an error."""
     if not isinstance(params, KVTransferParams):
         raise KVTransferError(Reason.MALFORMED, "params must be a KVTransferParams")
-    mismatch = pool.layout.mismatch(params.kv_layout())
-    if mismatch is not None:
-        raise KVTransferError(Reason.LAYOUT_MISMATCH, f"KV layout differs: {mismatch}")
+    if params.layout != pool.layout_dict:  # the common case, equal, costs one dict compare
+        mismatch = pool.layout.mismatch(params.kv_layout())
+        if mismatch is not None:
+            raise KVTransferError(Reason.LAYOUT_MISMATCH, f"KV layout differs: {mismatch}")
     if not 0 <= first_block < len(params.block_ids):
         raise KVTransferError(
             Reason.BAD_DESTINATION,
@@ -151,12 +154,12 @@ def check_pull_request(
             "(abort(params) releases a lease that is not needed)",
         )
     src = params.block_ids[first_block:]
-    dst = tuple(int(b) for b in dst_block_ids)
+    dst = tuple(map(int, dst_block_ids))
     if len(dst) != len(src):
         raise KVTransferError(
             Reason.BAD_DESTINATION, f"{len(dst)} destination blocks for {len(src)} to pull"
         )
-    if len(set(dst)) != len(dst) or not all(0 <= b < pool.num_blocks for b in dst):
+    if len(set(dst)) != len(dst) or min(dst) < 0 or max(dst) >= pool.num_blocks:
         raise KVTransferError(
             Reason.BAD_DESTINATION, f"destination ids repeat or leave the pool: {dst[:8]}"
         )

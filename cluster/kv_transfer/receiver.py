@@ -206,7 +206,7 @@ class KVReceiver:
             return
         now = self.clock()
         cfg = self.config
-        plan = plan_frames(src, dst, self.pool.bytes_per_block, cfg.frame_bytes)
+        plan = plan_frames(src, dst, self.pool.bytes_per_block, cfg.max_frame_bytes)
         pull = RecvPull(
             pull_id=next(self._pull_ids),
             params=params,
@@ -313,14 +313,17 @@ class KVReceiver:
     def _step(self) -> None:
         busy = any(c.pulls or c.waiting or c.failing for c in self._conns.values())
         events = self._poller.poll(int((_TICK_S if busy else 2.5 * _TICK_S) * 1000))
+        commands = False
         for sock, _ in events:
             if sock == self._commands.fileno():
+                commands = True
                 continue
             entry = self._by_socket.get(sock)
             if entry is not None:
                 conn, is_monitor = entry
                 conn.on_monitor() if is_monitor else conn.on_readable()
-        self._commands.run_pending()
+        if commands:  # every call_soon writes the pipe, so none waits past this poll
+            self._commands.run_pending()
         now = self.clock()
         for conn in [*self._conns.values(), *self._closing]:
             conn.tick(now)

@@ -236,10 +236,11 @@ class PeerConnection:
         if max(pull.src_ids) >= self.reply.num_blocks:
             self.fail_pull(pull, Reason.BAD_BLOCKS, "source block ids outside the sender pool")
             return
-        cfg = self.ctx.config
-        limit = min(cfg.frame_bytes, cfg.max_message_bytes, self.reply.max_frame_bytes)
-        bpb = self.ctx.pool.bytes_per_block
-        pull.plan = plan_frames(pull.src_ids, pull.dst_ids, bpb, limit)
+        if self.reply.max_frame_bytes < self.ctx.config.max_frame_bytes:
+            # The sender takes smaller frames than admission planned with: plan again.
+            bpb = self.ctx.pool.bytes_per_block
+            limit = self.reply.max_frame_bytes
+            pull.plan = plan_frames(pull.src_ids, pull.dst_ids, bpb, limit)
         for m in self.side.control_messages():
             self.link.send(m)
         self.holds.pop(pull.params.transfer_id, None)  # the pull itself keeps the lease now

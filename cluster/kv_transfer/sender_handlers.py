@@ -144,7 +144,7 @@ class SenderHandlers:
             num_blocks=ctx.pool.num_blocks,
             shm_name=ctx.pool.shm_path,
             dist_store=store.address if store is not None else "",
-            max_frame_bytes=min(ctx.config.frame_bytes, ctx.config.max_message_bytes),
+            max_frame_bytes=ctx.config.max_frame_bytes,
             cuda_ipc=ctx.cuda_ipc,
         )
 
@@ -158,7 +158,7 @@ class SenderHandlers:
             self.stats.rejected(Reason.DUPLICATE)
             return
         try:
-            lease = self._check_pull(msg)
+            lease, blocks = self._check_pull(msg, lease)
             side = self._side(peer, msg.transport)
             side.check_pull(msg)
         except KVTransferError as e:
@@ -180,18 +180,18 @@ class SenderHandlers:
             return
         self.leases.track(lease.transfer_id, done)
         self.stats.observe("serve_time_s", time.perf_counter() - t0)  # to queue every frame
-        num_blocks = sum(n for frame in msg.frames for _, n in frame)
-        lease.sent.update(b for frame in msg.frames for s, n in frame for b in range(s, s + n))
+        lease.sent |= blocks
         self.stats.inc("pulls_served")
-        self.stats.inc("blocks_sent", num_blocks)
-        self.stats.inc("bytes_sent", num_blocks * self.ctx.pool.bytes_per_block)
+        self.stats.inc("blocks_sent", len(blocks))
+        self.stats.inc("bytes_sent", len(blocks) * self.ctx.pool.bytes_per_block)
 
-    def _check_pull(self, msg: PullRequest) -> Lease:
+    def _check_pull(self, msg: PullRequest, lease: Lease | None) -> tuple[Lease, set[int]]:
+        """The lease ``msg`` pulls from (``lease``: the one its transfer id names, or None)
+        and the blocks it asks for, or ``KVTransferError`` with the reason to answer."""
         if msg.epoch != self.epoch:
             raise KVTransferError(Reason.STALE_EPOCH, f"epoch {msg.epoch}, this is {self.epoch}")
         if msg.transport not in TRANSPORTS or not TRANSPORTS[msg.transport].offered(self.ctx):
             raise KVTransferError(Reason.NO_TRANSPORT, f"{msg.transport!r} is not offered")
-        lease = self.leases.lease_for(msg.transfer_id)
         if lease is None or lease.request_id != msg.request_id:
             if self.leases.lease_is_finished(msg.transfer_id):
                 raise KVTransferError(Reason.STALE_TRANSFER, "this transfer already ended")
@@ -203,19 +203,17 @@ class SenderHandlers:
                 Reason.STREAM_OPEN, "the lease still grows (its prefill runs): pull a part"
             )
         pool = self.ctx.pool
-        check_source_frames(
+        blocks = check_source_frames(
             msg.frames,
             frozenset(lease.block_ids),
             pool.num_blocks,
             pool.bytes_per_block,
             self.ctx.config.max_message_bytes,
         )
-        again = sorted(
-            b for frame in msg.frames for s, n in frame for b in range(s, s + n) if b in lease.sent
-        )
+        again = sorted(blocks & lease.sent)
         if again:
             raise KVTransferError(Reason.DUPLICATE, f"blocks {again[:8]} were pulled already")
-        return lease
+        return lease, blocks
 
     def _refuse(self, identity: bytes, msg: PullRequest, reason: str, message: str) -> None:
         self._send(identity, PullError(msg.pull_id, msg.transfer_id, reason, message[:500]))
