@@ -26,15 +26,18 @@ Ctrl-C stops it.
 """
 
 
-def local_threads(config: ClusterConfig) -> ClusterConfig:
-    """On one machine, split the cores between the replicas (oversubscription is ruinous)."""
+def local_threads(config: ClusterConfig, *, bind: bool = True) -> ClusterConfig:
+    """On one machine, split the cores between the replicas (oversubscription is ruinous),
+    and (``bind``) bind each replica to its share: ``cpu_binding: auto`` -> on, no other tenant
+    here. Benchmarks that run several apps on one node pass ``bind=False``: no app owns cores."""
     replicas = config.prefill.num_replicas + config.decode.num_replicas
     share = max(1, (config.model.num_threads or cpu_count()) // max(1, replicas))
     overrides: dict[str, Any] = {}
-    if config.prefill.num_threads is None:
-        overrides["prefill.num_threads"] = share
-    if config.decode.num_threads is None:
-        overrides["decode.num_threads"] = share
+    for role, pool in (("prefill", config.prefill), ("decode", config.decode)):
+        if pool.num_threads is None:
+            overrides[f"{role}.num_threads"] = share
+        if bind and pool.cpu_binding == "auto":
+            overrides[f"{role}.cpu_binding"] = "on"
     return config.replace(overrides) if overrides else config
 
 
@@ -46,10 +49,12 @@ def start(
     dashboard: bool = False,
     deploy_app: bool = True,
     checked: bool = False,
+    bind_cpus: bool = True,
 ) -> Any:
     """Start Ray (or join ``address``) and Serve, deploy (unless ``deploy_app`` is False: the
     caller deploys applications of its own); returns the app handle. Public listeners without
-    API keys are refused first (``checked``: the caller did it)."""
+    API keys are refused first (``checked``: the caller did it). ``bind_cpus``: see
+    ``local_threads``."""
     import ray
     from ray import serve
 
@@ -60,7 +65,7 @@ def start(
     if address:
         ray.init(address=address)
     else:
-        config = local_threads(config)
+        config = local_threads(config, bind=bind_cpus)
         # Ray's own control plane (GCS, raylets, the job API on the dashboard agent) refuses
         # callers without the cluster's token (S7): Ray's default since 2.52.
         if ray_auth_disabled():

@@ -189,7 +189,9 @@ def _local_serve() -> Iterator[Callable[[Any, bool], bool]]:
         nonlocal started
         if started:
             return False
-        start(cfg, metrics_port=None, deploy_app=deploy_app)
+        # The arms share the node (side by side, or redeployed one after another while the
+        # old replicas still run): none owns cores, or the first deployed would (cpu_binding).
+        start(cfg, metrics_port=None, deploy_app=deploy_app, bind_cpus=False)
         started = True
         return True
 
@@ -217,7 +219,8 @@ def local_apps() -> Iterator[Callable[[str, Any], None]]:
 
         def put(name: str, cfg: Any) -> None:
             start_once(cfg, False)
-            serve.run(build_application(local_threads(cfg)), name=name, route_prefix=f"/{name}")
+            app = build_application(local_threads(cfg, bind=False))  # see _local_serve
+            serve.run(app, name=name, route_prefix=f"/{name}")
 
         yield put
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from cluster.config.environment import (
     advertise_host,
+    allowed_cores,
     api_keys,
     cpu_count,
     curve_keys,
@@ -64,6 +65,7 @@ __all__ = [
     "TestingConfig",
     "TransferConfig",
     "advertise_host",
+    "allowed_cores",
     "api_keys",
     "config_from_dict",
     "cpu_count",

@@ -131,10 +131,15 @@ def replica_allocator_env(role: str) -> dict[str, str]:
 
 def cpu_count() -> int:
     """Cores this process may use (affinity-aware)."""
+    return len(allowed_cores())
+
+
+def allowed_cores() -> tuple[int, ...]:
+    """The cores this thread may run on, ascending (all of them where affinity is unknown)."""
     try:
-        return len(os.sched_getaffinity(0))
+        return tuple(sorted(os.sched_getaffinity(0)))
     except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
+        return tuple(range(os.cpu_count() or 1))
 
 
 def ray_auth_disabled() -> bool:

@@ -117,6 +117,10 @@ class PoolConfig:
     num_cpus: float = 0.5  # Ray logical CPUs per replica (fractional: 2-core machines)
     num_gpus: float = 0.0  # GPUs per replica (Ray resource)
     num_threads: int | None = None  # torch threads per replica; None: model.num_threads
+    # on: each replica binds its process to num_threads cores no other pdserve replica on the
+    # node holds (unbound when too few are free); off: never. auto: on where pdserve started
+    # Ray itself (``pdserve serve`` without --address), off on a cluster it joined.
+    cpu_binding: str = "auto"
     scheduler: SchedulerConfig | None = None  # this pool's batching; None: the scheduler section
     max_ongoing_requests: int | None = None  # None: sized to the batch (max_num_seqs + leases)
     max_queued_requests: int = 64  # beyond this, callers get RESOURCE_EXHAUSTED / 429 at once
@@ -138,6 +142,7 @@ class PoolConfig:
         check(self.num_gpus >= 0, f"{name}.num_gpus", "must be >= 0")
         if self.num_threads is not None:
             check(self.num_threads >= 1, f"{name}.num_threads", "must be >= 1")
+        check_choice(self.cpu_binding, f"{name}.cpu_binding", ("auto", "on", "off"))
         if self.max_ongoing_requests is not None:
             check(self.max_ongoing_requests >= 1, f"{name}.max_ongoing_requests", "must be >= 1")
         check(self.max_queued_requests >= 0, f"{name}.max_queued_requests", "must be >= 0")

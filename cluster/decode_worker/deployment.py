@@ -30,7 +30,7 @@ from cluster.common.protocol import (
 from cluster.config import ClusterConfig, config_from_dict
 from cluster.decode_worker.worker import DecodeWorker
 from cluster.serving.calls import Keepalive, retrying_stream, streaming_handle
-from cluster.serving.replica import PoolReplica, current_replica_id
+from cluster.serving.replica import PoolReplica, bind_pool_replica, current_replica_id
 from cluster.serving.routers import recent_ranking_ms
 from cluster.serving.signals import decode_autoscaling_stats
 
@@ -88,6 +88,7 @@ class DecodeServer(PoolReplica):
 
     def __init__(self, config: dict[str, Any], prefill_handle: Any = None) -> None:
         cfg = config_from_dict(config)
+        self.cores = bind_pool_replica(cfg, self.role)  # first: the threads below inherit it
         self.prefill_client = (
             ServePrefillClient(prefill_handle, cfg) if prefill_handle is not None else None
         )

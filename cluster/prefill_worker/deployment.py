@@ -23,7 +23,7 @@ from cluster.common.protocol import Accepted, PrefillCall, PrefillProgress, Pref
 from cluster.config import config_from_dict
 from cluster.prefill_worker.worker import PrefillWorker
 from cluster.serving.calls import Keepalive
-from cluster.serving.replica import PoolReplica, current_replica_id
+from cluster.serving.replica import PoolReplica, bind_pool_replica, current_replica_id
 from cluster.serving.signals import prefill_autoscaling_stats
 
 logger = logging.getLogger(__name__)
@@ -36,6 +36,7 @@ class PrefillServer(PoolReplica):
 
     def __init__(self, config: dict[str, Any]) -> None:
         cfg = config_from_dict(config)
+        self.cores = bind_pool_replica(cfg, self.role)  # first: the threads below inherit it
         replica_id = current_replica_id()
         super().__init__(cfg, replica_id, PrefillWorker(cfg, instance_id=replica_id).start())
         self.recent_requests: collections.deque[str] = collections.deque(maxlen=1024)

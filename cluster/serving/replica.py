@@ -22,18 +22,21 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, ClassVar, Protocol, TypeVar
 
 from cluster.common.faults import FaultPoints
 from cluster.config import ClusterConfig, PoolConfig
 from cluster.serving.calls import KEEPALIVE, Keepalive
+from cluster.serving.cpu_binding import bind_replica
 from cluster.serving.heap import freeze_startup_heap, heap_stats
 from cluster.serving.metrics import PoolMetrics
 from cluster.serving.routing_policy import snapshot_from_stats
 
 logger = logging.getLogger(__name__)
 METRICS_PERIOD_S = 1.0
+REBIND_S = 10.0  # how often an unbound replica that wants cores looks for free ones
 T = TypeVar("T")
 SERVE_LOGGER = "ray.serve"  # where Ray Serve writes a replica's access-log lines
 QUIET_CALLS = frozenset({"ready"})  # the router's probe, every router.readiness_period_s
@@ -89,6 +92,17 @@ class PoolWorker(Protocol):
     def close(self) -> None: ...
 
 
+def bind_pool_replica(
+    config: ClusterConfig, role: str, *, retry: bool = False
+) -> tuple[int, ...] | None:
+    """Bind this replica's process to cores of its own (``<role>.cpu_binding``, see
+    ``serving.cpu_binding``); call before the worker starts its threads (``retry``: a later
+    attempt, see ``PoolReplica.maybe_rebind``). The cores, or None."""
+    pool: PoolConfig = config.prefill if role == "prefill" else config.decode
+    threads = config.for_pool(role).model.num_threads
+    return bind_replica(role, pool.cpu_binding, threads, quiet=retry)
+
+
 def current_replica_id() -> str:
     from ray import serve
 
@@ -97,6 +111,7 @@ def current_replica_id() -> str:
 
 class PoolReplica:
     role: ClassVar[str]  # "prefill" | "decode": the pool's config section and metrics label
+    cores: tuple[int, ...] | None = None  # the cores it is bound to (``bind_pool_replica``)
 
     def __init__(self, config: ClusterConfig, replica_id: str, worker: PoolWorker) -> None:
         self.config = config
@@ -107,6 +122,7 @@ class PoolReplica:
         self._metrics_task: asyncio.Task[None] | None = None
         self._hashes: list[int] = []  # the engine's last answer (``record_routing_stats``)
         self._hashes_query: asyncio.Future[list[int]] | None = None
+        self._next_bind = time.monotonic() + REBIND_S
         quiet_probe_logs()
         # Last: the model, the engine and the KV side are built (``serving.heap``).
         freeze_startup_heap(f"{self.role} replica {replica_id}")
@@ -119,8 +135,22 @@ class PoolReplica:
         if self._metrics_task is None:
             self._metrics_task = asyncio.get_running_loop().create_task(self._publish_metrics())
 
+    def maybe_rebind(self, now: float) -> None:
+        """A replica that was to have cores of its own but found too few free (a rolling
+        update's old replicas still held them, or more replicas than cores) tries again every
+        ``REBIND_S``: once they are free, it takes them."""
+        if self.pool.cpu_binding != "on" or self.cores is not None or now < self._next_bind:
+            return
+        self._next_bind = now + REBIND_S
+        self.cores = bind_pool_replica(self.config, self.role, retry=True)
+
     async def _publish_metrics(self) -> None:
         while True:
+            try:
+                self.maybe_rebind(time.monotonic())
+            except Exception:  # e.g. an unwritable claim file: stay unbound, keep serving
+                logger.exception("%s replica: binding to cores failed", self.role)
+                self._next_bind = float("inf")
             try:
                 self.metrics.update(self.worker.stats())
             except Exception:  # metrics must never take the replica down
@@ -203,6 +233,7 @@ class PoolReplica:
         s["replica_id"] = self.replica_id
         s["paused_faults"] = self.worker.faults.paused()
         s["pid"] = os.getpid()
+        s["cores"] = list(self.cores) if self.cores is not None else None
         s["kv_used_blocks"] = s["engine"]["kv"]["num_used_blocks"]  # as of the last step
         s["heap"] = heap_stats()
         return s

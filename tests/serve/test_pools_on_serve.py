@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import pytest
@@ -10,10 +11,12 @@ from ray import serve
 
 from cluster.common.hashing import hash_block_tokens
 from cluster.common.protocol import Accepted, GenerateCall
+from cluster.config import allowed_cores
 from cluster.decode_worker.deployment import DecodeServer
 from cluster.engine.engine import LLMEngine
 from cluster.prefill_worker.deployment import PrefillServer
 from cluster.serving.calls import Keepalive
+from cluster.serving.cpu_binding import claim_file, start_time
 from cluster.serving.options import deployment_options
 from tests.helpers import fake_config, greedy, run_until_done
 from tests.serve_fixtures import ServeCluster, wait_until
@@ -75,3 +78,48 @@ def test_decode_pool_hands_off_to_prefill_pool(serve_cluster: ServeCluster) -> N
         assert wait_until(lambda: handle.stats.remote().result()["kv_used_blocks"] == 0)
     finally:
         serve.delete("pools")
+
+
+def test_pools_bound_to_cores_of_their_own_hand_off_and_give_them_back(
+    serve_cluster: ServeCluster,
+) -> None:
+    """``cpu_binding: on`` (what ``pdserve serve`` sets in a Ray of its own): each replica holds
+    cores no other replica holds, the hand-off works across them, and the claims go with the
+    replicas."""
+    cores = allowed_cores()
+    on = {"prefill.cpu_binding": "on", "decode.cpu_binding": "on"}
+    cfg, handle = deploy_pools("bound", **on)
+    try:
+        prefill = serve.get_deployment_handle("PrefillServer", "bound")
+        decode_stats = handle.stats.remote().result()
+        prefill_stats = prefill.stats.remote().result()
+        if len(cores) >= 2:  # one thread each (fake_config): one core each, not the same one
+            assert len(decode_stats["cores"]) == len(prefill_stats["cores"]) == 1
+            assert decode_stats["cores"] != prefill_stats["cores"]
+            assert set(decode_stats["cores"] + prefill_stats["cores"]) <= set(cores)
+        prompt = [1 + (j * 7) % 500 for j in range(40)]  # > local_prefill_threshold: remote
+        ref = LLMEngine(cfg)
+        ref.add("b", prompt, greedy(6))
+        expected = run_until_done(ref)["b"]
+
+        async def one() -> list[Any]:
+            call = GenerateCall("b", prompt, hash_block_tokens(prompt, 16), greedy(6))
+            stream = handle.options(stream=True).generate.remote(call)
+            return [x async for x in stream if not isinstance(x, Keepalive)]
+
+        items = asyncio.run(one())
+        assert [t for c in items[1:] for t in c.token_ids] == expected
+        stats = handle.stats.remote().result()
+        assert stats["remote_prefills"] == 1 and stats["transfer"]["transfers_ok"] == 1
+        assert handle.check_integrity.remote().result() == "ok"
+        assert wait_until(lambda: handle.stats.remote().result()["kv_used_blocks"] == 0)
+        pids = {decode_stats["pid"], prefill_stats["pid"]}
+    finally:
+        serve.delete("bound")
+
+    def released() -> bool:
+        path = claim_file()
+        claims = json.loads(path.read_text())["claims"] if path.exists() else []
+        return not any(c["pid"] in pids and start_time(c["pid"]) == c["start"] for c in claims)
+
+    assert wait_until(released, timeout=30)
