@@ -3,7 +3,8 @@
 The parent sends length-prefixed msgpack messages (never pickle): first the spec, then commands,
 each answered by one reply:
 
-    spec {layout, num_blocks, shared?, seed?, transfer?, instance_id?, epoch?, quiet?, device?}
+    spec {layout, num_blocks, shared?, seed?, transfer?, instance_id?, epoch?, quiet?, device?,
+          cpus?}
                                                    -> {endpoint, ipc, pid}
     register {request_id, block_ids, num_tokens}   -> {params}
     abort {request_id}                             -> {ok}
@@ -12,9 +13,10 @@ each answered by one reply:
     exit                                           -> {ok}, then the child exits
 
 ``transfer`` is the config's ``transfer`` section; ``quiet`` (default true) hides the child's
-stderr. The child's pool is filled with ``fill_pattern(seed)`` so a receiver can check what
-landed without asking. The tests' peer (``tests/harness/kv_sender_peer.py``) runs the same child
-with fault injectors: ``serve(spec, fault_points=..., faults=...)``.
+stderr; ``cpus`` binds the child to those cores before it starts a thread (a pool replica bound
+by ``cpu_binding``). The child's pool is filled with ``fill_pattern(seed)`` so a receiver can
+check what landed without asking. The tests' peer (``tests/harness/kv_sender_peer.py``) runs
+the same child with fault injectors: ``serve(spec, fault_points=..., faults=...)``.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from cluster.config import config_from_dict
 from cluster.kv_transfer import KVPool, KVSender, KVTransferParams
 from cluster.kv_transfer.framing import WireFaults
 from cluster.kv_transfer.pool import TORCH_DTYPES
+from cluster.serving.cpu_binding import bind_process
 
 _LEN = struct.Struct(">I")
 
@@ -86,6 +89,8 @@ def serve(
     faults: WireFaults | None = None,
 ) -> None:
     """Run the sender of ``spec`` and answer commands on stdin until ``exit`` or EOF."""
+    if spec.get("cpus"):
+        bind_process(spec["cpus"])
     torch.set_num_threads(1)
     cfg = config_from_dict({"transfer": spec.get("transfer", {})})
     layout = KVLayout(**spec["layout"])
@@ -170,6 +175,7 @@ class SenderProcess:
             "epoch",
             "quiet",
             "device",
+            "cpus",
         }
     )
 

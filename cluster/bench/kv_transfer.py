@@ -27,6 +27,16 @@ day, ``int8_transfer_ms_ratio_512`` read 0.345-0.351 in 5 rotated runs and 0.359
 shuffled ones (2 pairs of them alternating). A pull in service lands in blocks that no pull
 just wrote.
 
+Placement: the prefill side (the sender children and the raw peer) and the decode side (this
+process, its receivers' threads included) each run on cores of their own, the halves of this
+process's cores (``cpu_binding.split_for_pools``), as ``pdserve serve`` binds one replica of each
+pool (``cpu_binding: on`` in a Ray of its own); with one core, both run unbound. This process
+gets its cores back when the arms are done. Unbound (before 2026-12-05), the threads of both
+sides woke each other across cores: ``int8_transfer_ms_ratio_512`` read 0.358-0.389 in nine runs
+that day, bound 0.306-0.320 in three (int8 2.62-2.66 ms against 3.02-3.17 unbound); the
+fragmented zmq ipc pulls, one message per block, went the other way (12.8-13.5 ms against
+8.9-9.4).
+
 Times are medians; a key is a ratio of two arms measured side by side (reference / ours as a
 throughput ratio). ``transfer_share_of_prefill_*`` divides the zmq ipc transfer time by the
 prefill time of a prompt of the same length on the real model (skipped in ``--smoke``).
@@ -54,7 +64,9 @@ import zmq
 from cluster.bench.harness import BenchContext, BenchReport, interleaved_order, percentile
 from cluster.bench.kv_sender_peer import SenderProcess
 from cluster.common.kv_layout import SCHEMES, KVLayout
+from cluster.config import allowed_cores
 from cluster.kv_transfer import KVPool, KVReceiver
+from cluster.serving.cpu_binding import bind_process, split_for_pools
 
 SIZES = (32, 512, 1024)
 ARMS = (
@@ -134,6 +146,12 @@ def run(ctx: BenchContext) -> BenchReport:
         "frame_bytes": cfg.frame_bytes,
         "max_message_bytes": cfg.max_message_bytes,
     }
+    # Placement: the prefill side (the children) and the decode side (this process) on cores of
+    # their own, as ``pdserve serve`` binds one replica of each pool (``cpu_binding``).
+    original = allowed_cores()
+    split = split_for_pools(original)
+    prefill_cores, decode_cores = split if split is not None else ((), ())
+    ctx.progress(f"cores: prefill side {list(prefill_cores)}, decode side {list(decode_cores)}")
     senders = {
         lay.dtype: SenderProcess(
             {
@@ -141,16 +159,25 @@ def run(ctx: BenchContext) -> BenchReport:
                 "num_blocks": pool_blocks,
                 "shared": True,
                 "transfer": transfer_spec,
+                "cpus": list(prefill_cores),
             }
         )
         for lay in (layout, q_layout)
     }
     raw = subprocess.Popen(
-        [sys.executable, "-m", "cluster.bench.raw_zmq_peer", str(max_blocks * bpb)],
+        [
+            sys.executable,
+            "-m",
+            "cluster.bench.raw_zmq_peer",
+            str(max_blocks * bpb),
+            ",".join(map(str, prefill_cores)),
+        ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
+    if decode_cores:
+        bind_process(decode_cores)  # every thread of the bench, until the arms are done
     assert raw.stdout is not None
     raw_endpoints = json.loads(raw.stdout.readline())
     zctx: zmq.Context[Any] = zmq.Context(io_threads=1)
@@ -235,6 +262,8 @@ def run(ctx: BenchContext) -> BenchReport:
         assert raw.stdin is not None
         raw.stdin.close()
         raw.wait(timeout=10)
+        if decode_cores:
+            bind_process(original)  # the benchmarks after this one run as before
 
     med = {k: statistics.median(v) for k, v in times.items()}
     keys = {
@@ -255,6 +284,7 @@ def run(ctx: BenchContext) -> BenchReport:
         "int8_shm_ms_ratio_512": med[("int8_shm", 512)] / med[("shm", 512)],
         "reps": reps,
         "pool_blocks": pool_blocks,
+        "cores": {"prefill_side": list(prefill_cores), "decode_side": list(decode_cores)},
         "zmq_tcp_vs_raw_512_frag": med[("raw_zmq_tcp", 512)] / med[("zmq_tcp_frag", 512)],
         "sender": sender_stats,
     }

@@ -1,6 +1,7 @@
 """The transport's own limit for P4: a child answering each request with one contiguous buffer.
 
-``python -m cluster.bench.raw_zmq_peer MAX_BYTES`` binds a ROUTER on tcp 127.0.0.1 and on ipc,
+``python -m cluster.bench.raw_zmq_peer MAX_BYTES [CORES]`` (``CORES``: e.g. ``1`` or ``2,3``, the
+cores to run on, as the sender children of P4 do) binds a ROUTER on tcp 127.0.0.1 and on ipc,
 prints ``{"tcp": ..., "ipc": ...}`` on stdout, then answers every ``[size]`` request with the
 first ``size`` bytes of a pre-touched buffer, sent zero-copy. It exits when stdin closes.
 No torch here, so it starts in a fraction of a second.
@@ -19,6 +20,8 @@ import zmq
 
 def main() -> None:
     max_bytes = int(sys.argv[1])
+    if len(sys.argv) > 2 and sys.argv[2]:
+        os.sched_setaffinity(0, {int(c) for c in sys.argv[2].split(",")})  # before any thread
     buf = np.full(max_bytes, 7, dtype=np.uint8)  # touched: no page faults while timed
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=1)
     ctx.linger = 0
