@@ -35,7 +35,8 @@ gets its cores back when the arms are done. Unbound (before 2026-12-05), the thr
 sides woke each other across cores: ``int8_transfer_ms_ratio_512`` read 0.358-0.389 in nine runs
 that day, bound 0.306-0.320 in three (int8 2.62-2.66 ms against 3.02-3.17 unbound); the
 fragmented zmq ipc pulls, one message per block, went the other way (12.8-13.5 ms against
-8.9-9.4).
+8.9-9.4), and won part of it back once the transport grouped their frames into a few messages
+(``transports/zmq_frames.py``).
 
 Times are medians; a key is a ratio of two arms measured side by side (reference / ours as a
 throughput ratio). ``transfer_share_of_prefill_*`` divides the zmq ipc transfer time by the

@@ -1,19 +1,26 @@
 """``zmq``: KV frames on the control connection itself (tcp across hosts, ipc on one host).
 
-Per planned frame the sender sends ``Chunk`` + one raw frame, zero-copy from its pool (pyzmq
-copies nothing above 64 KiB; the lease stays held until zmq reports every frame handed off).
-The receiver validates each chunk against its plan (order, count, byte lengths, crc32) before
-the one copy of the frame into the destination blocks, while later frames are still arriving.
+The sender sends the planned frames in order, each a raw part zero-copy from its pool (pyzmq
+copies nothing above 64 KiB; the lease stays held until zmq reports every part handed off),
+consecutive frames grouped into one message of ``Chunk`` + several parts (``messages``): a
+scattered pull plans one frame per block, and a message per block costs each side a wake-up
+and a header. P4, 512 tokens of scattered blocks over zmq ipc (32 frames), the two sides on a
+core each, three pairs of quick runs alternating: ``zmq_ipc_vs_raw_512_frag`` 0.49-0.53 in 4
+messages against 0.39-0.43 in 32. Contiguous pulls keep one frame a message, so a large one
+still arrives in several. The receiver validates each chunk against its plan (order, count,
+byte lengths, crc32) before the one copy of its frames into the destination blocks, while later
+messages are still arriving.
 """
 
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 
 import numpy as np
 
 from cluster.kv_transfer.framing import Inbound
-from cluster.kv_transfer.plan import crc_segments
+from cluster.kv_transfer.plan import PIPELINE_FRAMES, PIPELINE_MIN_FRAME_BYTES, crc_segments
 from cluster.kv_transfer.protocol import Chunk, HelloReply, KVTransferError, Reason
 from cluster.kv_transfer.transports.base import (
     Completion,
@@ -34,20 +41,46 @@ class Rejected(KVTransferError):
     """Drop this message (counted by reason); the pull it names goes on."""
 
 
+def messages(frame_bytes: Sequence[int], max_bytes: int) -> list[range]:
+    """The planned frames (their byte sizes, in order) grouped into messages: consecutive frames
+    while a message stays within a budget of a quarter of the pull (so a large pull still comes
+    in several messages, the receiver copying one while the next arrives), at least
+    ``PIPELINE_MIN_FRAME_BYTES`` (small pulls: one message) and at most ``max_bytes`` (the
+    frame limit), never below the largest frame (which then goes alone)."""
+    largest = max(frame_bytes, default=0)
+    budget = max(sum(frame_bytes) // PIPELINE_FRAMES, PIPELINE_MIN_FRAME_BYTES)
+    budget = max(largest, min(budget, max_bytes))
+    groups: list[range] = []
+    start, size = 0, 0
+    for i, n in enumerate(frame_bytes):
+        if i > start and size + n > budget:
+            groups.append(range(start, i))
+            start, size = i, 0
+        size += n
+    if frame_bytes:
+        groups.append(range(start, len(frame_bytes)))
+    return groups
+
+
 class ZmqSender(SenderSide):
     def __init__(self, ctx: SenderContext, peer: PeerInfo) -> None:
         self.ctx = ctx
 
     def serve(self, job: ServeJob) -> Completion:
         pool, pull = self.ctx.pool, job.pull
+        bpb = pool.bytes_per_block
+        sizes = [sum(count for _, count in frame) * bpb for frame in job.frames]
         trackers = []
-        for i, frame in enumerate(job.frames):
-            self.ctx.fault_points.hit(FAULT_MID_SEND)
-            views = [pool.byte_view(start, count).reshape(-1) for start, count in frame]
-            data = views[0] if len(views) == 1 else np.concatenate(views)  # small blocks only
-            crcs = (crc_segments(views),) if pull.checksum else ()
-            chunk = Chunk(pull.pull_id, i, (data.nbytes,), crcs)
-            trackers += self.ctx.send(job.identity, chunk, [data], True)
+        for group in messages(sizes, self.ctx.config.max_frame_bytes):
+            parts, crcs = [], []
+            for i in group:
+                self.ctx.fault_points.hit(FAULT_MID_SEND)
+                views = [pool.byte_view(start, count).reshape(-1) for start, count in job.frames[i]]
+                parts.append(views[0] if len(views) == 1 else np.concatenate(views))  # small
+                if pull.checksum:
+                    crcs.append(crc_segments(views))
+            chunk = Chunk(pull.pull_id, group.start, tuple(p.nbytes for p in parts), tuple(crcs))
+            trackers += self.ctx.send(job.identity, chunk, parts, True)
         return Completion(trackers)
 
 

@@ -17,9 +17,11 @@ from tests.unit.kv_transfer.helpers import assert_landed, assert_untouched, crcs
 
 pytestmark = pytest.mark.timeout(60)
 
-CFG = transfer_config(transports=("zmq",))
+# Frames of 64 KiB, so a message of at most one: the cases below address chunks one by one.
+CFG = transfer_config(transports=("zmq",), frame_bytes=1 << 16)
 SRC = list(range(0, 32, 2))  # 16 scattered 8 KiB blocks: two 64 KiB frames, two chunks
 DST = list(range(32, 48))
+GROUPED = transfer_config(transports=("zmq",))  # the default: both frames in one message
 
 Make = Callable[..., SenderHandle]
 MakeR = Callable[..., KVReceiver]
@@ -70,6 +72,31 @@ def test_damaged_chunks_fail_the_pull_before_any_write(
     _pull_fails(receiver, h, "bad", reason)
     assert receiver.stats()["failures"][reason] == 1
     _pull_works(receiver, h, "next")  # the same connection serves the next transfer
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [
+        None,
+        FaultRule("truncate", frame=1, nbytes=100),
+        FaultRule("drop_frame", frame=1),
+        FaultRule("extra_frame", nbytes=8),
+    ],
+    ids=["intact", "truncate_second", "missing_second", "extra"],
+)
+def test_frames_grouped_in_one_message_land_or_fail_before_any_write(
+    make_sender: Make, make_receiver: MakeR, rule: FaultRule | None
+) -> None:
+    """The default frame size groups the two frames into one chunk of two parts: it lands
+    whole, or a damaged part fails the pull before either part is written."""
+    h = make_sender(GROUPED, faults=FaultyTransport([rule] if rule else []))
+    receiver = make_receiver(GROUPED)
+    if rule is None:
+        _pull_works(receiver, h, "grouped")
+    else:
+        _pull_fails(receiver, h, "grouped", Reason.BAD_FRAMES)
+        _pull_works(receiver, h, "next")
+    assert h.sender.stats()["pulls_served"] == (1 if rule is None else 2)
 
 
 def test_a_duplicated_chunk_is_dropped_and_counted(make_sender: Make, make_receiver: MakeR) -> None:
