@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -168,12 +169,28 @@ def compute_metrics(
 
 def arm_ports(configs: dict[str, Any]) -> dict[str, Any]:
     """Each arm its own gRPC port (the first arm's, then the next ones up): every Router
-    replica serves gRPC itself on ``router.grpc_port``, so arms side by side cannot share one."""
+    replica serves gRPC itself on ``router.grpc_port``, so arms side by side cannot share one.
+    A port above the first that something already listens on or holds (another process's
+    connection: the first port may come from the ephemeral range) is skipped for a free one."""
     base = next(iter(configs.values())).router.grpc_port
-    return {
-        arm: cfg.replace({"router.grpc_port": base + i})
-        for i, (arm, cfg) in enumerate(configs.items())
-    }
+    out: dict[str, Any] = {}
+    port = base
+    for i, (arm, cfg) in enumerate(configs.items()):
+        if i:
+            port += 1
+            while not _port_free(cfg.router.host, port):
+                port += 1
+        out[arm] = cfg.replace({"router.grpc_port": port})
+    return out
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 @contextlib.contextmanager

@@ -145,8 +145,8 @@ def bind_replica(
         return None
     cores = claim_cores(num_threads)
     if cores is None:
-        if not quiet:
-            logger.info(
+        if not quiet:  # a warning: it was to have cores of its own
+            logger.warning(
                 "%s replica: fewer than %d cores free of other pdserve replicas; running "
                 "unbound (trying again now and then)",
                 role,
