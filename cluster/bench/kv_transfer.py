@@ -177,8 +177,6 @@ def run(ctx: BenchContext) -> BenchReport:
         stdout=subprocess.PIPE,
         text=True,
     )
-    if decode_cores:
-        bind_process(decode_cores)  # every thread of the bench, until the arms are done
     assert raw.stdout is not None
     raw_endpoints = json.loads(raw.stdout.readline())
     zctx: zmq.Context[Any] = zmq.Context(io_threads=1)
@@ -204,6 +202,8 @@ def run(ctx: BenchContext) -> BenchReport:
     }
     times: dict[tuple[str, int], list[float]] = {(a, n): [] for a in ARMS for n in SIZES}
     counter = iter(range(1 << 30))
+    if decode_cores:
+        bind_process(decode_cores)  # every thread of the bench (receivers' too), until `finally`
     try:
         for n in SIZES:
             nblocks = -(-n // layout.block_size)
