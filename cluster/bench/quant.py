@@ -268,5 +268,9 @@ def run(ctx: BenchContext) -> BenchReport:
             "gguf": str(gguf_path),
             "llamacpp": "llama-cpp-python" if llama else f"unavailable: {INSTALL_LLAMACPP}",
             "kernel_isa": getattr(getattr(gguf_runner.model.ops, "kernels", None), "isa", "none"),
+            # the most activation rows the native kernel takes before tiles + BLAS (start-up probe)
+            "kernel_max_rows": getattr(
+                getattr(gguf_runner.model.ops, "packed", None), "kernel_max_rows", None
+            ),
         },
     )

@@ -17,7 +17,10 @@
 #include "quant_linear.h"
 
 #define PD_MAX_SEGMENTS 4
-#define PD_PARALLEL_MIN_WORK 16384 /* (row, kv head) items x context tokens, as kernels/__init__ */
+/* (row, kv head) items x context tokens from which the attention is split between the threads:
+ * lower than kernels/__init__'s 16384, whose Python pool costs far more per split than this
+ * library's (a batch of 32 rows at 80 tokens of context ran its attention on one thread) */
+#define PD_PARALLEL_MIN_WORK 2048
 
 typedef struct {
     int64_t cols, num_segments;
@@ -77,6 +80,33 @@ static void attn_task(const void *ctx, int64_t i0, int64_t i1) {
     if (rc != 0) j->rc = rc;
 }
 
+typedef struct {
+    const float *gu;
+    int64_t ld, inter;
+    float *out;
+} swiglu_job;
+
+/* elements [e0, e1) of the [n, inter] output, row-major: each computed as pdserve_swiglu does */
+static void swiglu_task(const void *ctx, int64_t e0, int64_t e1) {
+    const swiglu_job *j = ctx;
+    while (e0 < e1) {
+        const int64_t i = e0 / j->inter, k0 = e0 % j->inter;
+        const int64_t k1 = j->inter < k0 + (e1 - e0) ? j->inter : k0 + (e1 - e0);
+        const float *g = j->gu + i * j->ld;
+        pd_swiglu_span(g + k0, g + j->inter + k0, j->out + i * j->inter + k0, k1 - k0);
+        e0 += k1 - k0;
+    }
+}
+
+/* silu(gate) * up over [n, inter] on the threads (an expf per element: at batch 32 on one
+ * thread it was a visible part of the step); the same values whatever the split */
+static void swiglu_parallel(const float *gu, int64_t ld, int64_t n, int64_t inter, float *out,
+                            int num_threads) {
+    const swiglu_job job = {gu, ld, inter, out};
+    const int64_t total = n * inter;
+    pd_run_parallel(swiglu_task, &job, total, 256, total >= 1024 ? num_threads : 1);
+}
+
 /* h [n, hidden] in place through every layer. kv: [num_blocks, L, 2, block_size, Hkv, width] of
  * fp32 (kv_int8 = 0) or int8 rows with their scales (1); tables [n, max_blocks]; ctx_lens [n]
  * (position + 1); slot_blocks / slot_offsets: where each row's K and V go. 0, -1 (a format the
@@ -117,7 +147,7 @@ int pdserve_decode_forward(const pd_model *m, float *h, int64_t n, const int64_t
         if ((rc = linear(m, &lw->o, att, n, hq * d, h, H, NULL, 1))) break;
         pdserve_rms_norm(h, H, lw->post_norm, x, H, n, H, m->eps, (int)m->num_threads);
         if ((rc = linear(m, &lw->gate_up, x, n, H, gu, 2 * I, NULL, 0))) break;
-        pdserve_swiglu(gu, 2 * I, n, I, act, I);
+        swiglu_parallel(gu, 2 * I, n, I, act, (int)m->num_threads);
         rc = linear(m, &lw->down, act, n, I, h, H, NULL, 1);
     }
     free(buf);

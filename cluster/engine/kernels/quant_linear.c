@@ -16,11 +16,12 @@
  * -ffp-contract=off, so d * q + m rounds twice as numpy does). One activation row uses the fused
  * block kernels, which stream the weights once and never expand them: per block they compute
  * d * sum q x + m * sum x, the reference's dot up to the rounding of fp32 sums. A few rows
- * (AVX-512) decode each weight block once and dot it with up to 8 activation rows, with the
- * very operations and order of the one-row kernel, so a row's output does not depend on the
- * batch it ran in (speculative verification rows equal plain decode rows bit for bit); other
- * ISAs run every activation row through the one-row kernel. Many rows are the caller's
- * business (de-quantize tiles with pdserve_dequant_rows and use BLAS).
+ * (AVX-512, AVX2) decode each weight block once and dot it with up to 8 activation rows, with
+ * the very operations and order of that ISA's one-row kernel, so a row's output does not depend
+ * on the batch it ran in (speculative verification rows equal plain decode rows bit for bit);
+ * the portable path and int8 rows run every activation row through the one-row kernel. Many
+ * rows are the caller's business (de-quantize tiles with pdserve_dequant_rows and use BLAS;
+ * models/packed.py's start-up probe finds where that starts to win).
  *
  * Code paths: AVX-512 (F, BW, VL), AVX2+FMA+F16C, portable C, chosen at run time from cpuid
  * (__builtin_cpu_supports), so one binary runs on any x86-64 (and the portable path anywhere).
@@ -216,68 +217,91 @@ AVX2 static INLINE __m256 i8x8_ps(const uint8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
-/* sum_j q_j x_j over one block (before its scale; Q4_0's -8 goes through xsum), x in x0..x3.
- * A 4-bit block is widened byte -> int32 first and split into nibbles there (and / shift), so
- * each 8 values cost one shuffle, one integer op and one conversion. */
-AVX2 static INLINE __m256 blockdot_avx2(int qt, const uint8_t *qs, __m256 x0, __m256 x1,
-                                        __m256 x2, __m256 x3) {
-    __m256 w0, w1, w2, w3;
+/* One block's 32 values as floats (before its scale) in w[0..3], 8 each. A 4-bit block is
+ * widened byte -> int32 first and split into nibbles there (and / shift), so each 8 values
+ * cost one shuffle, one integer op and one conversion. */
+AVX2 static INLINE void decode_block_avx2(int qt, const uint8_t *qs, __m256 w[4]) {
     if (qt == QT_Q8_0 || qt == QT_I8_ROW) {
-        w0 = i8x8_ps(qs), w1 = i8x8_ps(qs + 8), w2 = i8x8_ps(qs + 16), w3 = i8x8_ps(qs + 24);
+        w[0] = i8x8_ps(qs), w[1] = i8x8_ps(qs + 8), w[2] = i8x8_ps(qs + 16);
+        w[3] = i8x8_ps(qs + 24);
     } else if (qt == QT_I8_G32) {
-        w0 = _mm256_cvtepi32_ps(u8x8(qs)), w1 = _mm256_cvtepi32_ps(u8x8(qs + 8));
-        w2 = _mm256_cvtepi32_ps(u8x8(qs + 16)), w3 = _mm256_cvtepi32_ps(u8x8(qs + 24));
+        w[0] = _mm256_cvtepi32_ps(u8x8(qs)), w[1] = _mm256_cvtepi32_ps(u8x8(qs + 8));
+        w[2] = _mm256_cvtepi32_ps(u8x8(qs + 16)), w[3] = _mm256_cvtepi32_ps(u8x8(qs + 24));
     } else {
         const __m256i m4 = _mm256_set1_epi32(0x0F);
         const __m256i a = u8x8(qs), b = u8x8(qs + 8); /* bytes 0-7, 8-15 */
-        w0 = _mm256_cvtepi32_ps(_mm256_and_si256(a, m4));      /* values 0-7 */
-        w1 = _mm256_cvtepi32_ps(_mm256_and_si256(b, m4));      /* 8-15 */
-        w2 = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));      /* 16-23 */
-        w3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));      /* 24-31 */
+        w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, m4)); /* values 0-7 */
+        w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b, m4)); /* 8-15 */
+        w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)); /* 16-23 */
+        w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)); /* 24-31 */
     }
-    __m256 s = _mm256_mul_ps(w0, x0);
-    s = _mm256_fmadd_ps(w1, x1, s);
-    s = _mm256_fmadd_ps(w2, x2, s);
-    return _mm256_fmadd_ps(w3, x3, s);
 }
 
-/* y[r] for rows r0 .. r0 + NR - 1 (NR <= 4) of a block type, one activation row x. */
+/* sum_j q_j x_j over one decoded block (Q4_0's -8 goes through xsum), x in x0..x3: two
+ * independent halves, then their sum (a shorter dependency chain than four in a row). */
+AVX2 static INLINE __m256 blocksum_avx2(const __m256 w[4], __m256 x0, __m256 x1, __m256 x2,
+                                        __m256 x3) {
+    return _mm256_add_ps(_mm256_fmadd_ps(w[1], x1, _mm256_mul_ps(w[0], x0)),
+                         _mm256_fmadd_ps(w[3], x3, _mm256_mul_ps(w[2], x2)));
+}
+
+AVX2 static INLINE __m256 blockdot_avx2(int qt, const uint8_t *qs, __m256 x0, __m256 x1,
+                                        __m256 x2, __m256 x3) {
+    __m256 w[4];
+    decode_block_avx2(qt, qs, w);
+    return blocksum_avx2(w, x0, x1, x2, x3);
+}
+
+/* One row's sum_b m_b xsum_b (Q4_0: -8 sum_b d_b xsum_b), eight blocks' scales at a time; 0
+ * for the types without a minimum or offset. The one-row and the multi-row kernels both end a
+ * row's output with it, so their results agree bit for bit. */
+AVX2 static INLINE float min_part_avx2(int qt, const uint8_t *wr, int64_t nb, const float *xsum) {
+    if (qt != QT_Q4_0 && !HAS_MIN(qt)) return 0.0f;
+    const uint8_t *src = qt == QT_Q4_0 ? row_d(qt, wr, nb) : row_m(qt, wr, nb);
+    __m256 macc = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 2 * b)));
+        macc = _mm256_fmadd_ps(v, _mm256_loadu_ps(xsum + b), macc);
+    }
+    float m = hsum256(macc);
+    for (; b < nb; b++) m += f16_to_f32(load_u16(src + 2 * b)) * xsum[b];
+    return qt == QT_Q4_0 ? m * -8.0f : m;
+}
+
+/* y[r] for rows r0 .. r0 + NR - 1 (NR <= 4) of a block type, one activation row x. The four
+ * accumulators are named variables (an indexed array kept them on the stack: a store and a
+ * reload in every block's dependency chain). */
 AVX2 static INLINE void dot_rows_avx2(int qt, const uint8_t *w, int64_t row_bytes, int nr,
                                       int64_t nb, const float *x, const float *xsum,
                                       float *out) {
     const int qb = quant_bytes(qt);
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                     _mm256_setzero_ps()};
+    const int64_t step = 4 * row_bytes / nb; /* prefetch_ahead's, hoisted: no division per block */
+    const uint8_t *w0 = w, *w1 = w + row_bytes, *w2 = w + 2 * row_bytes, *w3 = w + 3 * row_bytes;
+    const uint8_t *d0 = row_d(qt, w0, nb), *d1 = row_d(qt, w1, nb);
+    const uint8_t *d2 = row_d(qt, w2, nb), *d3 = row_d(qt, w3, nb);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+#define PD_ROW_STEP(acc, wr, dr)                                                                 \
+    acc = _mm256_fmadd_ps(                                                                      \
+        _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(load_u16(dr + 2 * b)))),           \
+        blockdot_avx2(qt, wr + b * qb, x0, x1, x2, x3), acc)
     for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + b * QK;
         const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8);
         const __m256 x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
-        prefetch_ahead(w, row_bytes, nb, b);
-        for (int r = 0; r < 4; r++) {
-            if (r >= nr) break;
-            const uint8_t *wr = w + r * row_bytes;
-            const __m256 s = blockdot_avx2(qt, wr + b * qb, x0, x1, x2, x3);
-            const __m128 d = _mm_cvtph_ps(_mm_cvtsi32_si128(load_u16(row_d(qt, wr, nb) + 2 * b)));
-            acc[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(d), s, acc[r]);
-        }
+        const uint8_t *p = w + PREFETCH_AHEAD + b * step;
+        __builtin_prefetch(p, 0, 3);
+        __builtin_prefetch(p + 64, 0, 3);
+        if (step > 128) __builtin_prefetch(p + 128, 0, 3);
+        PD_ROW_STEP(a0, w0, d0);
+        if (nr > 1) PD_ROW_STEP(a1, w1, d1);
+        if (nr > 2) PD_ROW_STEP(a2, w2, d2);
+        if (nr > 3) PD_ROW_STEP(a3, w3, d3);
     }
-    for (int r = 0; r < nr; r++) {
-        const uint8_t *wr = w + r * row_bytes;
-        float m = 0.0f;
-        if (qt == QT_Q4_0 || HAS_MIN(qt)) { /* eight blocks' scales at a time */
-            const uint8_t *src = qt == QT_Q4_0 ? row_d(qt, wr, nb) : row_m(qt, wr, nb);
-            __m256 macc = _mm256_setzero_ps();
-            int64_t b = 0;
-            for (; b + 8 <= nb; b += 8) {
-                const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 2 * b)));
-                macc = _mm256_fmadd_ps(v, _mm256_loadu_ps(xsum + b), macc);
-            }
-            m = hsum256(macc);
-            for (; b < nb; b++) m += f16_to_f32(load_u16(src + 2 * b)) * xsum[b];
-            if (qt == QT_Q4_0) m *= -8.0f;
-        }
-        out[r] = hsum256(acc[r]) + m;
-    }
+#undef PD_ROW_STEP
+    const __m256 acc[4] = {a0, a1, a2, a3};
+    for (int r = 0; r < nr; r++)
+        out[r] = hsum256(acc[r]) + min_part_avx2(qt, w + r * row_bytes, nb, xsum);
 }
 
 /* One instantiation per (type, row count): both are compile-time constants inside. */
@@ -293,6 +317,54 @@ DOT_ROWS(dot_rows_avx2_q4_0, dot_rows_avx2, AVX2, QT_Q4_0)
 DOT_ROWS(dot_rows_avx2_q4_1, dot_rows_avx2, AVX2, QT_Q4_1)
 DOT_ROWS(dot_rows_avx2_q8_0, dot_rows_avx2, AVX2, QT_Q8_0)
 DOT_ROWS(dot_rows_avx2_i8_g32, dot_rows_avx2, AVX2, QT_I8_G32)
+
+/* One weight row against NX activation rows (NX <= 8): each block is decoded once and dotted
+ * with every activation row, each output in exactly the order of dot_rows_avx2 (per block
+ * s = (w0 x0 + w1 x1) + (w2 x2 + w3 x3), acc += d s; then the row's minimum part and one
+ * reduction), so a row's result is the same bits whatever the batch. Batches stream the weights
+ * once per eight activation rows from L1 instead of decoding them for every row. */
+AVX2 static INLINE void dot_xrows_avx2(int qt, const uint8_t *w, int64_t nb, int nx,
+                                       const float *x, int64_t ldx, const float *xsum,
+                                       float *out) {
+    const int qb = quant_bytes(qt);
+    const uint8_t *dp = row_d(qt, w, nb);
+    __m256 acc[8];
+    for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256 wv[4];
+        decode_block_avx2(qt, w + b * qb, wv);
+        const __m256 d =
+            _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(load_u16(dp + 2 * b))));
+        for (int i = 0; i < 8; i++) {
+            if (i >= nx) break;
+            const float *xb = x + i * ldx + b * QK;
+            const __m256 s = blocksum_avx2(wv, _mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8),
+                                           _mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24));
+            acc[i] = _mm256_fmadd_ps(d, s, acc[i]);
+        }
+    }
+    for (int i = 0; i < nx; i++)
+        out[i] = hsum256(acc[i]) + min_part_avx2(qt, w, nb, xsum ? xsum + i * nb : NULL);
+}
+
+typedef void (*dot_xrows_fn)(const uint8_t *w, int64_t rb, int64_t nb, int nx, const float *x,
+                             int64_t ldx, const float *xs, float *o);
+/* one instantiation per (type, activation rows): both constants inside */
+#define DOT_XROWS(name, body_fn, attr, qt)                                                      \
+    attr static void name(const uint8_t *w, int64_t rb, int64_t nb, int nx, const float *x,     \
+                          int64_t ldx, const float *xs, float *o) {                             \
+        (void)rb;                                                                               \
+        switch (nx) {                                                                           \
+        case 8: body_fn(qt, w, nb, 8, x, ldx, xs, o); break;                                    \
+        case 4: body_fn(qt, w, nb, 4, x, ldx, xs, o); break;                                    \
+        case 2: body_fn(qt, w, nb, 2, x, ldx, xs, o); break;                                    \
+        default: body_fn(qt, w, nb, 1, x, ldx, xs, o); break;                                   \
+        }                                                                                       \
+    }
+DOT_XROWS(dot_xrows_avx2_q4_0, dot_xrows_avx2, AVX2, QT_Q4_0)
+DOT_XROWS(dot_xrows_avx2_q4_1, dot_xrows_avx2, AVX2, QT_Q4_1)
+DOT_XROWS(dot_xrows_avx2_q8_0, dot_xrows_avx2, AVX2, QT_Q8_0)
+DOT_XROWS(dot_xrows_avx2_i8_g32, dot_xrows_avx2, AVX2, QT_I8_G32)
 
 AVX2 static float dot_i8row_avx2(const int8_t *q, float scale, int64_t cols, const float *x) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
@@ -451,9 +523,9 @@ DOT_ROWS(dot_rows_avx512_i8_g32, dot_rows_avx512, AVX512, QT_I8_G32)
  * order dot_rows_avx512 computes it (per block: acc += (q d) x over values 0-15, then 16-31;
  * per sixteen blocks the minimum's part; then one reduction), so a row's result is the same bits whatever
  * the batch: only the block's decode is shared between the activation rows. */
-AVX512 static INLINE void dot_xrows_avx512(int qt, const uint8_t *w, int64_t row_bytes,
-                                           int64_t nb, int nx, const float *x, int64_t ldx,
-                                           const float *xsum, float *out) {
+AVX512 static INLINE void dot_xrows_avx512(int qt, const uint8_t *w, int64_t nb, int nx,
+                                           const float *x, int64_t ldx, const float *xsum,
+                                           float *out) {
     const int qb = quant_bytes(qt);
     const __m512 nibble_values =
         _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -488,27 +560,13 @@ AVX512 static INLINE void dot_xrows_avx512(int qt, const uint8_t *w, int64_t row
             acc[i] = _mm512_fmadd_ps(s, d, acc[i]);
         }
     }
-    (void)row_bytes;
     for (int i = 0; i < nx; i++) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i], macc[i]));
 }
 
-typedef void (*dot_xrows_fn)(const uint8_t *w, int64_t rb, int64_t nb, int nx, const float *x,
-                             int64_t ldx, const float *xs, float *o);
-/* one instantiation per (type, activation rows): both constants inside */
-#define DOT_XROWS(name, qt)                                                                     \
-    AVX512 static void name(const uint8_t *w, int64_t rb, int64_t nb, int nx, const float *x,   \
-                            int64_t ldx, const float *xs, float *o) {                           \
-        switch (nx) {                                                                           \
-        case 8: dot_xrows_avx512(qt, w, rb, nb, 8, x, ldx, xs, o); break;                       \
-        case 4: dot_xrows_avx512(qt, w, rb, nb, 4, x, ldx, xs, o); break;                       \
-        case 2: dot_xrows_avx512(qt, w, rb, nb, 2, x, ldx, xs, o); break;                       \
-        default: dot_xrows_avx512(qt, w, rb, nb, 1, x, ldx, xs, o); break;                      \
-        }                                                                                       \
-    }
-DOT_XROWS(dot_xrows_avx512_q4_0, QT_Q4_0)
-DOT_XROWS(dot_xrows_avx512_q4_1, QT_Q4_1)
-DOT_XROWS(dot_xrows_avx512_q8_0, QT_Q8_0)
-DOT_XROWS(dot_xrows_avx512_i8_g32, QT_I8_G32)
+DOT_XROWS(dot_xrows_avx512_q4_0, dot_xrows_avx512, AVX512, QT_Q4_0)
+DOT_XROWS(dot_xrows_avx512_q4_1, dot_xrows_avx512, AVX512, QT_Q4_1)
+DOT_XROWS(dot_xrows_avx512_q8_0, dot_xrows_avx512, AVX512, QT_Q8_0)
+DOT_XROWS(dot_xrows_avx512_i8_g32, dot_xrows_avx512, AVX512, QT_I8_G32)
 
 AVX512 static float dot_i8row_avx512(const int8_t *q, float scale, int64_t cols,
                                      const float *x) {
@@ -783,6 +841,8 @@ static inline void store(const linear_job *j, float *yr, int64_t r, float v) {
 }
 
 #define ROW_CHUNK 256
+/* weight rows per tile of the multi-row path: their activation rows are read from L1 */
+#define XROW_TILE 16
 
 static dot_xrows_fn xrows_fn(int qt) {
 #if PD_X86
@@ -791,6 +851,11 @@ static dot_xrows_fn xrows_fn(int qt) {
                : qt == QT_Q4_1 ? dot_xrows_avx512_q4_1
                : qt == QT_I8_G32 ? dot_xrows_avx512_i8_g32
                                  : dot_xrows_avx512_q8_0;
+    if (isa() == ISA_AVX2 && qt != QT_I8_ROW)
+        return qt == QT_Q4_0   ? dot_xrows_avx2_q4_0
+               : qt == QT_Q4_1 ? dot_xrows_avx2_q4_1
+               : qt == QT_I8_G32 ? dot_xrows_avx2_i8_g32
+                                 : dot_xrows_avx2_q8_0;
 #endif
     (void)qt;
     return NULL;
@@ -798,22 +863,25 @@ static dot_xrows_fn xrows_fn(int qt) {
 
 /* Every path computes an output y[i, r] the way the one-row kernel does, so a row's result does
  * not depend on how many rows came with it (a draft verified in a batch equals the token
- * decoded alone). Several activation rows share each weight block's decode (AVX-512), or else
- * reuse four weight rows from L1 for every activation row; the weights stream from memory once. */
+ * decoded alone). Several activation rows share each weight block's decode (AVX-512, AVX2), or
+ * else (portable, int8 rows) reuse four weight rows from L1 for every activation row; the
+ * weights stream from memory once. */
 static void linear_task(const void *ctx, int64_t r0, int64_t r1) {
     const linear_job *j = ctx;
     const int64_t nb = j->cols / QK;
     const dot_xrows_fn xfn = j->n > 1 ? xrows_fn(j->qt) : NULL;
     float out[ROW_CHUNK];
-    if (xfn) {
-        for (int64_t r = r0; r < r1; r++) {
-            const uint8_t *wr = j->w + r * j->row_bytes;
+    if (xfn) { /* tiles of XROW_TILE weight rows: a group's activation rows stay in L1 */
+        for (int64_t rt = r0; rt < r1; rt += XROW_TILE) {
+            const int64_t re = rt + XROW_TILE < r1 ? rt + XROW_TILE : r1;
             for (int64_t i0 = 0; i0 < j->n;) {
                 const int64_t left = j->n - i0;
                 const int nx = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-                xfn(wr, j->row_bytes, nb, nx, j->x + i0 * j->ldx, j->ldx,
-                    j->xsum ? j->xsum + i0 * nb : NULL, out);
-                for (int k = 0; k < nx; k++) store(j, j->y + (i0 + k) * j->ldy, r, out[k]);
+                for (int64_t r = rt; r < re; r++) {
+                    xfn(j->w + r * j->row_bytes, j->row_bytes, nb, nx, j->x + i0 * j->ldx,
+                        j->ldx, j->xsum ? j->xsum + i0 * nb : NULL, out);
+                    for (int k = 0; k < nx; k++) store(j, j->y + (i0 + k) * j->ldy, r, out[k]);
+                }
                 i0 += nx;
             }
         }
@@ -956,13 +1024,14 @@ int pdserve_rope(float *x, int64_t ldx, int64_t n, int64_t num_heads, int64_t he
 }
 
 /* out[i, k] = silu(gu[i, k]) * gu[i, inter + k] */
+void pd_swiglu_span(const float *g, const float *u, float *o, int64_t count) {
+    for (int64_t k = 0; k < count; k++) o[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
+}
+
 int pdserve_swiglu(const float *gu, int64_t ld, int64_t n, int64_t inter, float *out,
                    int64_t ldo) {
-    for (int64_t i = 0; i < n; i++) {
-        const float *g = gu + i * ld, *u = g + inter;
-        float *o = out + i * ldo;
-        for (int64_t k = 0; k < inter; k++) o[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
-    }
+    for (int64_t i = 0; i < n; i++)
+        pd_swiglu_span(gu + i * ld, gu + i * ld + inter, out + i * ldo, inter);
     return 0;
 }
 

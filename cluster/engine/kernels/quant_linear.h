@@ -16,6 +16,8 @@ int pdserve_rms_norm(const float *x, int64_t ldx, const float *w, float *out, in
                      int64_t n, int64_t h, float eps, int num_threads);
 int pdserve_rope(float *x, int64_t ldx, int64_t n, int64_t num_heads, int64_t head_dim,
                  const float *cos_t, const float *sin_t, const int64_t *positions);
+/* o[k] = silu(g[k]) * u[k] for k < count (pdserve_swiglu's rows, and the decode step's split) */
+void pd_swiglu_span(const float *g, const float *u, float *o, int64_t count);
 int pdserve_swiglu(const float *gu, int64_t ld, int64_t n, int64_t inter, float *out,
                    int64_t ldo);
 int pdserve_write_kv(void *kv, const float *k, const float *v, int64_t ld, int64_t n,

@@ -84,15 +84,32 @@ def test_the_one_call_decode_step_is_the_per_layer_loop_bit_for_bit(
 ) -> None:
     """Decode-only steps run every layer in one C call (kernels/decode_forward.c); the same
     kernels in the same order as the per-layer loop, so the logits are identical, not close."""
-    cfg = tiny_gguf["config"].replace({"cache.kv_dtype": kv_dtype})
+    _whole_equals_loop(tiny_gguf["config"].replace({"cache.kv_dtype": kv_dtype}), n=5)
+
+
+def test_a_wide_one_call_decode_step_splits_its_small_ops_bit_for_bit(
+    tiny_gguf: dict[str, Any],
+) -> None:
+    """12 decode rows at up to ~110 tokens of context: enough work that the one-call step splits
+    SwiGLU and the attention between the threads; each value is still computed as the per-layer
+    loop computes it."""
+    # every prompt prefilled in the first step, so the 12 rows then decode together
+    cfg = tiny_gguf["config"].replace({"cache.num_blocks": 256, "scheduler.chunk_size": 256})
+    _whole_equals_loop(cfg, n=12, kernel_max_rows=64)
+
+
+def _whole_equals_loop(cfg: Any, n: int, kernel_max_rows: int | None = None) -> None:
     whole, loop = LLMEngine(cfg), LLMEngine(cfg)
+    if kernel_max_rows is not None:  # both on the kernel path at this width, whatever the probe
+        for e in (whole, loop):
+            e.runner.model.ops.packed.kernel_max_rows = kernel_max_rows  # type: ignore[attr-defined]
     loop.runner.model.ops._whole = False  # type: ignore[attr-defined]  # never the one call
     calls = []
     ops: Any = whole.runner.model.ops
     run_layers = ops.run_layers
     ops.run_layers = lambda *a: calls.append(run_layers(*a)) or calls[-1]
     logits = [capture_logits(e) for e in (whole, loop)]
-    outs = [_run(e, n=5, max_tokens=12) for e in (whole, loop)]
+    outs = [_run(e, n=n, max_tokens=12) for e in (whole, loop)]
     assert outs[0] == outs[1]
     assert logits[0].keys() == logits[1].keys()
     for key, row in logits[0].items():
