@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from cluster.common.sampling_params import SamplingParams
-from cluster.engine.sampler import SampleRequest, draw_seed, sample
+from cluster.engine.sampler import SampleRequest, argmax_rows, draw_seed, sample
 
 
 def _row(
@@ -76,3 +76,26 @@ def test_logprobs_are_the_models_log_softmax() -> None:
     assert out.logprobs is not None and out.top_logprobs is not None
     assert abs(out.logprobs[0] - float(ref.max())) < 1e-6
     assert [t for t, _ in out.top_logprobs[0]] == ref.topk(3).indices.tolist()
+
+
+def test_argmax_rows_is_torch_argmax_first_of_ties_and_nan() -> None:
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 300, generator=g)
+    x[1, 7] = x[1, 200] = 99.0  # a tie: the first
+    x[2, 50] = float("nan")  # NaN counts as the largest
+    x[3] = 0.0
+    assert argmax_rows(x) == x.argmax(dim=-1).tolist() == argmax_rows(x.double())
+    assert argmax_rows(x)[1:4] == [7, 50, 0]
+    row = x[4]
+    expanded = row.unsqueeze(0).expand(3, -1)  # verify.py samples one row for several requests
+    assert argmax_rows(expanded) == [int(row.argmax())] * 3
+
+
+def test_a_greedy_row_with_suppressed_ids_leaves_the_callers_logits_alone() -> None:
+    lg = torch.zeros(1, 10)
+    lg[0, 3], lg[0, 4] = 5.0, 4.0
+    before = lg.clone()
+    p = SamplingParams(temperature=0)
+    assert sample(lg, [_row(p, suppress=(3,))]).token_ids == [4]  # the winner suppressed
+    assert sample(lg, [_row(p, suppress=(7,))]).token_ids == [3]  # a loser suppressed
+    assert torch.equal(lg, before)
