@@ -20,6 +20,7 @@ torch per call: correct everywhere, fast nowhere.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -225,13 +226,11 @@ class PackedLinear:
 
 
 _PROBED: dict[tuple[int, DenseLinear], int] = {}
-# How much slower than tiles the kernel may be on the probe's one warm matrix and still keep a
-# row count. The probe does not see what the kernel path saves in a whole step: the weights
-# stream from memory once instead of being expanded into the scratch, and decode steps of up
-# to kernel_max_rows rows run all layers in one native call. On an AVX2 EPYC (2 threads) the
-# probe read 0.9-1.1 at 32 rows, while a bs32 decode step of the default model took 128-141 ms
-# on the kernel path against 211-229 ms on tiles.
+# How much slower than tiles the kernel may be on the probe's matrices and still keep a row
+# count: the probe does not see all that the kernel path saves in a step (decode steps of up to
+# kernel_max_rows rows run every layer in one native call, no scratch is written and re-read).
 KERNEL_MARGIN = 1.15
+_PROBE_POOL_BYTES = 48 << 20  # more than a server CPU's last-level cache slice
 
 
 def probe_kernel_max_rows(kernels: QuantKernels, dense: DenseLinear) -> int:
@@ -245,10 +244,13 @@ def probe_kernel_max_rows(kernels: QuantKernels, dense: DenseLinear) -> int:
 def _probe(kernels: QuantKernels, dense: DenseLinear) -> int:
     """The most activation rows at which the native kernel still beats de-quantize + BLAS.
 
-    Timed on a random Q4_1 [1536, 576] matrix (an MLP projection of the default model) at
-    1, 2, 4, 8, 16, 32 rows, interleaved, median of a few rounds; the kernel keeps every row
-    count up to the first it loses by ``KERNEL_MARGIN`` (it always keeps 1: there it never
-    expands the weights).
+    Timed on random Q4_1 [1536, 576] matrices (an MLP projection of the default model) at
+    1, 2, 4, 8, 16, 32 rows, interleaved (each first in turn), median of 9 rounds; the kernel
+    keeps every row count up to the first it loses by ``KERNEL_MARGIN`` (it always keeps 1:
+    there it never expands the weights). Each call takes the next of ``_PROBE_POOL_BYTES`` of
+    copies, so the weights come from memory as a model's do in a step. Timed on one matrix held
+    in cache, the probe chose tiles at 32 rows in some runs on a 2-core AVX2 EPYC, where a bs32
+    decode step of the default model then took 211-229 ms against 128-141 ms on the kernel path.
     """
     g = torch.Generator().manual_seed(0)
     rows, cols = 1536, 576
@@ -256,22 +258,33 @@ def _probe(kernels: QuantKernels, dense: DenseLinear) -> int:
     blocks = data.view(rows, -1, 20)
     blocks[..., 0:2] = torch.tensor([0x66, 0x20], dtype=torch.uint8)  # d ~ 0.008 (fp16)
     blocks[..., 2:4] = torch.tensor([0x66, 0xA0], dtype=torch.uint8)  # m ~ -0.008
-    w = PackedWeight.of(Q4_1, data, cols)
+    one = PackedWeight.of(Q4_1, data, cols).segments[0].data
+    copies = max(2, _PROBE_POOL_BYTES // one.numel())
+    pool = one.repeat(copies, 1)  # distinct memory, the same values
+    weights = [
+        PackedWeight((Segment(Q4_1, pool[i * rows : (i + 1) * rows], None),), cols)
+        for i in range(copies)
+    ]
+    turn = itertools.count()
+
+    def call(f: PackedLinear, x: torch.Tensor) -> None:
+        f(x, weights[next(turn) % copies], None)
+
     kernel = PackedLinear(dense, kernels, kernel_max_rows=1 << 30)
     tiled = PackedLinear(dense, kernels, kernel_max_rows=0)
     best = 1
     for n in (2, 4, 8, 16, 32):
         x = torch.randn(n, cols, generator=g)
         ratios = []
-        for _ in range(5):
-            times = []
-            for f in (kernel, tiled):
-                f(x, w, None)  # warm
+        for r in range(9):
+            times = {}
+            for f in (kernel, tiled) if r % 2 else (tiled, kernel):  # either goes first
+                call(f, x)  # warm
                 t0 = time.perf_counter()
                 for _ in range(3):
-                    f(x, w, None)
-                times.append(time.perf_counter() - t0)
-            ratios.append(times[0] / times[1])
+                    call(f, x)
+                times[f] = time.perf_counter() - t0
+            ratios.append(times[kernel] / times[tiled])
         ratios.sort()
         if ratios[len(ratios) // 2] >= KERNEL_MARGIN:
             break
