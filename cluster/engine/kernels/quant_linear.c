@@ -180,8 +180,10 @@ static float dot_row_portable(int qt, const uint8_t *w, float scale, int64_t col
  * hardware prefetcher does not follow four interleaved rows far enough ahead on its own: at
  * 8 KiB ahead a cold matrix streams about twice as fast as with next-group prefetches). */
 #define PREFETCH_AHEAD 8192
-static inline void prefetch_ahead(const uint8_t *w, int64_t row_bytes, int64_t nb, int64_t b) {
-    const int64_t step = 4 * row_bytes / nb; /* 72-144 bytes */
+static inline int64_t prefetch_step(int64_t row_bytes, int64_t nb) {
+    return 4 * row_bytes / nb; /* 72-144 bytes; computed once per group, not per block */
+}
+static inline void prefetch_ahead(const uint8_t *w, int64_t step, int64_t b) {
     const uint8_t *p = w + PREFETCH_AHEAD + b * step;
     __builtin_prefetch(p, 0, 3);
     __builtin_prefetch(p + 64, 0, 3);
@@ -252,6 +254,11 @@ AVX2 static INLINE __m256 blockdot_avx2(int qt, const uint8_t *qs, __m256 x0, __
     return blocksum_avx2(w, x0, x1, x2, x3);
 }
 
+/* the fp16 at p as a float in all 8 lanes (a block's scale) */
+AVX2 static INLINE __m256 f16_bcast_avx2(const uint8_t *p) {
+    return _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(load_u16(p))));
+}
+
 /* One row's sum_b m_b xsum_b (Q4_0: -8 sum_b d_b xsum_b), eight blocks' scales at a time; 0
  * for the types without a minimum or offset. The one-row and the multi-row kernels both end a
  * row's output with it, so their results agree bit for bit. */
@@ -276,23 +283,20 @@ AVX2 static INLINE void dot_rows_avx2(int qt, const uint8_t *w, int64_t row_byte
                                       int64_t nb, const float *x, const float *xsum,
                                       float *out) {
     const int qb = quant_bytes(qt);
-    const int64_t step = 4 * row_bytes / nb; /* prefetch_ahead's, hoisted: no division per block */
+    const int64_t step = prefetch_step(row_bytes, nb);
     const uint8_t *w0 = w, *w1 = w + row_bytes, *w2 = w + 2 * row_bytes, *w3 = w + 3 * row_bytes;
     const uint8_t *d0 = row_d(qt, w0, nb), *d1 = row_d(qt, w1, nb);
     const uint8_t *d2 = row_d(qt, w2, nb), *d3 = row_d(qt, w3, nb);
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
 #define PD_ROW_STEP(acc, wr, dr)                                                                 \
     acc = _mm256_fmadd_ps(                                                                      \
-        _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(load_u16(dr + 2 * b)))),           \
+        f16_bcast_avx2(dr + 2 * b),                                                             \
         blockdot_avx2(qt, wr + b * qb, x0, x1, x2, x3), acc)
     for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + b * QK;
         const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8);
         const __m256 x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
-        const uint8_t *p = w + PREFETCH_AHEAD + b * step;
-        __builtin_prefetch(p, 0, 3);
-        __builtin_prefetch(p + 64, 0, 3);
-        if (step > 128) __builtin_prefetch(p + 128, 0, 3);
+        prefetch_ahead(w, step, b);
         PD_ROW_STEP(a0, w0, d0);
         if (nr > 1) PD_ROW_STEP(a1, w1, d1);
         if (nr > 2) PD_ROW_STEP(a2, w2, d2);
@@ -333,8 +337,7 @@ AVX2 static INLINE void dot_xrows_avx2(int qt, const uint8_t *w, int64_t nb, int
     for (int64_t b = 0; b < nb; b++) {
         __m256 wv[4];
         decode_block_avx2(qt, w + b * qb, wv);
-        const __m256 d =
-            _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(load_u16(dp + 2 * b))));
+        const __m256 d = f16_bcast_avx2(dp + 2 * b);
         for (int i = 0; i < 8; i++) {
             if (i >= nx) break;
             const float *xb = x + i * ldx + b * QK;
@@ -347,13 +350,12 @@ AVX2 static INLINE void dot_xrows_avx2(int qt, const uint8_t *w, int64_t nb, int
         out[i] = hsum256(acc[i]) + min_part_avx2(qt, w, nb, xsum ? xsum + i * nb : NULL);
 }
 
-typedef void (*dot_xrows_fn)(const uint8_t *w, int64_t rb, int64_t nb, int nx, const float *x,
-                             int64_t ldx, const float *xs, float *o);
+typedef void (*dot_xrows_fn)(const uint8_t *w, int64_t nb, int nx, const float *x, int64_t ldx,
+                             const float *xs, float *o);
 /* one instantiation per (type, activation rows): both constants inside */
 #define DOT_XROWS(name, body_fn, attr, qt)                                                      \
-    attr static void name(const uint8_t *w, int64_t rb, int64_t nb, int nx, const float *x,     \
-                          int64_t ldx, const float *xs, float *o) {                             \
-        (void)rb;                                                                               \
+    attr static void name(const uint8_t *w, int64_t nb, int nx, const float *x, int64_t ldx,    \
+                          const float *xs, float *o) {                                          \
         switch (nx) {                                                                           \
         case 8: body_fn(qt, w, nb, 8, x, ldx, xs, o); break;                                    \
         case 4: body_fn(qt, w, nb, 4, x, ldx, xs, o); break;                                    \
@@ -483,6 +485,7 @@ AVX512 static INLINE void dot_rows_avx512(int qt, const uint8_t *w, int64_t row_
     float dbuf[4][16] __attribute__((aligned(64)));
     __m512 acc[4], macc[4];
     for (int r = 0; r < 4; r++) acc[r] = macc[r] = _mm512_setzero_ps();
+    const int64_t step = prefetch_step(row_bytes, nb);
     for (int64_t b = 0; b < nb; b++) {
         const int j = (int)(b & 15);
         if (j == 0) {
@@ -502,7 +505,7 @@ AVX512 static INLINE void dot_rows_avx512(int qt, const uint8_t *w, int64_t row_
             }
         }
         const __m512 x01 = _mm512_loadu_ps(x + b * QK), x23 = _mm512_loadu_ps(x + b * QK + 16);
-        prefetch_ahead(w, row_bytes, nb, b);
+        prefetch_ahead(w, step, b);
         for (int r = 0; r < 4; r++) {
             if (r >= nr) break;
             __m512 w01, w23;
@@ -878,8 +881,8 @@ static void linear_task(const void *ctx, int64_t r0, int64_t r1) {
                 const int64_t left = j->n - i0;
                 const int nx = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
                 for (int64_t r = rt; r < re; r++) {
-                    xfn(j->w + r * j->row_bytes, j->row_bytes, nb, nx, j->x + i0 * j->ldx,
-                        j->ldx, j->xsum ? j->xsum + i0 * nb : NULL, out);
+                    xfn(j->w + r * j->row_bytes, nb, nx, j->x + i0 * j->ldx, j->ldx,
+                        j->xsum ? j->xsum + i0 * nb : NULL, out);
                     for (int k = 0; k < nx; k++) store(j, j->y + (i0 + k) * j->ldy, r, out[k]);
                 }
                 i0 += nx;
