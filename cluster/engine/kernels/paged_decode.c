@@ -14,6 +14,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PD_ATTN_AVX2 1
+#else
+#define PD_ATTN_AVX2 0
+#endif
+
 #define LANES 8
 
 static inline float dot(const float *a, const float *b, int64_t n) {
@@ -31,7 +38,7 @@ static inline void axpy(float *y, float a, const float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
-int pdserve_paged_decode_f32(
+static int paged_decode_f32_portable(
     const float *q, const float *kv, const int64_t *tables, const int64_t *ctx_lens,
     float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t max_blocks,
     int64_t block_size, int64_t num_layers, int64_t layer, float scale,
@@ -113,7 +120,7 @@ static inline float row_scale(const uint8_t *row, int64_t head_dim) {
     return s;
 }
 
-int pdserve_paged_decode_i8(
+static int paged_decode_i8_portable(
     const float *q, const uint8_t *kv, const int64_t *tables, const int64_t *ctx_lens,
     float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t max_blocks,
     int64_t block_size, int64_t num_layers, int64_t layer, float scale,
@@ -173,4 +180,294 @@ int pdserve_paged_decode_i8(
     }
     free(scores);
     return 0;
+}
+
+/* -- AVX2 + FMA (this file is built with -march=native, so the compiler says what the CPU has) --
+ *
+ * The same three passes per (request, kv head) item, laid out for the vector units and the
+ * caches:
+ *   scores:  eight tokens at a time, one accumulator per token over the head's vectors, the eight
+ *            reduced together into one vector of eight scores (a token's arithmetic does not
+ *            depend on its place in the tile: the tail repeats the tile's first token and drops
+ *            it); while a tile is scored, the K rows two tiles on and this tile's V rows are
+ *            asked for (at batch 1 the rows come from memory: the step's weights flush the L3);
+ *   softmax: exp(s - max) eight at a time (exp8 below, within 2 ulp of expf) and their sum;
+ *   output:  sum_t p_t v_t in token order, chunks of 32 tokens whose V rows stay in L1 while
+ *            every query head of the item reads them, 64 dimensions' accumulators in registers;
+ *            then times 1 / sum.
+ * At batch 1 this is several times faster than the portable loops (whose per-token dot ends in a
+ * serial reduction, whose axpy reloads the output for every token, and whose expf is a call per
+ * score). Needs head_dim % 8 == 0. */
+#if PD_ATTN_AVX2
+#define PD_TILE 8
+#define PD_PV_CHUNK 32
+
+/* lane i of the result = the sum of a_i's eight lanes */
+static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
+                           __m256 a6, __m256 a7) {
+    const __m256 s01 = _mm256_hadd_ps(a0, a1), s23 = _mm256_hadd_ps(a2, a3);
+    const __m256 s45 = _mm256_hadd_ps(a4, a5), s67 = _mm256_hadd_ps(a6, a7);
+    const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                         _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+/* exp(x) for x <= 0 (a score minus the row's maximum): x = n ln2 + r with |r| <= ln2 / 2 (ln2 in
+ * two parts, so r is exact to fp32), e^r by its Taylor series to r^7 (truncation below 6e-9,
+ * a tenth of an ulp), times 2^n through the exponent bits. Below -87.3 (under the smallest
+ * normal float) the result is 0; NaN stays NaN. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f);
+    const __m256 small = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(lo, x); /* NaN in x: x (max returns its second operand) */
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* ln2, 9 bits: n * hi exact */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);    /* ln2 - 0.693359375 */
+    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                         _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(small, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* the eight tokens' rows of [t0, t0 + 8) (past ctx: token t0's again) */
+static inline void tile_rows(const uint8_t *base, const int64_t *offs, int64_t t0, int64_t ctx,
+                             const uint8_t *rows[PD_TILE]) {
+    for (int i = 0; i < PD_TILE; i++) rows[i] = base + offs[t0 + i < ctx ? t0 + i : t0];
+}
+
+/* ask for the rows of tokens [t0, t1) (`bytes` each) */
+static inline void prefetch_rows(const uint8_t *base, const int64_t *offs, int64_t t0,
+                                 int64_t t1, int64_t bytes) {
+    for (int64_t t = t0; t < t1; t++)
+        for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)base + offs[t] + b,
+                                                             _MM_HINT_T0);
+}
+
+static inline __m256 load_k(const uint8_t *p, int i8) {
+    if (!i8) return _mm256_loadu_ps((const float *)p);
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* dot(q, k) over nv vectors for eight tokens' rows at once (fp32 rows, or int8 rows) */
+static inline __m256 dots8(const float *q, const uint8_t *const r[PD_TILE], int64_t nv, int i8) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    const int64_t es = i8 ? 8 : 32; /* bytes of one vector's 8 values */
+    for (int64_t v = 0; v < nv; v++) {
+        const __m256 qv = _mm256_loadu_ps(q + 8 * v);
+        a0 = _mm256_fmadd_ps(qv, load_k(r[0] + v * es, i8), a0);
+        a1 = _mm256_fmadd_ps(qv, load_k(r[1] + v * es, i8), a1);
+        a2 = _mm256_fmadd_ps(qv, load_k(r[2] + v * es, i8), a2);
+        a3 = _mm256_fmadd_ps(qv, load_k(r[3] + v * es, i8), a3);
+        a4 = _mm256_fmadd_ps(qv, load_k(r[4] + v * es, i8), a4);
+        a5 = _mm256_fmadd_ps(qv, load_k(r[5] + v * es, i8), a5);
+        a6 = _mm256_fmadd_ps(qv, load_k(r[6] + v * es, i8), a6);
+        a7 = _mm256_fmadd_ps(qv, load_k(r[7] + v * es, i8), a7);
+    }
+    return hsum8(a0, a1, a2, a3, a4, a5, a6, a7);
+}
+
+static inline float row_scale_at(const uint8_t *row, int64_t head_dim) {
+    float s;
+    memcpy(&s, row + head_dim, sizeof s);
+    return s;
+}
+
+/* o[0..64) (+)= sum_{t in [t0, t1)} p[t] v_t[v0 * 8 ..] (first: start from 0) */
+static inline void pv64(float *o, const float *p, const uint8_t *vbase, const int64_t *offs,
+                        int64_t t0, int64_t t1, int64_t v0, int i8, int first) {
+    const int64_t es = i8 ? 8 : 32;
+    __m256 a0, a1, a2, a3, a4, a5, a6, a7;
+    if (first) {
+        a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    } else {
+        a0 = _mm256_loadu_ps(o), a1 = _mm256_loadu_ps(o + 8), a2 = _mm256_loadu_ps(o + 16);
+        a3 = _mm256_loadu_ps(o + 24), a4 = _mm256_loadu_ps(o + 32), a5 = _mm256_loadu_ps(o + 40);
+        a6 = _mm256_loadu_ps(o + 48), a7 = _mm256_loadu_ps(o + 56);
+    }
+    for (int64_t t = t0; t < t1; t++) {
+        const uint8_t *vr = vbase + offs[t] + v0 * es;
+        const __m256 pt = _mm256_set1_ps(p[t]);
+        a0 = _mm256_fmadd_ps(pt, load_k(vr, i8), a0);
+        a1 = _mm256_fmadd_ps(pt, load_k(vr + es, i8), a1);
+        a2 = _mm256_fmadd_ps(pt, load_k(vr + 2 * es, i8), a2);
+        a3 = _mm256_fmadd_ps(pt, load_k(vr + 3 * es, i8), a3);
+        a4 = _mm256_fmadd_ps(pt, load_k(vr + 4 * es, i8), a4);
+        a5 = _mm256_fmadd_ps(pt, load_k(vr + 5 * es, i8), a5);
+        a6 = _mm256_fmadd_ps(pt, load_k(vr + 6 * es, i8), a6);
+        a7 = _mm256_fmadd_ps(pt, load_k(vr + 7 * es, i8), a7);
+    }
+    _mm256_storeu_ps(o, a0), _mm256_storeu_ps(o + 8, a1), _mm256_storeu_ps(o + 16, a2);
+    _mm256_storeu_ps(o + 24, a3), _mm256_storeu_ps(o + 32, a4), _mm256_storeu_ps(o + 40, a5);
+    _mm256_storeu_ps(o + 48, a6), _mm256_storeu_ps(o + 56, a7);
+}
+
+/* o[0..8) (+)= sum_{t in [t0, t1)} p[t] v_t[v * 8 ..]: what head_dim % 64 leaves */
+static inline void pv8(float *o, const float *p, const uint8_t *vbase, const int64_t *offs,
+                       int64_t t0, int64_t t1, int64_t v, int i8, int first) {
+    const int64_t es = i8 ? 8 : 32;
+    __m256 a = first ? _mm256_setzero_ps() : _mm256_loadu_ps(o);
+    for (int64_t t = t0; t < t1; t++)
+        a = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), load_k(vbase + offs[t] + v * es, i8), a);
+    _mm256_storeu_ps(o, a);
+}
+
+/* One item: g query heads (qb, ob: [g, head_dim]) against kv head rows at kbase / vbase (the
+ * item's head in its layer's K and V planes) + offs[t] for token t (head_dim floats, or
+ * head_dim int8 and their fp32 scale). scores: g x (ctx rounded up to 8) floats. */
+static void attend_item_avx2(const float *qb, float *ob, int64_t g, int64_t head_dim,
+                             const uint8_t *kbase, const uint8_t *vbase, const int64_t *offs,
+                             int64_t ctx, float scale, int i8, float *scores) {
+    const int64_t nv = head_dim / 8, pad = (ctx + PD_TILE - 1) / PD_TILE * PD_TILE;
+    const int64_t width = i8 ? head_dim + 4 : head_dim * 4;
+    const uint8_t *r[PD_TILE];
+    if (ctx <= 0) { /* nothing to attend to (a caller never asks) */
+        memset(ob, 0, sizeof(float) * (size_t)(g * head_dim));
+        return;
+    }
+    prefetch_rows(kbase, offs, 0, ctx < 2 * PD_TILE ? ctx : 2 * PD_TILE, width);
+    for (int64_t t0 = 0; t0 < ctx; t0 += PD_TILE) {
+        const int64_t t1 = t0 + PD_TILE < ctx ? t0 + PD_TILE : ctx;
+        const int64_t ahead = t0 + 2 * PD_TILE;
+        if (ahead < ctx)
+            prefetch_rows(kbase, offs, ahead, ahead + PD_TILE < ctx ? ahead + PD_TILE : ctx, width);
+        prefetch_rows(vbase, offs, t0, t1, width);
+        tile_rows(kbase, offs, t0, ctx, r);
+        __m256 ks = _mm256_set1_ps(scale);
+        if (i8) {
+            float f[PD_TILE];
+            for (int i = 0; i < PD_TILE; i++) f[i] = row_scale_at(r[i], head_dim) * scale;
+            ks = _mm256_loadu_ps(f);
+        }
+        for (int64_t j = 0; j < g; j++)
+            _mm256_storeu_ps(scores + j * pad + t0,
+                             _mm256_mul_ps(dots8(qb + j * head_dim, r, nv, i8), ks));
+    }
+    float inv[64];
+    for (int64_t j = 0; j < g; j++) {
+        float *sj = scores + j * pad;
+        __m256 m8 = _mm256_set1_ps(-INFINITY);
+        int64_t t = 0;
+        for (; t + 8 <= ctx; t += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(sj + t));
+        float m[8], mx;
+        _mm256_storeu_ps(m, m8);
+        mx = m[0];
+        for (int i = 1; i < 8; i++) mx = m[i] > mx ? m[i] : mx;
+        for (; t < ctx; t++) mx = sj[t] > mx ? sj[t] : mx;
+        for (t = ctx; t < pad; t++) sj[t] = mx; /* the tail's lanes: exp(0), not counted */
+        const __m256 mv = _mm256_set1_ps(mx);
+        __m256 s8 = _mm256_setzero_ps();
+        for (t = 0; t + 8 <= ctx; t += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + t), mv));
+            _mm256_storeu_ps(sj + t, e);
+            s8 = _mm256_add_ps(s8, e);
+        }
+        float sum = 0.0f, tail[8];
+        if (t < ctx) {
+            _mm256_storeu_ps(tail, exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + t), mv)));
+            for (int64_t i = t; i < ctx; i++) sj[i] = tail[i - t], sum += tail[i - t];
+        }
+        _mm256_storeu_ps(m, s8);
+        for (int i = 0; i < 8; i++) sum += m[i];
+        inv[j] = 1.0f / sum;
+        if (i8) /* p_t times the row's scale, as the portable path's axpy coefficient */
+            for (t = 0; t < ctx; t++) sj[t] *= row_scale_at(vbase + offs[t], head_dim);
+    }
+    for (int64_t c0 = 0; c0 < ctx; c0 += PD_PV_CHUNK) { /* V rows of a chunk stay in L1 */
+        const int64_t c1 = c0 + PD_PV_CHUNK < ctx ? c0 + PD_PV_CHUNK : ctx;
+        for (int64_t j = 0; j < g; j++) {
+            int64_t v0 = 0;
+            for (; v0 + 8 <= nv; v0 += 8)
+                pv64(ob + j * head_dim + 8 * v0, scores + j * pad, vbase, offs, c0, c1, v0, i8,
+                     c0 == 0);
+            for (; v0 < nv; v0++)
+                pv8(ob + j * head_dim + 8 * v0, scores + j * pad, vbase, offs, c0, c1, v0, i8,
+                    c0 == 0);
+        }
+    }
+    for (int64_t j = 0; j < g; j++) {
+        const __m256 iv = _mm256_set1_ps(inv[j]);
+        for (int64_t v = 0; v < nv; v++)
+            _mm256_storeu_ps(ob + j * head_dim + 8 * v,
+                             _mm256_mul_ps(_mm256_loadu_ps(ob + j * head_dim + 8 * v), iv));
+    }
+}
+
+static int paged_decode_avx2(const float *q, const uint8_t *kv, const int64_t *tables,
+                             const int64_t *ctx_lens, float *out, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t head_dim, int64_t max_blocks,
+                             int64_t block_size, int64_t num_layers, int64_t layer, float scale,
+                             int64_t item_begin, int64_t item_end, int i8) {
+    const int64_t g = num_heads / num_kv_heads;
+    const int64_t width = i8 ? head_dim + 4 : head_dim * 4; /* bytes of one (token, head) row */
+    const int64_t row = num_kv_heads * width, plane = block_size * row;
+    const int64_t block_stride = num_layers * 2 * plane, layer_off = layer * 2 * plane;
+    int64_t max_ctx = 0;
+    for (int64_t it = item_begin; it < item_end; it++) {
+        const int64_t c = ctx_lens[it / num_kv_heads];
+        if (c > max_ctx) max_ctx = c;
+    }
+    const int64_t pad = (max_ctx + PD_TILE) / PD_TILE * PD_TILE;
+    /* scores [g, pad], then the byte offset of each token's row from its head's plane [pad] */
+    float *scores = malloc((sizeof(float) * (size_t)g + sizeof(int64_t)) * (size_t)pad);
+    if (!scores) return -1;
+    int64_t *offs = (int64_t *)(scores + g * pad), offs_of = -1;
+    for (int64_t it = item_begin; it < item_end; it++) {
+        const int64_t b = it / num_kv_heads, h = it % num_kv_heads, ctx = ctx_lens[b];
+        if (offs_of != b) { /* a request's token offsets, once for all its kv heads */
+            const int64_t *table = tables + b * max_blocks;
+            for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+                const int64_t base = table[t0 / block_size] * block_stride;
+                for (int64_t t = t0; t < ctx && t < t0 + block_size; t++)
+                    offs[t] = base + (t - t0) * row;
+            }
+            offs_of = b;
+        }
+        const uint8_t *kbase = kv + layer_off + h * width;
+        attend_item_avx2(q + (b * num_heads + h * g) * head_dim,
+                         out + (b * num_heads + h * g) * head_dim, g, head_dim, kbase,
+                         kbase + plane, offs, ctx, scale, i8, scores);
+    }
+    free(scores);
+    return 0;
+}
+#endif
+
+int pdserve_paged_decode_f32(
+    const float *q, const float *kv, const int64_t *tables, const int64_t *ctx_lens,
+    float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t max_blocks,
+    int64_t block_size, int64_t num_layers, int64_t layer, float scale,
+    int64_t item_begin, int64_t item_end) {
+#if PD_ATTN_AVX2
+    if (head_dim % 8 == 0)
+        return paged_decode_avx2(q, (const uint8_t *)kv, tables, ctx_lens, out, num_heads,
+                                 num_kv_heads, head_dim, max_blocks, block_size, num_layers,
+                                 layer, scale, item_begin, item_end, 0);
+#endif
+    return paged_decode_f32_portable(q, kv, tables, ctx_lens, out, num_heads, num_kv_heads,
+                                     head_dim, max_blocks, block_size, num_layers, layer, scale,
+                                     item_begin, item_end);
+}
+
+int pdserve_paged_decode_i8(
+    const float *q, const uint8_t *kv, const int64_t *tables, const int64_t *ctx_lens,
+    float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t max_blocks,
+    int64_t block_size, int64_t num_layers, int64_t layer, float scale,
+    int64_t item_begin, int64_t item_end) {
+#if PD_ATTN_AVX2
+    if (head_dim % 8 == 0)
+        return paged_decode_avx2(q, kv, tables, ctx_lens, out, num_heads, num_kv_heads,
+                                 head_dim, max_blocks, block_size, num_layers, layer, scale,
+                                 item_begin, item_end, 1);
+#endif
+    return paged_decode_i8_portable(q, kv, tables, ctx_lens, out, num_heads, num_kv_heads,
+                                    head_dim, max_blocks, block_size, num_layers, layer, scale,
+                                    item_begin, item_end);
 }

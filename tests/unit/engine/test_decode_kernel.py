@@ -9,7 +9,8 @@ import torch
 
 from cluster.engine.attention import AttentionMetadata, _decode_attention, decode_row_index
 from cluster.engine.engine import LLMEngine
-from cluster.engine.kernels import load_paged_decode
+from cluster.engine.kernels import PagedDecodeKernel, compile_kernel, load_paged_decode
+from cluster.engine.kv_codec import FLOAT_KV, Int8KV
 from tests.helpers import greedy, make_config, run_until_done
 
 
@@ -45,6 +46,61 @@ def test_kernel_equals_torch_gather(kernel) -> None:  # type: ignore[no-untyped-
         ref = _decode_attention(q, kv, layer, meta, 0.25)
         got = kernel(q, kv, tables, lens, layer, 0.25)
         assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def _builds(tmp_path: Path) -> dict[str, Path]:
+    """The kernel as the engine builds it (-march=native: the AVX2 passes where the CPU has
+    them) and a baseline build without them (the portable loops)."""
+    import cluster.engine.kernels as kernels_mod
+
+    src = Path(kernels_mod.__file__).with_name("paged_decode.c")
+    builds = {}
+    for name, flags in (("native", ("-O3", "-march=native")), ("portable", ("-O2",))):
+        path = compile_kernel(src, tmp_path, flags)
+        if path is None:
+            pytest.skip("no C compiler")
+        builds[name] = path
+    return builds
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(6, 2, 16), (9, 3, 64), (4, 4, 72), (8, 1, 12)])
+def test_both_builds_equal_the_torch_path(
+    tmp_path: Path, int8: bool, hq: int, hkv: int, d: int
+) -> None:
+    """Both builds against the torch gather path: contexts from 1 token to past two 32-token
+    output chunks, tails of every length in the 8-token score tiles, head sizes with a part
+    beyond 64 dimensions (72) and one the vector passes leave to the loops (12), and scores far
+    apart (large q) so that most of a row's exponentials underflow to 0."""
+    g = torch.Generator().manual_seed(hq * 100 + d)
+    nb, layers, bs = 130, 2, 4
+    lens = torch.tensor([1, 7, 8, 9, 33, 70, 64], dtype=torch.long)
+    width = 18
+    tables = torch.randperm(nb, generator=g)[: len(lens) * width].view(len(lens), width)
+    tables = tables.contiguous()
+    kv_f = torch.randn(nb, layers, 2, bs, hkv, d, generator=g)
+    codec = Int8KV(d) if int8 else FLOAT_KV
+    kv = codec.encode(kv_f) if int8 else kv_f
+    q = torch.randn(len(lens), hq, d, generator=g)
+    q[::2] *= 12.0  # every other request: peaked softmax rows
+    mask = torch.zeros(len(lens), width * bs)
+    mask.masked_fill_(torch.arange(width * bs)[None, :] >= lens[:, None], float("-inf"))
+    meta = AttentionMetadata(
+        slot_blocks=torch.empty(0, dtype=torch.long),
+        slot_offsets=torch.empty(0, dtype=torch.long),
+        num_decodes=len(lens),
+        decode_rows=decode_row_index(tables, bs, layers, hkv),
+        decode_mask=mask,
+        prefills=[],
+    )
+    outs = {}
+    for name, path in _builds(tmp_path).items():
+        kernel = PagedDecodeKernel(path, 2, int8)
+        outs[name] = [kernel(q, kv, tables, lens, layer, d**-0.5) for layer in range(layers)]
+    for layer in range(layers):
+        ref = _decode_attention(q, kv, layer, meta, d**-0.5, codec)
+        for name in outs:
+            torch.testing.assert_close(outs[name][layer], ref, atol=2e-5, rtol=1e-5, msg=name)
 
 
 def test_engine_backends_agree(tiny_model_dir: Path) -> None:
