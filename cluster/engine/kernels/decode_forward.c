@@ -18,9 +18,11 @@
 
 #define PD_MAX_SEGMENTS 4
 /* (row, kv head) items x context tokens from which the attention is split between the threads:
- * lower than kernels/__init__'s 16384, whose Python pool costs far more per split than this
- * library's (a batch of 32 rows at 80 tokens of context ran its attention on one thread) */
-#define PD_PARALLEL_MIN_WORK 2048
+ * far lower than kernels/__init__'s 16384, whose Python pool costs far more per split than this
+ * library's. At batch 1 of the default model (3 kv heads) that is from 64 tokens of context on,
+ * where the attention takes about 5 us a layer on one thread (2026-12-05: the attention phase of
+ * a 128-token decode, prefetched, 217-239 us a step split, 272-316 us on one thread). */
+#define PD_PARALLEL_MIN_WORK 192
 
 typedef struct {
     int64_t cols, num_segments;
@@ -47,19 +49,60 @@ typedef int (*pd_attn_fn)(const float *q, const void *kv, const int64_t *tables,
                           int64_t block_size, int64_t num_layers, int64_t layer, float scale,
                           int64_t item_begin, int64_t item_end);
 
-/* y[n, ldy] (+)= x W^T (+ bias), segment after segment (adjacent output columns) */
-static int linear(const pd_model *m, const pd_matrix *w, const float *x, int64_t n, int64_t ldx,
-                  float *y, int64_t ldy, const float *bias, int accumulate) {
+/* y[n, ldy] (+)= x W^T (+ bias), segment after segment (adjacent output columns); the calling
+ * thread runs hook (if any) while the first segment's job starts */
+static int linear_hook(const pd_model *m, const pd_matrix *w, const float *x, int64_t n,
+                       int64_t ldx, float *y, int64_t ldy, const float *bias, int accumulate,
+                       pd_hook_fn hook, const void *hook_ctx) {
     int64_t r0 = 0;
     for (int64_t s = 0; s < w->num_segments; s++) {
-        const int rc = pdserve_quant_linear((int)w->qtype[s], w->data[s], w->scales[s], w->rows[s],
+        const int rc = pd_quant_linear_hook((int)w->qtype[s], w->data[s], w->scales[s], w->rows[s],
                                             w->cols, w->row_bytes[s], x, n, ldx, y + r0, ldy,
                                             bias ? bias + r0 : NULL, accumulate,
-                                            (int)m->num_threads);
+                                            (int)m->num_threads, s == 0 ? hook : NULL, hook_ctx);
         if (rc != 0) return rc;
         r0 += w->rows[s];
     }
     return 0;
+}
+
+static int linear(const pd_model *m, const pd_matrix *w, const float *x, int64_t n, int64_t ldx,
+                  float *y, int64_t ldy, const float *bias, int accumulate) {
+    return linear_hook(m, w, x, n, ldx, y, ldy, bias, accumulate, NULL, NULL);
+}
+
+/* The K and V rows that a layer's attention is about to read: every row's context before its new
+ * token (whose K and V the layer writes after its qkv projection), block by block, up to
+ * PD_KV_PREFETCH_MAX bytes (about what an L2 holds beside the weights streaming through it).
+ * The calling thread asks for them while the workers start on the qkv projection. At batch 1
+ * the step's 96 MB of weights have flushed the L3 since the previous step read these rows, and
+ * the attention waited on memory for about half its time (2026-12-05, a 128-token decode of the
+ * default model on one thread: its attention phase 362-410 us a step without, 272-316 with). */
+#define PD_KV_PREFETCH_MAX (256 * 1024)
+
+typedef struct {
+    const uint8_t *kv;
+    const int64_t *tables, *ctx_lens;
+    int64_t n, max_blocks, block_size, row, plane, block_stride, layer_off;
+} kv_prefetch;
+
+static void prefetch_kv(const void *arg) {
+    const kv_prefetch *p = arg;
+    int64_t budget = PD_KV_PREFETCH_MAX;
+    for (int64_t i = 0; i < p->n && budget > 0; i++) {
+        const int64_t ctx = p->ctx_lens[i] - 1;
+        for (int64_t t0 = 0; t0 < ctx && budget > 0; t0 += p->block_size) {
+            const int64_t left = ctx - t0, tokens = left < p->block_size ? left : p->block_size;
+            const int64_t bytes = tokens * p->row;
+            const uint8_t *k = p->kv + p->tables[i * p->max_blocks + t0 / p->block_size] *
+                                           p->block_stride + p->layer_off;
+            for (int64_t b = 0; b < bytes; b += 64) {
+                __builtin_prefetch(k + b, 0, 3);
+                __builtin_prefetch(k + p->plane + b, 0, 3);
+            }
+            budget -= 2 * bytes;
+        }
+    }
 }
 
 typedef struct {
@@ -128,11 +171,16 @@ int pdserve_decode_forward(const pd_model *m, float *h, int64_t n, const int64_t
     const int attn_threads = items * max_ctx >= PD_PARALLEL_MIN_WORK
                                  ? (int)(m->num_threads < items ? m->num_threads : items)
                                  : 1;
+    const int64_t kv_row = hkv * (kv_int8 ? d + 4 : d * 4), kv_plane = block_size * kv_row;
+    kv_prefetch pf = {kv, tables, ctx_lens, n, max_blocks, block_size, kv_row, kv_plane,
+                      m->num_layers * 2 * kv_plane, 0};
     int rc = 0;
     for (int64_t l = 0; l < m->num_layers && rc == 0; l++) {
         const pd_layer *lw = &m->layers[l];
         pdserve_rms_norm(h, H, lw->input_norm, x, H, n, H, m->eps, (int)m->num_threads);
-        if ((rc = linear(m, &lw->qkv, x, n, H, qkv, qkv_w, lw->qkv_bias, 0))) break;
+        pf.layer_off = l * 2 * kv_plane;
+        if ((rc = linear_hook(m, &lw->qkv, x, n, H, qkv, qkv_w, lw->qkv_bias, 0, prefetch_kv, &pf)))
+            break;
         pdserve_rope(qkv, qkv_w, n, hq + hkv, d, m->cos, m->sin, positions);
         pdserve_write_kv(kv, qkv + hq * d, qkv + (hq + hkv) * d, qkv_w, n, slot_blocks,
                          slot_offsets, m->num_layers, l, block_size, hkv, d, kv_int8);

@@ -5,13 +5,24 @@
 
 typedef void (*pd_task_fn)(const void *ctx, int64_t begin, int64_t end);
 
+typedef void (*pd_hook_fn)(const void *ctx);
+
 /* fn(ctx, b, e) over [0, total) split into up to n chunks (multiples of align) on the pool */
 void pd_run_parallel(pd_task_fn fn, const void *ctx, int64_t total, int64_t align, int n);
+/* The same, and the calling thread runs hook(hook_ctx) once the workers have been woken, before
+ * it takes chunks itself (inline: before fn): work that overlaps the job, such as prefetches. */
+void pd_run_parallel_hook(pd_task_fn fn, const void *ctx, int64_t total, int64_t align, int n,
+                          pd_hook_fn hook, const void *hook_ctx);
 
 int pdserve_quant_linear(int qt, const uint8_t *w, const float *scales, int64_t rows,
                          int64_t cols, int64_t row_bytes, const float *x, int64_t n, int64_t ldx,
                          float *y, int64_t ldy, const float *bias, int accumulate,
                          int num_threads);
+/* pdserve_quant_linear with pd_run_parallel_hook's hook */
+int pd_quant_linear_hook(int qt, const uint8_t *w, const float *scales, int64_t rows,
+                         int64_t cols, int64_t row_bytes, const float *x, int64_t n, int64_t ldx,
+                         float *y, int64_t ldy, const float *bias, int accumulate,
+                         int num_threads, pd_hook_fn hook, const void *hook_ctx);
 int pdserve_rms_norm(const float *x, int64_t ldx, const float *w, float *out, int64_t ldo,
                      int64_t n, int64_t h, float eps, int num_threads);
 int pdserve_rope(float *x, int64_t ldx, int64_t n, int64_t num_heads, int64_t head_dim,
