@@ -96,10 +96,11 @@ def test_native_dequant_equals_torch_on_every_isa(kernels: QuantKernels, qtype: 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES)
 @pytest.mark.parametrize("n", [1, 3, 8, 19])
+@pytest.mark.parametrize("cols", [192, 576])  # 6 and 18 blocks: a row's scales 8 at a time
 def test_native_linear_matches_the_dequantized_reference(
-    kernels: QuantKernels, qtype: int, n: int
+    kernels: QuantKernels, qtype: int, n: int, cols: int
 ) -> None:
-    rows, cols = 70, 192  # rows not a multiple of the 4-row groups or the thread split
+    rows = 70  # not a multiple of the 4-row groups or the thread split
     w = packed(qtype, rows, cols, seed=n)
     seg = w.segments[0]
     g = torch.Generator().manual_seed(100 + n)
