@@ -84,7 +84,9 @@ def compile_kernel(
 
 
 def _compile(cache_dir: Path) -> Path | None:
-    return compile_kernel(_SOURCE, cache_dir, ("-O3", "-march=native"))
+    return compile_kernel(
+        _SOURCE, cache_dir, ("-O3", "-march=native"), (_SOURCE.with_name("vec_exp.h"),)
+    )
 
 
 class PagedDecodeKernel:

@@ -16,6 +16,7 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#include "vec_exp.h"
 #define PD_ATTN_AVX2 1
 #else
 #define PD_ATTN_AVX2 0
@@ -191,7 +192,7 @@ static int paged_decode_i8_portable(
  *            depend on its place in the tile: the tail repeats the tile's first token and drops
  *            it); while a tile is scored, the K rows two tiles on and this tile's V rows are
  *            asked for (at batch 1 the rows come from memory: the step's weights flush the L3);
- *   softmax: exp(s - max) eight at a time (exp8 below, within 2 ulp of expf) and their sum;
+ *   softmax: exp(s - max) eight at a time (vec_exp.h, within 2 ulp of expf) and their sum;
  *   output:  sum_t p_t v_t in token order, chunks of 32 tokens whose V rows stay in L1 while
  *            every query head of the item reads them, 64 dimensions' accumulators in registers;
  *            then times 1 / sum.
@@ -210,31 +211,6 @@ static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4
     const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
     return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
                          _mm256_permute2f128_ps(s0123, s4567, 0x31));
-}
-
-/* exp(x) for x <= 0 (a score minus the row's maximum): x = n ln2 + r with |r| <= ln2 / 2 (ln2 in
- * two parts, so r is exact to fp32), e^r by its Taylor series to r^7 (truncation below 6e-9,
- * a tenth of an ulp), times 2^n through the exponent bits. Below -87.3 (under the smallest
- * normal float) the result is 0; NaN stays NaN. */
-static inline __m256 exp8(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.3f);
-    const __m256 small = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(lo, x); /* NaN in x: x (max returns its second operand) */
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* ln2, 9 bits: n * hi exact */
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);    /* ln2 - 0.693359375 */
-    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
-                                                         _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(small, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
 /* the eight tokens' rows of [t0, t0 + 8) (past ctx: token t0's again) */
@@ -365,13 +341,13 @@ static void attend_item_avx2(const float *qb, float *ob, int64_t g, int64_t head
         const __m256 mv = _mm256_set1_ps(mx);
         __m256 s8 = _mm256_setzero_ps();
         for (t = 0; t + 8 <= ctx; t += 8) {
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + t), mv));
+            const __m256 e = pd_exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + t), mv));
             _mm256_storeu_ps(sj + t, e);
             s8 = _mm256_add_ps(s8, e);
         }
         float sum = 0.0f, tail[8];
         if (t < ctx) {
-            _mm256_storeu_ps(tail, exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + t), mv)));
+            _mm256_storeu_ps(tail, pd_exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + t), mv)));
             for (int64_t i = t; i < ctx; i++) sj[i] = tail[i - t], sum += tail[i - t];
         }
         _mm256_storeu_ps(m, s8);

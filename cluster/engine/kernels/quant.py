@@ -38,7 +38,11 @@ ISA_NAMES = ("portable", "avx2", "avx512")
 
 _SOURCE = Path(__file__).with_name("quant_linear.c")
 # compiled into the same library: the whole decode step's layers in one call, and the header
-_ALSO = (Path(__file__).with_name("decode_forward.c"), Path(__file__).with_name("quant_linear.h"))
+_ALSO = (
+    Path(__file__).with_name("decode_forward.c"),
+    Path(__file__).with_name("quant_linear.h"),
+    Path(__file__).with_name("vec_exp.h"),
+)
 # Portable code plus per-function AVX2 / AVX-512 variants chosen from cpuid at run time, so no
 # -march=native: the binary runs on any CPU of its architecture. No fp contraction: d * q + m
 # rounds twice, exactly as the de-quantizing reference computes it.

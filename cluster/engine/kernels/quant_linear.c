@@ -43,6 +43,7 @@
 #include <unistd.h>
 
 #include "quant_linear.h"
+#include "vec_exp.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -1065,8 +1066,37 @@ int pdserve_rope(float *x, int64_t ldx, int64_t n, int64_t num_heads, int64_t he
     return 0;
 }
 
-/* out[i, k] = silu(gu[i, k]) * gu[i, inter + k] */
+#if PD_X86
+AVX2 static INLINE __m256 swiglu8_avx2(__m256 g, __m256 u) {
+    const __m256 e = pd_exp8(_mm256_xor_ps(g, _mm256_set1_ps(-0.0f))); /* e^-g */
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
+}
+
+/* Eight at a time; the last count % 8 through a padded copy, so every element is computed by
+ * the same formula wherever a split puts it (the decode step splits the rows between threads). */
+AVX2 static void swiglu_span_avx2(const float *g, const float *u, float *o, int64_t count) {
+    int64_t k = 0;
+    for (; k + 8 <= count; k += 8)
+        _mm256_storeu_ps(o + k, swiglu8_avx2(_mm256_loadu_ps(g + k), _mm256_loadu_ps(u + k)));
+    if (k < count) {
+        float gt[8] = {0}, ut[8] = {0}, ot[8];
+        memcpy(gt, g + k, sizeof(float) * (size_t)(count - k));
+        memcpy(ut, u + k, sizeof(float) * (size_t)(count - k));
+        _mm256_storeu_ps(ot, swiglu8_avx2(_mm256_loadu_ps(gt), _mm256_loadu_ps(ut)));
+        memcpy(o + k, ot, sizeof(float) * (size_t)(count - k));
+    }
+}
+#endif
+
+/* out[i, k] = silu(gu[i, k]) * gu[i, inter + k]: g / (1 + e^-g) * u (AVX2: vec_exp.h's e^-g; an
+ * expf call per element took about 2 ns: 3% of a batch-32 decode step of the default model) */
 void pd_swiglu_span(const float *g, const float *u, float *o, int64_t count) {
+#if PD_X86
+    if (isa() >= ISA_AVX2) {
+        swiglu_span_avx2(g, u, o, count);
+        return;
+    }
+#endif
     for (int64_t k = 0; k < count; k++) o[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
 }
 

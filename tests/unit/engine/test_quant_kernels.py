@@ -208,6 +208,12 @@ def test_native_layer_ops_compute_what_torch_computes(kernels: QuantKernels) -> 
     torch.testing.assert_close(
         kernels.swiglu(gu, 48), F.silu(gu[:, :48]) * gu[:, 48:], atol=1e-6, rtol=1e-5
     )
+    # 45 columns (a tail of 5 past the vector width), gates far into both of exp's tails
+    gu = torch.randn(n, 2 * 45, generator=g) * 30
+    gu[:, :4] = torch.tensor([-100.0, 100.0, -88.5, 0.0])
+    torch.testing.assert_close(
+        kernels.swiglu(gu, 45), F.silu(gu[:, :45]) * gu[:, 45:], atol=1e-6, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("int8", [False, True])
