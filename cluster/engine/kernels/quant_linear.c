@@ -260,11 +260,13 @@ AVX2 static INLINE __m256 f16_bcast_avx2(const uint8_t *p) {
     return _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(load_u16(p))));
 }
 
-/* One row's sum_b m_b xsum_b (Q4_0: -8 sum_b d_b xsum_b), eight blocks' scales at a time; 0
- * for the types without a minimum or offset. The one-row and the multi-row kernels both end a
- * row's output with it, so their results agree bit for bit. */
-AVX2 static INLINE float min_part_avx2(int qt, const uint8_t *wr, int64_t nb, const float *xsum) {
-    if (qt != QT_Q4_0 && !HAS_MIN(qt)) return 0.0f;
+/* A row's output from its blocks' accumulator: acc's lanes plus the row's sum_b m_b xsum_b
+ * (Q4_0: -8 sum_b d_b xsum_b; nothing for the types without a minimum or offset), eight blocks'
+ * scales at a time, then one reduction. The one-row and the multi-row kernels both end a row
+ * with it, so their results agree bit for bit. */
+AVX2 static INLINE float row_out_avx2(int qt, __m256 acc, const uint8_t *wr, int64_t nb,
+                                      const float *xsum) {
+    if (qt != QT_Q4_0 && !HAS_MIN(qt)) return hsum256(acc);
     const uint8_t *src = qt == QT_Q4_0 ? row_d(qt, wr, nb) : row_m(qt, wr, nb);
     __m256 macc = _mm256_setzero_ps();
     int64_t b = 0;
@@ -282,9 +284,10 @@ AVX2 static INLINE float min_part_avx2(int qt, const uint8_t *wr, int64_t nb, co
         macc = _mm256_fmadd_ps(v, _mm256_and_ps(keep, _mm256_loadu_ps(xsum + w0)), macc);
         b = nb;
     }
-    float m = hsum256(macc);
-    for (; b < nb; b++) m += f16_to_f32(load_u16(src + 2 * b)) * xsum[b];
-    return qt == QT_Q4_0 ? m * -8.0f : m;
+    const float k = qt == QT_Q4_0 ? -8.0f : 1.0f;
+    float out = hsum256(_mm256_fmadd_ps(macc, _mm256_set1_ps(k), acc));
+    for (; b < nb; b++) out += k * f16_to_f32(load_u16(src + 2 * b)) * xsum[b]; /* nb < 8 */
+    return out;
 }
 
 /* y[r] for rows r0 .. r0 + NR - 1 (NR <= 4) of a block type, one activation row x. The four
@@ -316,7 +319,7 @@ AVX2 static INLINE void dot_rows_avx2(int qt, const uint8_t *w, int64_t row_byte
 #undef PD_ROW_STEP
     const __m256 acc[4] = {a0, a1, a2, a3};
     for (int r = 0; r < nr; r++)
-        out[r] = hsum256(acc[r]) + min_part_avx2(qt, w + r * row_bytes, nb, xsum);
+        out[r] = row_out_avx2(qt, acc[r], w + r * row_bytes, nb, xsum);
 }
 
 /* One instantiation per (type, row count): both are compile-time constants inside. */
@@ -364,7 +367,7 @@ AVX2 static INLINE void dot_xrows_avx2(int qt, const uint8_t *w, int64_t nb, int
     }
     const __m256 acc[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
     for (int i = 0; i < nx; i++)
-        out[i] = hsum256(acc[i]) + min_part_avx2(qt, w, nb, xsum ? xsum + i * nb : NULL);
+        out[i] = row_out_avx2(qt, acc[i], w, nb, xsum ? xsum + i * nb : NULL);
 }
 
 typedef void (*dot_xrows_fn)(const uint8_t *w, int64_t nb, int nx, const float *x, int64_t ldx,
