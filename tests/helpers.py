@@ -96,3 +96,25 @@ def run_until_done(engine: Any, max_steps: int = 100_000) -> dict[str, list[int]
         for out in engine.step():
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     raise AssertionError(f"engine not idle after {max_steps} steps")
+
+
+def decode_only_meta(
+    tables: Any, lens: Any, block_size: int, num_layers: int, kv_heads: int
+) -> Any:
+    """The torch attention path's metadata for a batch of decode rows only (``tables``: [B, W]
+    block ids, ``lens``: [B] context lengths): what the paged decode kernels are checked against."""
+    import torch
+
+    from cluster.engine.attention import AttentionMetadata, decode_row_index
+
+    width = tables.shape[1] * block_size
+    mask = torch.zeros(len(lens), width)
+    mask.masked_fill_(torch.arange(width)[None, :] >= lens[:, None], float("-inf"))
+    return AttentionMetadata(
+        slot_blocks=torch.empty(0, dtype=torch.long),
+        slot_offsets=torch.empty(0, dtype=torch.long),
+        num_decodes=len(lens),
+        decode_rows=decode_row_index(tables, block_size, num_layers, kv_heads),
+        decode_mask=mask,
+        prefills=[],
+    )

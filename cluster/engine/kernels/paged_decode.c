@@ -227,6 +227,9 @@ static inline void prefetch_rows(const uint8_t *base, const int64_t *offs, int64
                                                              _MM_HINT_T0);
 }
 
+/* bytes of 8 values of a row: fp32, or int8 */
+static inline int64_t vec_bytes(int i8) { return i8 ? 8 : 32; }
+
 static inline __m256 load_k(const uint8_t *p, int i8) {
     if (!i8) return _mm256_loadu_ps((const float *)p);
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
@@ -235,7 +238,7 @@ static inline __m256 load_k(const uint8_t *p, int i8) {
 /* dot(q, k) over nv vectors for eight tokens' rows at once (fp32 rows, or int8 rows) */
 static inline __m256 dots8(const float *q, const uint8_t *const r[PD_TILE], int64_t nv, int i8) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-    const int64_t es = i8 ? 8 : 32; /* bytes of one vector's 8 values */
+    const int64_t es = vec_bytes(i8);
     for (int64_t v = 0; v < nv; v++) {
         const __m256 qv = _mm256_loadu_ps(q + 8 * v);
         a0 = _mm256_fmadd_ps(qv, load_k(r[0] + v * es, i8), a0);
@@ -250,16 +253,10 @@ static inline __m256 dots8(const float *q, const uint8_t *const r[PD_TILE], int6
     return hsum8(a0, a1, a2, a3, a4, a5, a6, a7);
 }
 
-static inline float row_scale_at(const uint8_t *row, int64_t head_dim) {
-    float s;
-    memcpy(&s, row + head_dim, sizeof s);
-    return s;
-}
-
 /* o[0..64) (+)= sum_{t in [t0, t1)} p[t] v_t[v0 * 8 ..] (first: start from 0) */
 static inline void pv64(float *o, const float *p, const uint8_t *vbase, const int64_t *offs,
                         int64_t t0, int64_t t1, int64_t v0, int i8, int first) {
-    const int64_t es = i8 ? 8 : 32;
+    const int64_t es = vec_bytes(i8);
     __m256 a0, a1, a2, a3, a4, a5, a6, a7;
     if (first) {
         a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
@@ -288,7 +285,7 @@ static inline void pv64(float *o, const float *p, const uint8_t *vbase, const in
 /* o[0..8) (+)= sum_{t in [t0, t1)} p[t] v_t[v * 8 ..]: what head_dim % 64 leaves */
 static inline void pv8(float *o, const float *p, const uint8_t *vbase, const int64_t *offs,
                        int64_t t0, int64_t t1, int64_t v, int i8, int first) {
-    const int64_t es = i8 ? 8 : 32;
+    const int64_t es = vec_bytes(i8);
     __m256 a = first ? _mm256_setzero_ps() : _mm256_loadu_ps(o);
     for (int64_t t = t0; t < t1; t++)
         a = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), load_k(vbase + offs[t] + v * es, i8), a);
@@ -296,13 +293,13 @@ static inline void pv8(float *o, const float *p, const uint8_t *vbase, const int
 }
 
 /* One item: g query heads (qb, ob: [g, head_dim]) against kv head rows at kbase / vbase (the
- * item's head in its layer's K and V planes) + offs[t] for token t (head_dim floats, or
- * head_dim int8 and their fp32 scale). scores: g x (ctx rounded up to 8) floats. */
+ * item's head in its layer's K and V planes) + offs[t] for token t (`width` bytes: head_dim
+ * floats, or head_dim int8 and their fp32 scale). scores: g x (ctx rounded up to 8) floats. */
 static void attend_item_avx2(const float *qb, float *ob, int64_t g, int64_t head_dim,
-                             const uint8_t *kbase, const uint8_t *vbase, const int64_t *offs,
-                             int64_t ctx, float scale, int i8, float *scores) {
+                             int64_t width, const uint8_t *kbase, const uint8_t *vbase,
+                             const int64_t *offs, int64_t ctx, float scale, int i8,
+                             float *scores) {
     const int64_t nv = head_dim / 8, pad = (ctx + PD_TILE - 1) / PD_TILE * PD_TILE;
-    const int64_t width = i8 ? head_dim + 4 : head_dim * 4;
     const uint8_t *r[PD_TILE];
     if (ctx <= 0) { /* nothing to attend to (a caller never asks) */
         memset(ob, 0, sizeof(float) * (size_t)(g * head_dim));
@@ -319,7 +316,7 @@ static void attend_item_avx2(const float *qb, float *ob, int64_t g, int64_t head
         __m256 ks = _mm256_set1_ps(scale);
         if (i8) {
             float f[PD_TILE];
-            for (int i = 0; i < PD_TILE; i++) f[i] = row_scale_at(r[i], head_dim) * scale;
+            for (int i = 0; i < PD_TILE; i++) f[i] = row_scale(r[i], head_dim) * scale;
             ks = _mm256_loadu_ps(f);
         }
         for (int64_t j = 0; j < g; j++)
@@ -354,7 +351,7 @@ static void attend_item_avx2(const float *qb, float *ob, int64_t g, int64_t head
         for (int i = 0; i < 8; i++) sum += m[i];
         inv[j] = 1.0f / sum;
         if (i8) /* p_t times the row's scale, as the portable path's axpy coefficient */
-            for (t = 0; t < ctx; t++) sj[t] *= row_scale_at(vbase + offs[t], head_dim);
+            for (t = 0; t < ctx; t++) sj[t] *= row_scale(vbase + offs[t], head_dim);
     }
     for (int64_t c0 = 0; c0 < ctx; c0 += PD_PV_CHUNK) { /* V rows of a chunk stay in L1 */
         const int64_t c1 = c0 + PD_PV_CHUNK < ctx ? c0 + PD_PV_CHUNK : ctx;
@@ -408,7 +405,7 @@ static int paged_decode_avx2(const float *q, const uint8_t *kv, const int64_t *t
         }
         const uint8_t *kbase = kv + layer_off + h * width;
         attend_item_avx2(q + (b * num_heads + h * g) * head_dim,
-                         out + (b * num_heads + h * g) * head_dim, g, head_dim, kbase,
+                         out + (b * num_heads + h * g) * head_dim, g, head_dim, width, kbase,
                          kbase + plane, offs, ctx, scale, i8, scores);
     }
     free(scores);

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.engine.attention import AttentionMetadata, _decode_attention, decode_row_index
+from cluster.engine.attention import _decode_attention
 from cluster.engine.engine import LLMEngine
 from cluster.engine.kernels import PagedDecodeKernel, compile_kernel, load_paged_decode
 from cluster.engine.kv_codec import FLOAT_KV, Int8KV
-from tests.helpers import greedy, make_config, run_until_done
+from tests.helpers import decode_only_meta, greedy, make_config, run_until_done
 
 
 @pytest.fixture(scope="module")
@@ -31,17 +31,7 @@ def test_kernel_equals_torch_gather(kernel) -> None:  # type: ignore[no-untyped-
     perm = torch.randperm(nb, generator=g)
     tables = perm[: len(lens) * width].view(len(lens), width).contiguous()
     q = torch.randn(len(lens), hq, d, generator=g)
-    rows = decode_row_index(tables, bs, layers, hkv)
-    mask = torch.zeros(len(lens), width * bs)
-    mask.masked_fill_(torch.arange(width * bs)[None, :] >= lens[:, None], float("-inf"))
-    meta = AttentionMetadata(
-        slot_blocks=torch.empty(0, dtype=torch.long),
-        slot_offsets=torch.empty(0, dtype=torch.long),
-        num_decodes=len(lens),
-        decode_rows=rows,
-        decode_mask=mask,
-        prefills=[],
-    )
+    meta = decode_only_meta(tables, lens, bs, layers, hkv)
     for layer in range(layers):
         ref = _decode_attention(q, kv, layer, meta, 0.25)
         got = kernel(q, kv, tables, lens, layer, 0.25)
@@ -83,16 +73,7 @@ def test_both_builds_equal_the_torch_path(
     kv = codec.encode(kv_f) if int8 else kv_f
     q = torch.randn(len(lens), hq, d, generator=g)
     q[::2] *= 12.0  # every other request: peaked softmax rows
-    mask = torch.zeros(len(lens), width * bs)
-    mask.masked_fill_(torch.arange(width * bs)[None, :] >= lens[:, None], float("-inf"))
-    meta = AttentionMetadata(
-        slot_blocks=torch.empty(0, dtype=torch.long),
-        slot_offsets=torch.empty(0, dtype=torch.long),
-        num_decodes=len(lens),
-        decode_rows=decode_row_index(tables, bs, layers, hkv),
-        decode_mask=mask,
-        prefills=[],
-    )
+    meta = decode_only_meta(tables, lens, bs, layers, hkv)
     outs = {}
     for name, path in _builds(tmp_path).items():
         kernel = PagedDecodeKernel(path, 2, int8)

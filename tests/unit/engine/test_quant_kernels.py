@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cluster.engine.attention import AttentionMetadata, _decode_attention, decode_row_index
+from cluster.engine.attention import _decode_attention
 from cluster.engine.kernels import compile_kernel, load_paged_decode
 from cluster.engine.kernels.quant import (
     INT8_G32,
@@ -33,6 +33,7 @@ from cluster.engine.kv_codec import Int8KV
 from cluster.engine.models.int8 import quantize_int8_groups, quantize_int8_rows
 from cluster.engine.models.layer_ops import apply_rope, rms_norm
 from cluster.engine.models.packed import PackedLinear, PackedWeight
+from tests.helpers import decode_only_meta
 
 GGUF_TYPES = (Q4_0, Q4_1, Q8_0)
 ALL_TYPES = (*GGUF_TYPES, INT8_ROW, INT8_G32)
@@ -261,16 +262,7 @@ def test_int8_paged_decode_kernel_equals_the_torch_path(tmp_path: Path) -> None:
     tables = torch.randperm(nb, generator=g)[: len(lens) * width].view(len(lens), width)
     tables = tables.contiguous()
     q = torch.randn(len(lens), hq, d, generator=g)
-    mask = torch.zeros(len(lens), width * bs)
-    mask.masked_fill_(torch.arange(width * bs)[None, :] >= lens[:, None], float("-inf"))
-    meta = AttentionMetadata(
-        slot_blocks=torch.empty(0, dtype=torch.long),
-        slot_offsets=torch.empty(0, dtype=torch.long),
-        num_decodes=len(lens),
-        decode_rows=decode_row_index(tables, bs, layers, hkv),
-        decode_mask=mask,
-        prefills=[],
-    )
+    meta = decode_only_meta(tables, lens, bs, layers, hkv)
     for layer in range(layers):
         ref = _decode_attention(q, kv, layer, meta, 0.25, codec)
         got = kernel(q, kv, tables, lens, layer, 0.25)
