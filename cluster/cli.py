@@ -126,7 +126,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from cluster.bench import run_benchmark
+    from benchmarks import run_benchmark
 
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     return run_benchmark(args.name, mode, _config(args))
@@ -139,7 +139,7 @@ def _mode(args: argparse.Namespace) -> str:
 def cmd_profile(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from cluster.bench.profile import run_profile
+    from benchmarks.profile import run_profile
 
     threads = None
     if args.threads:
@@ -157,7 +157,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     if args.validate:
-        from cluster.bench.plan_check import run_check
+        from benchmarks.plan_check import run_check
 
         return run_check(
             _config(args),

@@ -72,7 +72,7 @@ def test_engine_on_cuda_matches_transformers(real_model_dir: Path, overrides: di
 
 
 def test_cuda_ipc_pull_between_two_processes_is_bit_identical() -> None:
-    from cluster.bench.kv_sender_peer import SenderProcess, pattern_block
+    from benchmarks.kv_sender_peer import SenderProcess, pattern_block
     from cluster.kv_transfer import KVPool, KVReceiver
     from tests.unit.kv_transfer.helpers import BIG, transfer_config
 

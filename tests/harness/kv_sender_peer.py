@@ -1,4 +1,4 @@
-"""The tests' sender peer: ``cluster.bench.kv_sender_peer``'s child with faults injected.
+"""The tests' sender peer: ``benchmarks.kv_sender_peer``'s child with faults injected.
 
 Two more spec keys: ``faults`` (fault points, ``testing.fault_points`` syntax, e.g.
 ``"p.mid_send_frame_k:4=kill"``) and ``wire_faults`` (one mapping of ``FaultRule`` fields per
@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from cluster.bench.kv_sender_peer import SenderProcess, read_message, serve
+from benchmarks.kv_sender_peer import SenderProcess, read_message, serve
 from cluster.common.faults import FaultPoints
 from tests.harness.kv_faults import FaultRule, FaultyTransport
 

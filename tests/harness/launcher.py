@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cluster.bench.harness import child_env
+from benchmarks.harness import child_env
 from cluster.config import ClusterConfig
 
 ROOT = Path(__file__).resolve().parents[2]

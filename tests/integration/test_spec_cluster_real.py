@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from cluster.bench.spec_workloads import copy_heavy
+from benchmarks.spec_workloads import copy_heavy
 from cluster.common.sampling_params import SamplingParams
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from tests.helpers import make_config

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from cluster.bench.spec_workloads import copy_heavy
+from benchmarks.spec_workloads import copy_heavy
 from cluster.engine.engine import LLMEngine
 from tests.helpers import greedy, make_config, run_until_done
 

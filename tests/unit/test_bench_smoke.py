@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.bench import BENCHMARKS, run_benchmark
+from benchmarks import BENCHMARKS, run_benchmark
 from tests.helpers import make_config
 
 EXPECTED_KEYS = {

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import socket
 
-from cluster.bench.serve_load import arm_ports
+from benchmarks.serve_load import arm_ports
 from tests.helpers import make_config
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.bench import BENCHMARKS, DEVICE_ONLY
-from cluster.bench.gpu import NO_CUDA, roofline_seconds, weight_bytes_per_step
+from benchmarks import BENCHMARKS, DEVICE_ONLY
+from benchmarks.gpu import NO_CUDA, roofline_seconds, weight_bytes_per_step
 
 ROOT = Path(__file__).resolve().parents[3]
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")
@@ -58,7 +58,7 @@ def test_roofline_counts_every_weight_and_the_batch_kv(tiny_model_dir: Path) -> 
 def test_child_processes_keep_the_callers_python_path(monkeypatch: pytest.MonkeyPatch) -> None:
     # The first GPU run installed the missing packages on a path (PYTHONPATH) on a machine
     # without a venv; the worker processes and `pytest -m gpu` lost it and failed to import zmq.
-    from cluster.bench.harness import child_env
+    from benchmarks.harness import child_env
 
     monkeypatch.setenv("PYTHONPATH", "/opt/site:/opt/more")
     env = child_env(ROOT, OMP_NUM_THREADS="1")

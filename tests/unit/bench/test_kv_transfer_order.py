@@ -8,9 +8,9 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 
-from cluster.bench import kv_stream
-from cluster.bench.harness import interleaved_order
-from cluster.bench.kv_transfer import ARMS, arm_order
+from benchmarks import kv_stream
+from benchmarks.harness import interleaved_order
+from benchmarks.kv_transfer import ARMS, arm_order
 
 
 def test_every_repetition_runs_every_arm_once() -> None:

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from cluster.bench import kv_transfer, run_benchmark
-from cluster.bench.kv_sender_peer import SenderProcess
+from benchmarks import kv_transfer, run_benchmark
+from benchmarks.kv_sender_peer import SenderProcess
 from cluster.config import allowed_cores
 from cluster.serving.cpu_binding import split_for_pools, thread_ids
 from tests.helpers import make_config

@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 import pytest
 
-from cluster.bench.serve_load import WorkItem, compute_metrics, run_load
+from benchmarks.serve_load import WorkItem, compute_metrics, run_load
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 

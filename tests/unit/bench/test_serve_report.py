@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster.bench.harness import BenchContext
-from cluster.bench.serve import ArmRuns, _report, class_slos
-from cluster.bench.serve_load import RequestRecord
+from benchmarks.harness import BenchContext
+from benchmarks.serve import ArmRuns, _report, class_slos
+from benchmarks.serve_load import RequestRecord
 from tests.helpers import make_config
 
 
@@ -71,7 +71,7 @@ def test_an_arm_without_a_knee_is_named(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_a_burst_is_short_prompts_at_once_then_one_long_one_while_they_decode() -> None:
-    from cluster.bench.serve import burst_items, unloaded_items
+    from benchmarks.serve import burst_items, unloaded_items
     from cluster.planner.workload import MIXED_LONG
 
     items, offsets = burst_items(MIXED_LONG, 8, 49152, 1.0)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cluster.bench.harness import BenchContext
-from cluster.bench.spec import run_arm
-from cluster.bench.workloads import make_engine, make_runner
+from benchmarks.harness import BenchContext
+from benchmarks.spec import run_arm
+from benchmarks.workloads import make_engine, make_runner
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.engine import LLMEngine
 from tests.helpers import make_config

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from cluster.bench.kv_sender_peer import fill_pattern
+from benchmarks.kv_sender_peer import fill_pattern
 from cluster.common.kv_layout import KVLayout
 from cluster.config import TransferConfig
 from cluster.kv_transfer import KVPool, KVReceiver, KVSender

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from cluster.bench.kv_sender_peer import pattern_block
+from benchmarks.kv_sender_peer import pattern_block
 from cluster.common.kv_layout import KVLayout
 from cluster.config import TransferConfig
 from cluster.kv_transfer import KVPool, KVSender

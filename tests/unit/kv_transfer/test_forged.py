@@ -11,7 +11,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from cluster.bench.kv_sender_peer import pattern_block
+from benchmarks.kv_sender_peer import pattern_block
 from cluster.common.kv_layout import KVLayout
 from cluster.kv_transfer import KVReceiver
 from cluster.kv_transfer.protocol import (

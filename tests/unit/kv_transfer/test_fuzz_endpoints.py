@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster.bench.kv_sender_peer import SenderProcess
+from benchmarks.kv_sender_peer import SenderProcess
 from cluster.kv_transfer import KVPool, KVReceiver
 from cluster.kv_transfer.protocol import MESSAGE_TYPES, PROTOCOL_VERSION, Chunk, PullRequest, encode
 from tests.unit.kv_transfer.helpers import SEED, SMALL, assert_landed, crcs, transfer_config

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from cluster.bench.kv_sender_peer import SenderProcess
+from benchmarks.kv_sender_peer import SenderProcess
 from cluster.common.kv_layout import KVLayout
 from cluster.kv_transfer import KVReceiver
 from cluster.kv_transfer.protocol import KVTransferError, Reason, TransferState

@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from cluster.bench.plan_check import BOOTSTRAP, FIGURES, TOLERANCE, _sampling, relative_error
-from cluster.bench.serve_load import RequestRecord, compute_metrics
+from benchmarks.plan_check import BOOTSTRAP, FIGURES, TOLERANCE, _sampling, relative_error
+from benchmarks.serve_load import RequestRecord, compute_metrics
 from cluster.planner.workload import SLOs
 
 DURATION_S = 20.0
@@ -76,8 +76,8 @@ def test_nothing_measured_is_no_pass() -> None:
 
 
 def test_loaded_prefill_scale_reads_long_uncached_prompts_only() -> None:
-    from cluster.bench.plan_check import LONG_PROMPT, loaded_prefill_scale
-    from cluster.bench.profile import predicted_prefill
+    from benchmarks.plan_check import LONG_PROMPT, loaded_prefill_scale
+    from benchmarks.profile import predicted_prefill
     from tests.unit.planner.synthetic import costs
 
     table, chunk = costs(1.0), 256

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from cluster.bench.profile import ServingSample, calibrate, measure_steps, step_costs
+from benchmarks.profile import ServingSample, calibrate, measure_steps, step_costs
 from cluster.common.hashing import hash_block_tokens
 from cluster.common.protocol import GenerateCall
 from cluster.decode_worker.worker import DecodeWorker

@@ -25,9 +25,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.bench.harness import BenchContext, BenchReport, summary
-from cluster.bench.hf_reference import generate_exact, load_hf_model
-from cluster.bench.workloads import (
+from benchmarks.harness import BenchContext, BenchReport, summary
+from benchmarks.hf_reference import generate_exact, load_hf_model
+from benchmarks.workloads import (
     CpuMeter,
     Timeline,
     bench_model_dir,

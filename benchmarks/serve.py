@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cluster.bench.harness import BenchContext, BenchReport
-from cluster.bench.serve_load import (
+from benchmarks.harness import BenchContext, BenchReport
+from benchmarks.serve_load import (
     RequestRecord,
     arm_ports,
     compute_metrics,
@@ -39,7 +39,7 @@ from cluster.bench.serve_load import (
     poisson_offsets,
     run_load,
 )
-from cluster.bench.workloads import StealMeter, bench_model_dir
+from benchmarks.workloads import StealMeter, bench_model_dir
 from cluster.config import ClusterConfig
 from cluster.config.model_paths import model_limits
 from cluster.planner.metrics import knee, unloaded_baseline

@@ -20,7 +20,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from cluster.bench.harness import BenchContext
+from benchmarks.harness import BenchContext
 from cluster.common.sampling_params import SamplingParams
 from cluster.config import ClusterConfig, cpu_count
 from cluster.config.model_paths import require_model_dir

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cluster.bench.harness import BenchContext, BenchReport, percentile, summary
-from cluster.bench.workloads import (
+from benchmarks.harness import BenchContext, BenchReport, percentile, summary
+from benchmarks.workloads import (
     CpuMeter,
     Timeline,
     bench_threads,

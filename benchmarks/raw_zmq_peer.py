@@ -1,6 +1,6 @@
 """The transport's own limit for P4: a child answering each request with one contiguous buffer.
 
-``python -m cluster.bench.raw_zmq_peer MAX_BYTES [CORES]`` (``CORES``: e.g. ``1`` or ``2,3``, the
+``python -m benchmarks.raw_zmq_peer MAX_BYTES [CORES]`` (``CORES``: e.g. ``1`` or ``2,3``, the
 cores to run on, as the sender children of P4 do) binds a ROUTER on tcp 127.0.0.1 and on ipc,
 prints ``{"tcp": ..., "ipc": ...}`` on stdout, then answers every ``[size]`` request with the
 first ``size`` bytes of a pre-touched buffer, sent zero-copy. It exits when stdin closes.

@@ -30,8 +30,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.bench.harness import BenchContext, BenchReport
-from cluster.bench.workloads import CpuMeter, bench_threads, make_engine, make_runner, run_pair
+from benchmarks.harness import BenchContext, BenchReport
+from benchmarks.workloads import CpuMeter, bench_threads, make_engine, make_runner, run_pair
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.engine import LLMEngine
 

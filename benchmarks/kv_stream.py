@@ -38,8 +38,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.bench.harness import BenchContext, BenchReport, interleaved_order, summary
-from cluster.bench.workloads import FIRST_PLAIN_TOKEN, bench_model_dir, exact_tokens
+from benchmarks.harness import BenchContext, BenchReport, interleaved_order, summary
+from benchmarks.workloads import FIRST_PLAIN_TOKEN, bench_model_dir, exact_tokens
 from cluster.common.hashing import hash_block_tokens
 from cluster.common.protocol import GenerateCall, PrefillCall, PrefillProgress, PrefillReply
 from cluster.config import ClusterConfig

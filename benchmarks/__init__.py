@@ -8,23 +8,23 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from cluster.bench.harness import MODES, BenchContext, emit
+from benchmarks.harness import MODES, BenchContext, emit
 from cluster.config import ClusterConfig
 
 # name -> module (imported on demand: each pulls its own heavy dependencies)
 BENCHMARKS: dict[str, str] = {
-    "engine": "cluster.bench.engine_batching",
-    "decode-scaling": "cluster.bench.decode_scaling",
-    "prefix": "cluster.bench.prefix_cache",
-    "chunked-prefill": "cluster.bench.chunked_prefill",
-    "kv-transfer": "cluster.bench.kv_transfer",
-    "kv-stream": "cluster.bench.kv_stream",
-    "serve": "cluster.bench.serve",
-    "routing": "cluster.bench.routing",
-    "quant": "cluster.bench.quant",
-    "spec": "cluster.bench.spec",
-    "structured": "cluster.bench.structured",
-    "gpu": "cluster.bench.gpu",
+    "engine": "benchmarks.engine_batching",
+    "decode-scaling": "benchmarks.decode_scaling",
+    "prefix": "benchmarks.prefix_cache",
+    "chunked-prefill": "benchmarks.chunked_prefill",
+    "kv-transfer": "benchmarks.kv_transfer",
+    "kv-stream": "benchmarks.kv_stream",
+    "serve": "benchmarks.serve",
+    "routing": "benchmarks.routing",
+    "quant": "benchmarks.quant",
+    "spec": "benchmarks.spec",
+    "structured": "benchmarks.structured",
+    "gpu": "benchmarks.gpu",
 }
 # Only where a device is lent: left out of ``all`` on a machine without CUDA.
 DEVICE_ONLY = frozenset({"gpu"})

@@ -62,8 +62,8 @@ import numpy as np
 import torch
 import zmq
 
-from cluster.bench.harness import BenchContext, BenchReport, interleaved_order, percentile
-from cluster.bench.kv_sender_peer import SenderProcess
+from benchmarks.harness import BenchContext, BenchReport, interleaved_order, percentile
+from benchmarks.kv_sender_peer import SenderProcess
 from cluster.common.kv_layout import SCHEMES, KVLayout
 from cluster.config import allowed_cores
 from cluster.kv_transfer import KVPool, KVReceiver
@@ -169,7 +169,7 @@ def run(ctx: BenchContext) -> BenchReport:
         [
             sys.executable,
             "-m",
-            "cluster.bench.raw_zmq_peer",
+            "benchmarks.raw_zmq_peer",
             str(max_blocks * bpb),
             ",".join(map(str, prefill_cores)),
         ],

@@ -51,10 +51,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cluster.bench.harness import BenchContext
-from cluster.bench.serve import ARMS, arm_config, class_slos, measure
-from cluster.bench.serve_load import compute_metrics, local_apps
-from cluster.bench.workloads import StealMeter, bench_model_dir
+from benchmarks.harness import BenchContext
+from benchmarks.serve import ARMS, arm_config, class_slos, measure
+from benchmarks.serve_load import compute_metrics, local_apps
+from benchmarks.workloads import StealMeter, bench_model_dir
 from cluster.config import ClusterConfig
 from cluster.planner.cli import print_table
 from cluster.planner.metrics import slo_metrics
@@ -97,7 +97,7 @@ def loaded_prefill_scale(records: list[Any], costs: StepCosts, chunk: int | None
     """Median over ``records`` (served, ``LONG_PROMPT`` tokens or more, none from a prefix cache)
     of the prefill compute the engine reported over ``predicted_prefill`` for the prompt alone;
     None without such a request."""
-    from cluster.bench.profile import predicted_prefill
+    from benchmarks.profile import predicted_prefill
 
     ratios = [
         r.phases["prefill_ms"] / 1000 / predicted_prefill(costs, r.prompt_len, chunk)
@@ -119,7 +119,7 @@ class Sampling:
 
 
 def run_check(config: ClusterConfig, mode: str, profile_path: Path | None, out: Path) -> int:
-    from cluster.bench.profile import BURST, prefill_costs, run_profile
+    from benchmarks.profile import BURST, prefill_costs, run_profile
     from cluster.config.model_paths import model_limits
 
     ctx = BenchContext(name="plan-check", mode=mode, config=config)
@@ -329,7 +329,7 @@ def _calibrated(
     requests and burst (all arms deployed side by side, as they are measured), not on the separate
     two-arm deployment ``pdserve profile`` measures: the stack's cost around the engine depends
     on what else is deployed on the machine. Step and transfer costs stay the profile's."""
-    from cluster.bench.profile import burst_samples, calibrate, serving_samples
+    from benchmarks.profile import burst_samples, calibrate, serving_samples
 
     profiles, costs, raws = {}, {}, {}
     for arm, spec in specs.items():

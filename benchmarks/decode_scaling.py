@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cluster.bench.harness import BenchContext, BenchReport
-from cluster.bench.hf_reference import decode_step_times, load_hf_model
-from cluster.bench.step_timer import PHASES, StepTimer
-from cluster.bench.workloads import (
+from benchmarks.harness import BenchContext, BenchReport
+from benchmarks.hf_reference import decode_step_times, load_hf_model
+from benchmarks.step_timer import PHASES, StepTimer
+from benchmarks.workloads import (
     bench_model_dir,
     exact_tokens,
     make_engine,

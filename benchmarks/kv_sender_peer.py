@@ -162,7 +162,7 @@ def _plain(obj: Any) -> Any:
 class SenderProcess:
     """Parent-side handle of a child running a ``KVSender``."""
 
-    module = "cluster.bench.kv_sender_peer"  # what the child runs (``python -m``)
+    module = "benchmarks.kv_sender_peer"  # what the child runs (``python -m``)
     cwd: Path | None = None  # where it runs (None: here)
     spec_keys = frozenset(
         {

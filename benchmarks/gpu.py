@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cluster.bench.harness import BenchContext, BenchReport, child_env
+from benchmarks.harness import BenchContext, BenchReport, child_env
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CONTEXT = 512
@@ -42,7 +42,7 @@ NO_CUDA = (
     "bench gpu: needs a CUDA device, and torch.cuda.is_available() is False here (a CPU "
     "machine, or a CPU build of torch): run it on a machine with a GPU"
 )
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def require_cuda() -> None:
@@ -86,7 +86,7 @@ def run(ctx: BenchContext) -> BenchReport:
     details["parts"]["handoff"] = {"s": time.monotonic() - t0}
 
     t0 = time.monotonic()
-    from cluster.bench.profile import run_profile
+    from benchmarks.profile import run_profile
 
     prof_path = ctx.results_dir / "profile-gpu.json"
     run_profile(cfg, "quick", prof_path, serving=False, progress=ctx.progress)
@@ -121,7 +121,7 @@ def _pytest_gpu(ctx: BenchContext) -> tuple[bool, str]:
 
 
 def _decode_scaling(ctx: BenchContext, cfg: Any) -> BenchReport:
-    from cluster.bench import decode_scaling
+    from benchmarks import decode_scaling
 
     ctx.progress("P6 decode-scaling (quick) on the device")
     sub = BenchContext(name="decode-scaling", mode="quick", config=cfg)
@@ -170,8 +170,8 @@ def weight_bytes_per_step(model: Any) -> int:
 def _roofline(ctx: BenchContext, cfg: Any) -> dict[str, Any]:
     import torch
 
-    from cluster.bench.decode_scaling import _start_batch
-    from cluster.bench.workloads import bench_model_dir
+    from benchmarks.decode_scaling import _start_batch
+    from benchmarks.workloads import bench_model_dir
     from cluster.engine.engine import LLMEngine
 
     ctx.progress("P10: decode step time vs the HBM roofline")
@@ -244,7 +244,7 @@ def _handoff(ctx: BenchContext, cfg: Any) -> dict[str, Any]:
     """cuda_ipc pulls between two processes on this GPU vs a device copy of the same bytes."""
     import torch
 
-    from cluster.bench.kv_sender_peer import SenderProcess
+    from benchmarks.kv_sender_peer import SenderProcess
     from cluster.common.kv_layout import KVLayout
     from cluster.kv_transfer import KVPool, KVReceiver
 

@@ -31,15 +31,15 @@ import statistics
 import sys
 from typing import Any
 
-from cluster.bench.harness import BenchContext, BenchReport, percentile, summary
-from cluster.bench.serve_load import (
+from benchmarks.harness import BenchContext, BenchReport, percentile, summary
+from benchmarks.serve_load import (
     RequestRecord,
     WorkItem,
     local_cluster,
     poisson_offsets,
     run_load,
 )
-from cluster.bench.workloads import bench_model_dir
+from benchmarks.workloads import bench_model_dir
 
 ARMS = {"prefix_aware": "cache_aware", "round_robin": "round_robin"}
 OUTPUT_TOKENS = 8

@@ -25,9 +25,9 @@ import statistics
 import time
 from typing import Any
 
-from cluster.bench.harness import BenchContext, BenchReport, summary
-from cluster.bench.hf_reference import forward_time, load_hf_model
-from cluster.bench.workloads import (
+from benchmarks.harness import BenchContext, BenchReport, summary
+from benchmarks.hf_reference import forward_time, load_hf_model
+from benchmarks.workloads import (
     bench_model_dir,
     drain,
     exact_tokens,

@@ -40,10 +40,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.bench.harness import BenchContext, BenchReport
-from cluster.bench.quant import INSTALL_LLAMACPP, load_llamacpp
-from cluster.bench.spec_workloads import copy_heavy, no_copy
-from cluster.bench.workloads import CpuMeter, bench_threads, make_engine, make_runner, run_pair
+from benchmarks.harness import BenchContext, BenchReport
+from benchmarks.quant import INSTALL_LLAMACPP, load_llamacpp
+from benchmarks.spec_workloads import copy_heavy, no_copy
+from benchmarks.workloads import CpuMeter, bench_threads, make_engine, make_runner, run_pair
 from cluster.common.sampling_params import SamplingParams
 from cluster.config.model import is_gguf_source
 from cluster.engine.engine import LLMEngine

@@ -33,8 +33,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from cluster.bench.harness import BenchContext, BenchReport
-from cluster.bench.workloads import (
+from benchmarks.harness import BenchContext, BenchReport
+from benchmarks.workloads import (
     exact_tokens,
     pin_threads,
     random_prompt,

@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from cluster.bench.decode_scaling import _start_batch
-from cluster.bench.workloads import FIRST_PLAIN_TOKEN, bench_model_dir, exact_tokens
+from benchmarks.decode_scaling import _start_batch
+from benchmarks.workloads import FIRST_PLAIN_TOKEN, bench_model_dir, exact_tokens
 from cluster.config import ClusterConfig, cpu_count
 from cluster.engine.engine import LLMEngine
 from cluster.planner.profile import Profile, ServingCost, StepCosts, TransferCost
@@ -279,8 +279,8 @@ def measure_serving(
     progress: Progress,
 ) -> tuple[dict[str, ServingCost], dict[str, Any]]:
     """Unloaded requests on a local Ray Serve cluster, a colocated and a 1P1D arm."""
-    from cluster.bench.serve import arm_config, measure
-    from cluster.bench.serve_load import local_apps
+    from benchmarks.serve import arm_config, measure
+    from benchmarks.serve_load import local_apps
     from cluster.config.model_paths import model_limits
     from cluster.planner.workload import MIXED_LONG
 
@@ -538,7 +538,7 @@ def run_profile(
     progress: Progress = lambda msg: print(msg, flush=True),
 ) -> Profile:
     grid = _grid(mode)
-    from cluster.bench.harness import BenchContext
+    from benchmarks.harness import BenchContext
 
     ctx = BenchContext(name="profile", mode=mode, config=config)
     model_dir = bench_model_dir(ctx)
