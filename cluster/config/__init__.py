@@ -30,9 +30,9 @@ from cluster.config.loading import config_from_dict, flat_key_index, load_config
 from cluster.config.model import DEFAULT_MODEL_NAME, CacheConfig, ModelConfig
 from cluster.config.paths import PathsConfig
 from cluster.config.pools import (
-    AutoscalingConfig,
     DecodePoolConfig,
     PoolConfig,
+    PoolScalingConfig,
     PrefillPoolConfig,
     RoutingConfig,
 )
@@ -48,7 +48,6 @@ __all__ = [
     "DEFAULT_MODEL_NAME",
     "SPECULATIVE_METHODS",
     "_TRANSPORTS",
-    "AutoscalingConfig",
     "CacheConfig",
     "ClusterConfig",
     "DecodePoolConfig",
@@ -56,6 +55,7 @@ __all__ = [
     "ModelConfig",
     "PathsConfig",
     "PoolConfig",
+    "PoolScalingConfig",
     "PrefillPoolConfig",
     "RouterConfig",
     "RoutingConfig",

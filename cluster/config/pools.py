@@ -46,7 +46,7 @@ class RoutingConfig:
 
 
 @dataclass(frozen=True)
-class AutoscalingConfig:
+class PoolScalingConfig:
     """A pool's autoscaling policy, mapped onto Ray Serve's ``autoscaling_config`` fields.
 
     Prefill scales on queued prefill tokens and recent TTFT against ``ttft_slo_ms``; decode on
@@ -132,7 +132,7 @@ class PoolConfig:
     health_check_timeout_s: float = 30.0
     resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources (multi-node)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
-    autoscaling: AutoscalingConfig = field(default_factory=AutoscalingConfig)
+    autoscaling: PoolScalingConfig = field(default_factory=PoolScalingConfig)
 
     def _validate(self, name: str) -> None:
         self.routing._validate(name)

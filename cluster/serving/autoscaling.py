@@ -53,7 +53,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.config import AutoscalingConfig
+from cluster.config import PoolScalingConfig
 from cluster.serving import signals as keys
 
 logger = logging.getLogger("ray.serve")
@@ -123,7 +123,7 @@ def _mean_present(reports: Sequence[Mapping[str, float]], key: str) -> float | N
 
 
 def prefill_utilization(
-    reports: Sequence[Mapping[str, float]], num_running: int, cfg: AutoscalingConfig
+    reports: Sequence[Mapping[str, float]], num_running: int, cfg: PoolScalingConfig
 ) -> dict[str, float]:
     """Queued prefill tokens per replica vs its target; recent TTFT vs the SLO."""
     if not reports or num_running <= 0:
@@ -140,7 +140,7 @@ def prefill_utilization(
 
 
 def decode_utilization(
-    reports: Sequence[Mapping[str, float]], num_running: int, cfg: AutoscalingConfig
+    reports: Sequence[Mapping[str, float]], num_running: int, cfg: PoolScalingConfig
 ) -> dict[str, float]:
     """KV use vs ``target_kv_usage``; sequences (running + waiting) over ``max_num_seqs`` vs
     ``target_running_fraction``; recent TPOT vs the SLO."""
@@ -162,7 +162,7 @@ def decode_utilization(
     return util
 
 
-Utilization = Callable[[Sequence[Mapping[str, float]], int, AutoscalingConfig], dict[str, float]]
+Utilization = Callable[[Sequence[Mapping[str, float]], int, PoolScalingConfig], dict[str, float]]
 
 
 def _pool_decision(
@@ -171,7 +171,7 @@ def _pool_decision(
     *,
     num_running: int,
     current_target: int,
-    cfg: AutoscalingConfig,
+    cfg: PoolScalingConfig,
     min_replicas: int | None = None,
     max_replicas: int | None = None,
 ) -> Decision:
@@ -216,7 +216,7 @@ class _PoolPolicy:
 
     def __init__(self, **section: Any) -> None:
         # policy_kwargs are the pool's `autoscaling` section (JSON values), validated again here.
-        self.cfg = AutoscalingConfig(**section)
+        self.cfg = PoolScalingConfig(**section)
         self.cfg._validate(self.pool)
         self._counter: Any = None
         try:

@@ -12,7 +12,7 @@ import pytest
 from ray.serve.config import AutoscalingConfig as RayAutoscalingConfig
 from ray.serve.config import AutoscalingContext
 
-from cluster.config import AutoscalingConfig
+from cluster.config import PoolScalingConfig
 from cluster.serving import signals as k
 from cluster.serving.autoscaling import (
     POLICY_STATE_KEY,
@@ -26,7 +26,7 @@ from cluster.serving.autoscaling import (
 from cluster.serving.options import AUTOSCALING_POLICIES, deployment_options
 from tests.helpers import make_config
 
-CFG = AutoscalingConfig(
+CFG = PoolScalingConfig(
     enabled=True,
     min_replicas=1,
     max_replicas=4,
