@@ -144,6 +144,8 @@ def json_object(raw: bytes) -> dict[str, Any]:
         body = json.loads(text)
     except ValueError:
         raise invalid("body: not valid JSON") from None
+    except RecursionError:  # a hostile "[[[[...": refused like any bad body, not a 500
+        raise invalid("body: not valid JSON (nested too deeply to parse)") from None
     if not isinstance(body, dict):
         raise invalid("body: must be a JSON object")
     return body

@@ -3,8 +3,8 @@ schema text the pools constrain to, checked here (torch-free, before any worker 
 
 A schema is refused (INVALID_ARGUMENT / HTTP 400, the message naming the field and the problem)
 when it is over ``router.max_json_schema_bytes``, not JSON, not a JSON Schema, or uses a feature
-llguidance cannot compile (a look-around pattern, a remote ``$ref``, ...): the same compile the
-pools run (with no vocabulary: a millisecond or so, not the model's tokens).
+llguidance cannot compile (a look-around pattern, a remote ``$ref``, ...): the same check and
+compile the pools run (``common.json_schema``; with no vocabulary, not the model's tokens).
 """
 
 from __future__ import annotations
@@ -13,12 +13,9 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-import llguidance
-
 from cluster.common.errors import invalid
+from cluster.common.json_schema import schema_grammar
 
-# As the engine compiles them (cluster.engine.structured.grammar.JSON_OPTIONS): compact JSON.
-_JSON_OPTIONS: Any = {"whitespace_flexible": False}
 JSON_OBJECT_SCHEMA = '{"type":"object"}'  # JSON mode: any JSON object
 
 
@@ -29,25 +26,10 @@ def canonical(schema: Any) -> str:
 
 def check_schema(text: str, field: str, max_bytes: int) -> str:
     """``text`` (a JSON Schema's JSON text) if the pools can constrain to it."""
-    size = len(text.encode("utf-8", "surrogatepass"))
-    if size > max_bytes:
-        raise invalid(
-            f"{field}: the schema is {size} bytes, over the limit of {max_bytes} bytes "
-            "(router.max_json_schema_bytes)"
-        )
     try:
-        schema = json.loads(text)
+        schema_grammar(text, field, max_bytes)
     except ValueError as e:
-        raise invalid(f"{field}: not valid JSON ({e})") from None
-    if not isinstance(schema, dict):
-        raise invalid(f"{field}: a JSON Schema must be an object, got {type(schema).__name__}")
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(text, overrides=_JSON_OPTIONS)
-        error = llguidance.LLMatcher.validate_grammar(grammar)
-    except ValueError as e:
-        error = str(e)
-    if error:
-        raise invalid(f"{field}: unsupported or invalid JSON Schema: {error}")
+        raise invalid(str(e)) from None
     return text
 
 
@@ -69,7 +51,11 @@ def response_format(value: Any, max_bytes: int) -> str | None:
         raise invalid(
             f"response_format.type: must be text, json_object or json_schema, got {kind!r}"
         )
-    spec = value.get("json_schema")
+    return _json_schema_format(value.get("json_schema"), max_bytes)
+
+
+def _json_schema_format(spec: Any, max_bytes: int) -> str:
+    """``response_format.json_schema`` (name, description, schema, strict) -> the schema text."""
     if not isinstance(spec, Mapping):
         raise invalid("response_format.json_schema: must be an object with name and schema")
     unknown = sorted(set(spec) - {"name", "description", "schema", "strict"})
@@ -84,4 +70,9 @@ def response_format(value: Any, max_bytes: int) -> str | None:
     schema = spec.get("schema", {})  # OpenAI: absent means any JSON
     if not isinstance(schema, Mapping):
         raise invalid("response_format.json_schema.schema: must be an object")
-    return check_schema(canonical(schema), "response_format.json_schema.schema", max_bytes)
+    field = "response_format.json_schema.schema"
+    try:
+        text = canonical(schema)
+    except RecursionError:  # the body parsed, but re-encoding runs a few frames deeper
+        raise invalid(f"{field}: nested too deeply") from None
+    return check_schema(text, field, max_bytes)

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
         "cluster.common.tokenizer",
         "cluster.common.sampling_params",
         "cluster.common.hashing",
+        "cluster.common.json_schema",
         "cluster.config",
         "cluster.common.kv_layout",
         # The router is torch-free: its replicas never load torch or transformers.

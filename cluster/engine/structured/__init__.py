@@ -4,8 +4,8 @@ step's token masks)."""
 
 from __future__ import annotations
 
-from cluster.engine.structured.grammar import GrammarCache, build_vocab, json_grammar
+from cluster.engine.structured.grammar import GrammarCache, build_vocab
 from cluster.engine.structured.masks import BatchMasks
 from cluster.engine.structured.output import StructuredOutput
 
-__all__ = ["BatchMasks", "GrammarCache", "StructuredOutput", "build_vocab", "json_grammar"]
+__all__ = ["BatchMasks", "GrammarCache", "StructuredOutput", "build_vocab"]

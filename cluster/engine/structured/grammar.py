@@ -11,46 +11,16 @@ model's fast tokenizer or the fake runner's ``FakeTokenizer``.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from collections import OrderedDict
 from typing import Any
 
 import llguidance
 
+from cluster.common.json_schema import schema_grammar
 from cluster.engine.structured.closing import Closer
 
-# Compact JSON, no freedom in whitespace: a small model cannot wander into endless spaces.
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
 _FAKE_WORD = re.compile(rb" t(\d+)")
-
-
-def json_grammar(schema_text: str, max_bytes: int) -> str:
-    """The llguidance grammar of a JSON Schema; ``ValueError`` naming the problem."""
-    if len(schema_text.encode()) > max_bytes:
-        raise ValueError(
-            f"json_schema: {len(schema_text.encode())} bytes, over the limit of {max_bytes} "
-            "(router.max_json_schema_bytes)"
-        )
-    try:
-        schema = json.loads(schema_text)
-    except ValueError as e:
-        raise ValueError(f"json_schema: not valid JSON ({e})") from None
-    if not isinstance(schema, dict):
-        raise ValueError(
-            f"json_schema: a JSON Schema must be an object, got {type(schema).__name__}"
-        )
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            schema_text,
-            overrides=JSON_OPTIONS,  # type: ignore[arg-type]
-        )
-        error = llguidance.LLMatcher.validate_grammar(grammar)
-    except ValueError as e:
-        error = str(e)
-    if error:
-        raise ValueError(f"json_schema: unsupported or invalid JSON Schema: {error}")
-    return grammar
 
 
 class _FakeVocab:
@@ -115,12 +85,12 @@ class GrammarCache:
         self.num_compiled = 0
 
     def _entry(self, schema_text: str) -> tuple[llguidance.LLMatcher, list[int] | None]:
-        key = hashlib.sha256(schema_text.encode()).hexdigest()
+        # surrogatepass: a lone surrogate must reach the validator, which names the problem
+        key = hashlib.sha256(schema_text.encode("utf-8", "surrogatepass")).hexdigest()
         entry = self._entries.get(key)
         if entry is None:
-            template = llguidance.LLMatcher(
-                self.vocab, json_grammar(schema_text, self.max_bytes), log_level=0
-            )
+            grammar = schema_grammar(schema_text, "json_schema", self.max_bytes)
+            template = llguidance.LLMatcher(self.vocab, grammar, log_level=0)
             if template.is_error():
                 raise ValueError(f"json_schema: {template.get_error()}")
             self.num_compiled += 1

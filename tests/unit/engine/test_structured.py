@@ -146,7 +146,8 @@ def test_bad_schemas_are_refused_naming_the_problem_and_nothing_is_held() -> Non
             engine.add(name, [1, 2], SamplingParams(json_schema=text))
         assert phrase in str(e.value), (name, str(e.value))
     big = json.dumps({"enum": [f"value-{i}" for i in range(1000)]})
-    with pytest.raises(ValueError, match=r"json_schema: \d+ bytes, over the limit of 4096"):
+    too_big = r"json_schema: the schema is \d+ bytes, over the limit of 4096 bytes"
+    with pytest.raises(ValueError, match=too_big):
         engine.add("big", [1, 2], SamplingParams(json_schema=big))
     assert not engine.requests and engine.structured.active_ids() == set()
     engine.check_integrity()

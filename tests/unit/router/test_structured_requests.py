@@ -15,7 +15,7 @@ from cluster.common.tokenizer import FakeTokenizer
 from cluster.config import RouterConfig
 from cluster.config.model_paths import ModelLimits
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
-from cluster.router.requests import RequestParser
+from cluster.router.requests import RequestParser, json_object
 from tests.structured_schemas import BAD_SCHEMAS, SCHEMAS
 
 VOCAB, CTX, BLOCK = 512, 128, 16
@@ -118,3 +118,23 @@ def test_a_schema_over_the_size_limit_is_refused_fast(parser: RequestParser) -> 
 def test_malformed_response_format(parser: RequestParser, response_format: Any, field: str) -> None:
     message, _ = _refused(parser.from_chat, {**CHAT, "response_format": response_format})
     assert message.startswith(field + ":"), message
+
+
+def test_a_deeply_nested_body_or_schema_is_refused_naming_the_problem(
+    parser: RequestParser,
+) -> None:
+    """Hostile nesting is a 400 naming the problem, never a RecursionError (a 500)."""
+    deep = ("[" * 4000 + "]" * 4000).encode()  # within the 8 KiB schema limit
+    with pytest.raises(PDServeError) as info:
+        json_object(b'{"messages": ' + deep + b"}")
+    assert info.value.code == ErrorCode.INVALID_ARGUMENT
+    assert info.value.message == "body: not valid JSON (nested too deeply to parse)"
+    schema: dict[str, Any] = {}
+    for _ in range(300):  # parses as JSON, nests past what the grammar compiler takes
+        schema = {"items": schema}
+    body = {**CHAT, "response_format": _json_schema(schema)}
+    message, _ = _refused(parser.from_chat, body)
+    assert message.startswith("response_format.json_schema.schema: unsupported"), message
+    req = pb.GenerateRequest(prompt="x", sampling=pb.SamplingParameters(json_schema=deep.decode()))
+    message, _ = _refused(parser.from_grpc, req)
+    assert message == "json_schema: not valid JSON (nested too deeply to parse)"
