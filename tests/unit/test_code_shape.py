@@ -1,10 +1,12 @@
-"""The shape the codebase keeps (issue 8): small engine files, a plain scheduler, a short step,
-a small torch-free common layer. A change that grows past these should split the file instead."""
+"""The shape the codebase keeps: the engine's step reads schedule -> execute -> update, and the
+block manager is the engine's alone. Function size and complexity are ruff's (C901, PLR0912,
+PLR0915 in pyproject.toml) and the layering is import-linter's; no file has a line cap."""
 
 from __future__ import annotations
 
 import ast
 import inspect
+import textwrap
 from pathlib import Path
 
 from cluster.engine.engine import LLMEngine
@@ -12,35 +14,25 @@ from cluster.engine.engine import LLMEngine
 ROOT = Path(__file__).resolve().parents[2] / "cluster"
 
 
-def _lines(path: Path) -> int:
-    return len(path.read_text().splitlines())
+def _called_names(node: ast.AST) -> list[str]:
+    """The names of the functions and methods ``node`` calls, in source order."""
+    calls = [n for n in ast.walk(node) if isinstance(n, ast.Call)]
+    calls.sort(key=lambda c: (c.lineno, c.col_offset))
+    return [
+        c.func.attr if isinstance(c.func, ast.Attribute) else getattr(c.func, "id", "")
+        for c in calls
+    ]
 
 
-def test_no_engine_file_over_300_lines() -> None:
-    big = {
-        str(p.relative_to(ROOT)): _lines(p)
-        for p in (ROOT / "engine").rglob("*.py")
-        if _lines(p) > 300
-    }
-    assert not big, big
-
-
-def test_the_scheduler_stays_under_250_lines() -> None:
-    assert _lines(ROOT / "engine" / "scheduler.py") < 250
-
-
-def test_step_reads_schedule_execute_update_in_under_10_lines() -> None:
-    (fn,) = ast.parse(inspect.getsource(LLMEngine.step).strip()).body
+def test_step_reads_schedule_execute_update_and_delegates_the_work() -> None:
+    (fn,) = ast.parse(textwrap.dedent(inspect.getsource(LLMEngine.step))).body
     assert isinstance(fn, ast.FunctionDef)
-    body_lines = fn.end_lineno - fn.body[0].lineno + 1  # type: ignore[operator]
-    assert body_lines < 10, body_lines
-    source = inspect.getsource(LLMEngine.step)
-    assert source.index("schedule(") < source.index("execute(") < source.index("update(")
-
-
-def test_common_holds_only_a_small_shared_core() -> None:
-    total = sum(_lines(p) for p in (ROOT / "common").glob("*.py"))
-    assert total < 900, total
+    names = _called_names(fn)
+    phases = [n for n in names if n.lstrip("_") in ("schedule", "execute", "update")]
+    assert [p.lstrip("_") for p in phases] == ["schedule", "execute", "update"], names
+    # The step is the three phases in order: the work lives in them, not in a loop here.
+    loops = [n for n in ast.walk(fn) if isinstance(n, ast.For | ast.While | ast.comprehension)]
+    assert not loops, ast.unparse(fn)
 
 
 # The planner's simulator assembles replicas of its own from the engine's Scheduler and
