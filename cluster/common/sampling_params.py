@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -31,6 +32,25 @@ def _finite(name: str, value: float) -> None:
 def _integer(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise _bad(name, f"must be an integer, got {value!r}")
+
+
+def _in_range(name: str, value: float, low: int, high: int, *, low_open: bool = False) -> None:
+    """A finite ``value`` in [low, high] ((low, high] with ``low_open``)."""
+    _finite(name, value)
+    if not (low < value if low_open else low <= value) or value > high:
+        raise _bad(name, f"must be in {'(' if low_open else '['}{low}, {high}], got {value}")
+
+
+def _logit_bias(bias: Any) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` (a dict or pairs) as (token id, float bias) pairs, each checked: ids >= 0,
+    biases in [-100, 100]."""
+    pairs = bias.items() if isinstance(bias, dict) else bias
+    for t, b in (p if isinstance(p, tuple | list) and len(p) == 2 else (p, 0) for p in pairs):
+        _integer("logit_bias", t)
+        _finite("logit_bias", b)
+        if t < 0 or not -100 <= b <= 100:
+            raise _bad("logit_bias", f"ids >= 0, biases in [-100, 100]; got {t}: {b}")
+    return tuple((t, float(b)) for t, b in pairs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +79,20 @@ class SamplingParams:
     extra: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._check_lengths()
+        self._check_sampling_knobs()
+        self._check_stops()
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (type(k) is not int or not 0 <= k <= MAX_LOGPROBS):
+                raise _bad(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if self.json_schema is not None and not isinstance(self.json_schema, str):
+            raise _bad("json_schema", "must be a JSON Schema as JSON text (a string)")
+        for name in ("stop", "stop_token_ids"):  # lists from JSON/YAML: hashable, immutable
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    def _check_lengths(self) -> None:
         _integer("max_tokens", self.max_tokens)
         if self.max_tokens <= 0:
             raise _bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
@@ -67,30 +101,23 @@ class SamplingParams:
             raise _bad(
                 "min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
-        _finite("temperature", self.temperature)
-        if not 0.0 <= self.temperature <= 2.0:
-            raise _bad("temperature", f"must be in [0, 2], got {self.temperature}")
-        _finite("top_p", self.top_p)
-        if not 0.0 < self.top_p <= 1.0:
-            raise _bad("top_p", f"must be in (0, 1], got {self.top_p}")
+
+    def _check_sampling_knobs(self) -> None:
+        _in_range("temperature", self.temperature, 0, 2)
+        _in_range("top_p", self.top_p, 0, 1, low_open=True)
         _integer("top_k", self.top_k)
         if self.top_k < -1:
             raise _bad("top_k", f"must be -1 (off), 0 (off) or >= 1, got {self.top_k}")
-        _finite("min_p", self.min_p)
-        if not 0.0 <= self.min_p <= 1.0:
-            raise _bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        _finite("repetition_penalty", self.repetition_penalty)
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise _bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            _finite(name, value)
-            if not -2.0 <= value <= 2.0:
-                raise _bad(name, f"must be in [-2, 2], got {value}")
+        _in_range("min_p", self.min_p, 0, 1)
+        _in_range("repetition_penalty", self.repetition_penalty, 0, 2, low_open=True)
+        _in_range("presence_penalty", self.presence_penalty, -2, 2)
+        _in_range("frequency_penalty", self.frequency_penalty, -2, 2)
         if self.seed is not None:
             _integer("seed", self.seed)
             if not 0 <= self.seed < 2**63:
                 raise _bad("seed", f"must be in [0, 2**63), got {self.seed}")
+
+    def _check_stops(self) -> None:
         if isinstance(self.stop, str) or not isinstance(self.stop, tuple | list):
             raise _bad("stop", "must be a list of strings")
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -103,25 +130,10 @@ class SamplingParams:
         ids = self.stop_token_ids
         if not isinstance(ids, tuple | list) or len(ids) > MAX_STOP_TOKEN_IDS:
             raise _bad("stop_token_ids", f"must be a list of at most {MAX_STOP_TOKEN_IDS} ids")
-        for t in self.stop_token_ids:
+        for t in ids:
             _integer("stop_token_ids", t)
             if t < 0:
                 raise _bad("stop_token_ids", f"token ids must be >= 0, got {t}")
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(self, name)
-            if k is not None and (type(k) is not int or not 0 <= k <= MAX_LOGPROBS):
-                raise _bad(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
-        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
-        for t, b in (p if isinstance(p, tuple | list) and len(p) == 2 else (p, 0) for p in bias):
-            _integer("logit_bias", t)
-            _finite("logit_bias", b)
-            if t < 0 or not -100 <= b <= 100:
-                raise _bad("logit_bias", f"ids >= 0, biases in [-100, 100]; got {t}: {b}")
-        object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in bias))
-        if self.json_schema is not None and not isinstance(self.json_schema, str):
-            raise _bad("json_schema", "must be a JSON Schema as JSON text (a string)")
-        for name in ("stop", "stop_token_ids"):  # lists from JSON/YAML: hashable, immutable
-            object.__setattr__(self, name, tuple(getattr(self, name)))
 
     @property
     def is_greedy(self) -> bool:
