@@ -61,6 +61,12 @@ def plan_frames(
     max_blocks = max(1, max_frame_bytes // bytes_per_block)
     if len(src_ids) * bytes_per_block >= PIPELINE_FRAMES * PIPELINE_MIN_FRAME_BYTES:
         max_blocks = min(max_blocks, -(-len(src_ids) // PIPELINE_FRAMES))
+    frames = _pack_runs(_runs(src_ids, dst_ids, max_blocks), bytes_per_block, max_frame_bytes)
+    return FramePlan(tuple(tuple(f) for f in frames), bytes_per_block)
+
+
+def _runs(src_ids: Sequence[int], dst_ids: Sequence[int], max_blocks: int) -> list[list[int]]:
+    """[src, dst, n] runs of blocks consecutive on both sides, at most ``max_blocks`` each."""
     runs: list[list[int]] = []
     for s, d in zip(src_ids, dst_ids):
         last = runs[-1] if runs else None
@@ -68,20 +74,25 @@ def plan_frames(
             last[2] += 1
         else:
             runs.append([s, d, 1])
+    return runs
+
+
+def _pack_runs(
+    runs: list[list[int]], bytes_per_block: int, max_frame_bytes: int
+) -> list[list[Run]]:
+    """Runs into frames: a run of ``MIN_FRAME_BYTES`` or more alone (zero-copy, never gathered),
+    smaller ones gathered until they reach it (or would pass ``max_frame_bytes``)."""
     frames: list[list[Run]] = []
     pack: list[Run] = []
     pack_bytes = 0
     for s, d, n in runs:
         nbytes = n * bytes_per_block
-        if nbytes >= MIN_FRAME_BYTES:  # big enough on its own: zero-copy, never gathered
-            if pack:
-                frames.append(pack)
-                pack, pack_bytes = [], 0
-            frames.append([(s, d, n)])
-            continue
-        if pack and pack_bytes + nbytes > max_frame_bytes:
+        if pack and (nbytes >= MIN_FRAME_BYTES or pack_bytes + nbytes > max_frame_bytes):
             frames.append(pack)
             pack, pack_bytes = [], 0
+        if nbytes >= MIN_FRAME_BYTES:  # big enough on its own: zero-copy, never gathered
+            frames.append([(s, d, n)])
+            continue
         pack.append((s, d, n))
         pack_bytes += nbytes
         if pack_bytes >= MIN_FRAME_BYTES:
@@ -93,7 +104,7 @@ def plan_frames(
             frames[-1].extend(pack)  # a small tail rides with the frame before it
         else:
             frames.append(pack)
-    return FramePlan(tuple(tuple(f) for f in frames), bytes_per_block)
+    return frames
 
 
 def check_source_frames(

@@ -40,8 +40,13 @@ from cluster.kv_transfer.protocol import (
 from cluster.kv_transfer.protocol import TransferState as State
 from cluster.kv_transfer.receiver_link import PeerLink
 from cluster.kv_transfer.transports import TRANSPORTS
-from cluster.kv_transfer.transports.base import Completion, ReceiverContext, ReceiverSide, RecvPull
-from cluster.kv_transfer.transports.zmq_frames import Rejected
+from cluster.kv_transfer.transports.base import (
+    Completion,
+    ReceiverContext,
+    ReceiverSide,
+    RecvPull,
+    Rejected,
+)
 
 # The sender no longer holds these leases, or never did: no point telling it to free them.
 _NO_ABORT_REASONS = (
@@ -186,27 +191,33 @@ class PeerConnection:
         elif isinstance(msg, Chunk | Ready):
             self._on_data(inbound, msg.pull_id)
         elif isinstance(msg, PullError):
-            pull = self.pulls.get(msg.pull_id)
-            if pull is None or pull.params.transfer_id != msg.transfer_id:
-                self.ctx.stats.rejected(Reason.UNEXPECTED)
-                return
-            notify = msg.reason not in _NO_ABORT_REASONS
-            self.fail_pull(pull, msg.reason, f"refused by the sender: {msg.message}", notify)
+            self._on_pull_error(msg)
         elif isinstance(msg, AckReply):
-            pull = self.pulls.get(msg.pull_id)
-            if pull is None or not pull.confirming:
-                self.ctx.stats.rejected(Reason.UNEXPECTED)
-            elif msg.ok:
-                self._complete(pull)
-            else:
-                reason = Reason.LEASE_EXPIRED
-                self.fail_pull(pull, reason, "the lease ended before the ack", notify=False)
+            self._on_ack_reply(msg)
         elif isinstance(msg, HeartbeatReply):
             for tid in msg.unknown:
                 if self.holds.pop(tid, None) is not None:
                     self.owner.mark_lost(tid, Reason.LEASE_EXPIRED, "the sender no longer holds it")
         else:
             self.ctx.stats.rejected(Reason.UNEXPECTED)
+
+    def _on_pull_error(self, msg: PullError) -> None:
+        pull = self.pulls.get(msg.pull_id)
+        if pull is None or pull.params.transfer_id != msg.transfer_id:
+            self.ctx.stats.rejected(Reason.UNEXPECTED)
+            return
+        notify = msg.reason not in _NO_ABORT_REASONS
+        self.fail_pull(pull, msg.reason, f"refused by the sender: {msg.message}", notify)
+
+    def _on_ack_reply(self, msg: AckReply) -> None:
+        pull = self.pulls.get(msg.pull_id)
+        if pull is None or not pull.confirming:
+            self.ctx.stats.rejected(Reason.UNEXPECTED)
+        elif msg.ok:
+            self._complete(pull)
+        else:
+            reason = Reason.LEASE_EXPIRED
+            self.fail_pull(pull, reason, "the lease ended before the ack", notify=False)
 
     def _on_hello_reply(self, msg: HelloReply) -> None:
         if self.state != self.HANDSHAKING:

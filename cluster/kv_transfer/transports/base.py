@@ -34,9 +34,12 @@ from cluster.kv_transfer.plan import FramePlan
 from cluster.kv_transfer.pool import KVPool
 from cluster.kv_transfer.protocol import (
     HelloReply,
+    KVTransferError,
     KVTransferParams,
     Message,
     PullRequest,
+    Ready,
+    Reason,
     Segment,
     TransferState,
 )
@@ -139,6 +142,33 @@ class RecvPull:
     confirming: bool = False  # data landed, waiting for the sender's AckReply
     final: bool = True  # False: one part of a streamed lease, which stays held after it
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Rejected(KVTransferError):
+    """Drop this message (counted by reason); the pull it names goes on."""
+
+
+def check_ready(pull: RecvPull, inbound: Inbound, transport: str, *, repeated: bool) -> Ready:
+    """The ``Ready`` of a transport whose sender sends no raw frames (shm, loopback, cuda_ipc,
+    torch_dist): one per pull (``repeated``: one already came), with one checksum per planned
+    frame or none. Anything else is dropped (``Rejected``) or fails the pull."""
+    msg = inbound.msg
+    if not isinstance(msg, Ready) or inbound.frames:
+        raise Rejected(Reason.UNEXPECTED, f"{msg.TAG} during a {transport} pull")
+    if repeated:
+        raise Rejected(Reason.DUPLICATE, "second Ready for one pull")
+    if (pull.checksum or msg.crcs) and len(msg.crcs) != len(pull.plan.frames):
+        raise KVTransferError(Reason.BAD_FRAMES, "checksums missing or miscounted")
+    return msg
+
+
+def check_sources(plan: FramePlan, num_src: int) -> None:
+    """Every planned source block is inside the sender's pool as the receiver mapped it (the
+    plan came from the handshake's numbers; the mapping is what a read can touch)."""
+    for frame in plan.frames:
+        for src, _dst, count in frame:
+            if src + count > num_src:
+                raise KVTransferError(Reason.BAD_BLOCKS, f"source block {src + count - 1}")
 
 
 class ReceiverSide(ABC):

@@ -33,8 +33,9 @@ from cluster.kv_transfer.transports.base import (
     SenderSide,
     ServeJob,
     TransportSpec,
+    check_ready,
+    check_sources,
 )
-from cluster.kv_transfer.transports.zmq_frames import Rejected
 
 
 def export_pool(pool: KVPool) -> str:
@@ -128,19 +129,9 @@ class CudaReadReceiver(ReceiverSide):
         self.source = source  # the sender's pool: [num_blocks, *block_shape], read only
 
     def on_data(self, pull: RecvPull, inbound: Inbound) -> bool:
-        msg = inbound.msg
-        if not isinstance(msg, Ready) or inbound.frames:
-            raise Rejected(Reason.UNEXPECTED, f"{msg.TAG} during a cuda_ipc pull")
-        if pull.next_frame:
-            raise Rejected(Reason.DUPLICATE, "second Ready for one pull")
+        msg = check_ready(pull, inbound, "cuda_ipc", repeated=pull.next_frame > 0)
         plan = pull.plan
-        if (pull.checksum or msg.crcs) and len(msg.crcs) != len(plan.frames):
-            raise KVTransferError(Reason.BAD_FRAMES, "checksums missing or miscounted")
-        num_src = int(self.source.shape[0])
-        for frame in plan.frames:
-            for src, _dst, count in frame:
-                if src + count > num_src:
-                    raise KVTransferError(Reason.BAD_BLOCKS, f"source block {src + count - 1}")
+        check_sources(plan, int(self.source.shape[0]))
         dst_pool = self.pool.tensor
         for frame in plan.frames:
             for src, dst, count in frame:

@@ -31,8 +31,9 @@ from cluster.kv_transfer.transports.base import (
     SenderSide,
     ServeJob,
     TransportSpec,
+    check_ready,
+    check_sources,
 )
-from cluster.kv_transfer.transports.zmq_frames import Rejected
 
 # Sender instance id -> its pool, for in-process pulls. Weak: the registry never keeps a pool
 # alive; loopback is by definition a rendezvous inside one process.
@@ -65,19 +66,9 @@ class DirectReadReceiver(ReceiverSide):
         self.mapped = mapped
 
     def on_data(self, pull: RecvPull, inbound: Inbound) -> bool:
-        msg = inbound.msg
-        if not isinstance(msg, Ready) or inbound.frames:
-            raise Rejected(Reason.UNEXPECTED, f"{msg.TAG} during a direct-read pull")
-        if pull.next_frame:
-            raise Rejected(Reason.DUPLICATE, "second Ready for one pull")
+        msg = check_ready(pull, inbound, "direct-read", repeated=pull.next_frame > 0)
         plan = pull.plan
-        if (pull.checksum or msg.crcs) and len(msg.crcs) != len(plan.frames):
-            raise KVTransferError(Reason.BAD_FRAMES, "checksums missing or miscounted")
-        num_src = self.source.shape[0]
-        for frame in plan.frames:
-            for src, _dst, count in frame:
-                if src + count > num_src:  # planned from the handle; the pool says otherwise
-                    raise KVTransferError(Reason.BAD_BLOCKS, f"source block {src + count - 1}")
+        check_sources(plan, self.source.shape[0])
         for i, frame in enumerate(plan.frames):
             for src, dst, count in frame:
                 np.copyto(self.pool.byte_view(dst, count), self.source[src : src + count])

@@ -43,9 +43,9 @@ from cluster.kv_transfer.transports.base import (
     SenderSide,
     ServeJob,
     TransportSpec,
+    check_ready,
 )
 from cluster.kv_transfer.transports.dist_pair import DistPair
-from cluster.kv_transfer.transports.zmq_frames import Rejected
 
 
 def _tag(pull_id: int) -> int:
@@ -159,14 +159,8 @@ class DistReceiver(ReceiverSide):
         return {"dist_generation": self.generation}
 
     def on_data(self, pull: RecvPull, inbound: Inbound) -> bool:
-        msg = inbound.msg
-        if not isinstance(msg, Ready) or inbound.frames:
-            raise Rejected(Reason.UNEXPECTED, f"{msg.TAG} during a torch_dist pull")
-        if "dist_done" in pull.extra:
-            raise Rejected(Reason.DUPLICATE, "second Ready for one pull")
+        msg = check_ready(pull, inbound, "torch_dist", repeated="dist_done" in pull.extra)
         plan = pull.plan
-        if (pull.checksum or msg.crcs) and len(msg.crcs) != len(plan.frames):
-            raise KVTransferError(Reason.BAD_FRAMES, "checksums missing or miscounted")
         pool, pair = self.ctx.pool, self.pair
         assert pair is not None
         # The pull's deadline is on the receiver's (injectable) clock; waits use the real one.

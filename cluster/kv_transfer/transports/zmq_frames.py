@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cluster.kv_transfer.framing import Inbound
+from cluster.kv_transfer.framing import Buffer, Inbound
 from cluster.kv_transfer.plan import PIPELINE_FRAMES, PIPELINE_MIN_FRAME_BYTES, crc_segments
 from cluster.kv_transfer.protocol import Chunk, HelloReply, KVTransferError, Reason
 from cluster.kv_transfer.transports.base import (
@@ -28,6 +28,7 @@ from cluster.kv_transfer.transports.base import (
     ReceiverContext,
     ReceiverSide,
     RecvPull,
+    Rejected,
     SenderContext,
     SenderSide,
     ServeJob,
@@ -35,10 +36,6 @@ from cluster.kv_transfer.transports.base import (
 )
 
 FAULT_MID_SEND = "p.mid_send_frame_k"
-
-
-class Rejected(KVTransferError):
-    """Drop this message (counted by reason); the pull it names goes on."""
 
 
 def messages(frame_bytes: Sequence[int], max_bytes: int) -> list[range]:
@@ -89,40 +86,11 @@ class ZmqReceiver(ReceiverSide):
         self.pool = ctx.pool
 
     def on_data(self, pull: RecvPull, inbound: Inbound) -> bool:
-        msg, frames = inbound.msg, inbound.frames
+        msg = inbound.msg
         if not isinstance(msg, Chunk):
             raise Rejected(Reason.UNEXPECTED, f"{msg.TAG} during a zmq pull")
-        plan = pull.plan
-        if msg.first_frame < pull.next_frame:
-            raise Rejected(Reason.DUPLICATE, f"frame {msg.first_frame} already landed")
-        if msg.first_frame > pull.next_frame:
-            raise KVTransferError(
-                Reason.BAD_FRAMES, f"frames {pull.next_frame}..{msg.first_frame - 1} missing"
-            )
-        n = len(frames)
-        if n == 0 or n != len(msg.nbytes) or msg.first_frame + n > len(plan.frames):
-            raise KVTransferError(
-                Reason.BAD_FRAMES,
-                f"{n} raw frames for {len(msg.nbytes)} declared at "
-                f"{msg.first_frame} of {len(plan.frames)}",
-            )
-        if (pull.checksum or msg.crcs) and len(msg.crcs) != n:
-            raise KVTransferError(Reason.BAD_FRAMES, "checksums missing or miscounted")
-        # Validate every frame of the message before writing any.
-        arrays = []
-        for k, frame in enumerate(frames):
-            expected = plan.frame_nbytes(msg.first_frame + k)
-            arr = np.frombuffer(frame, dtype=np.uint8)
-            if msg.nbytes[k] != expected or arr.nbytes != expected:
-                raise KVTransferError(
-                    Reason.BAD_FRAMES,
-                    f"frame {msg.first_frame + k}: {arr.nbytes} bytes, header says "
-                    f"{msg.nbytes[k]}, plan says {expected}",
-                )
-            if msg.crcs and zlib.crc32(arr.data) != msg.crcs[k]:
-                raise KVTransferError(Reason.CHECKSUM, f"frame {msg.first_frame + k}")
-            arrays.append(arr)
-        bpb = plan.bytes_per_block
+        arrays = _checked_frames(pull, msg, inbound.frames)  # every frame, before writing any
+        plan, bpb = pull.plan, pull.plan.bytes_per_block
         for k, arr in enumerate(arrays):
             offset = 0
             for _src, dst, count in plan.frames[msg.first_frame + k]:
@@ -132,8 +100,43 @@ class ZmqReceiver(ReceiverSide):
                     arr[offset : offset + nbytes].reshape(count, bpb),
                 )
                 offset += nbytes
-        pull.next_frame += n
+        pull.next_frame += len(arrays)
         return pull.next_frame == len(plan.frames)
+
+
+def _checked_frames(pull: RecvPull, msg: Chunk, frames: Sequence[Buffer]) -> list[np.ndarray]:
+    """The raw frames of ``msg`` as byte arrays, each checked against the pull's plan: the next
+    frames in order, the sizes the header and the plan give, the checksums when sent."""
+    plan = pull.plan
+    if msg.first_frame < pull.next_frame:
+        raise Rejected(Reason.DUPLICATE, f"frame {msg.first_frame} already landed")
+    if msg.first_frame > pull.next_frame:
+        raise KVTransferError(
+            Reason.BAD_FRAMES, f"frames {pull.next_frame}..{msg.first_frame - 1} missing"
+        )
+    n = len(frames)
+    if n == 0 or n != len(msg.nbytes) or msg.first_frame + n > len(plan.frames):
+        raise KVTransferError(
+            Reason.BAD_FRAMES,
+            f"{n} raw frames for {len(msg.nbytes)} declared at "
+            f"{msg.first_frame} of {len(plan.frames)}",
+        )
+    if (pull.checksum or msg.crcs) and len(msg.crcs) != n:
+        raise KVTransferError(Reason.BAD_FRAMES, "checksums missing or miscounted")
+    arrays = []
+    for k, frame in enumerate(frames):
+        expected = plan.frame_nbytes(msg.first_frame + k)
+        arr = np.frombuffer(frame, dtype=np.uint8)
+        if msg.nbytes[k] != expected or arr.nbytes != expected:
+            raise KVTransferError(
+                Reason.BAD_FRAMES,
+                f"frame {msg.first_frame + k}: {arr.nbytes} bytes, header says "
+                f"{msg.nbytes[k]}, plan says {expected}",
+            )
+        if msg.crcs and zlib.crc32(arr.data) != msg.crcs[k]:
+            raise KVTransferError(Reason.CHECKSUM, f"frame {msg.first_frame + k}")
+        arrays.append(arr)
+    return arrays
 
 
 ZMQ = TransportSpec(
