@@ -148,10 +148,7 @@ async def retrying_stream(
         response = call(tuple(excluded))
         replica_id = ""
         try:
-            accepted = await _accepted(response, assignment_timeout_s, deadline, request_id)
-            if not isinstance(accepted, Accepted):
-                raise PDServeError(ErrorCode.INTERNAL, "a pool stream did not start with Accepted")
-            replica_id = accepted.replica_id
+            replica_id = await _accepted_by(response, assignment_timeout_s, deadline, request_id)
             while True:
                 try:
                     item = await _next(response, deadline, stall_timeout_s, request_id)
@@ -203,11 +200,16 @@ async def _next(
         ) from None
 
 
-async def _accepted(
+async def _accepted_by(
     response: PoolResponse, timeout_s: float, deadline: float | None, request_id: str
-) -> Any:
-    """The call's first item within the assignment timeout, or the deadline if that is sooner
-    (each with its own status: UNAVAILABLE is retried, DEADLINE_EXCEEDED is not)."""
+) -> str:
+    """The id of the replica that took the call: its first item, ``Accepted``, within the
+    assignment timeout, or the deadline if that is sooner (each with its own status:
+    UNAVAILABLE is retried, DEADLINE_EXCEEDED is not)."""
     if deadline is not None and deadline - time.time() <= timeout_s:
-        return await within_deadline(response.__anext__(), deadline, request_id)
-    return await _bounded(response.__anext__(), timeout_s)
+        accepted = await within_deadline(response.__anext__(), deadline, request_id)
+    else:
+        accepted = await _bounded(response.__anext__(), timeout_s)
+    if not isinstance(accepted, Accepted):
+        raise PDServeError(ErrorCode.INTERNAL, "a pool stream did not start with Accepted")
+    return accepted.replica_id
