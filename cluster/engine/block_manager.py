@@ -211,6 +211,13 @@ class BlockManager:
 
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` describing the first broken invariant (leak, double free)."""
+        self._check_holders()
+        self._check_cache_map()
+        if len(self._free) + sum(1 for c in self._ref_counts if c > 0) != self.num_blocks:
+            raise AssertionError("free + used != total")
+
+    def _check_holders(self) -> None:
+        """Each block's ref count is its number of holding tables; free exactly when unheld."""
         holders = [0] * self.num_blocks
         for rid, table in self._tables.items():
             if len(set(table)) != len(table):
@@ -226,14 +233,15 @@ class BlockManager:
             if in_free == (holders[b] > 0):
                 state = "free and held" if in_free else "neither free nor held (leaked)"
                 raise AssertionError(f"block {b} is {state}")
+
+    def _check_cache_map(self) -> None:
+        """The prefix-cache map and the blocks' hashes name each other."""
         for h, b in self._cached.items():
             if self._block_hash[b] != h:
                 raise AssertionError(f"cache map names block {b} for a hash it does not carry")
         for b, bh in enumerate(self._block_hash):
             if bh is not None and self._cached.get(bh) != b:
                 raise AssertionError(f"block {b} carries a hash the cache map does not know")
-        if len(self._free) + sum(1 for c in self._ref_counts if c > 0) != self.num_blocks:
-            raise AssertionError("free + used != total")
 
     def stats(self) -> dict[str, float]:
         return {

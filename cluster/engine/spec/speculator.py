@@ -123,6 +123,22 @@ class Speculator:
         decoding = [r for r in running if r.num_uncomputed_tokens == 1 and r.output_token_ids]
         if not decoding or len(decoding) > self.config.max_batch_size:
             return {}
+        asked, room = self._room(decoding)
+        if not asked:
+            return {}
+        proposals = self.proposer.propose(asked, room)
+        classes = [getattr(d, "evidence", 0) for d in proposals]  # a plain list: class 0
+        take = self._allot(asked, proposals, classes, self.threshold(len(decoding)))
+        out: dict[str, list[int]] = {}
+        for r, drafts, cls, n in zip(asked, proposals, classes, take, strict=True):
+            if n:
+                out[r.request_id] = list(drafts[:n])
+                self._evidence[r.request_id] = (cls, out[r.request_id])
+        return out
+
+    def _room(self, decoding: Sequence[Request]) -> tuple[list[Request], list[int]]:
+        """The requests that may draft (their output has room past the next token) and how
+        many drafts each may take."""
         asked: list[Request] = []
         room: list[int] = []
         for r in decoding:
@@ -132,11 +148,16 @@ class Speculator:
             if n > 0:
                 asked.append(r)
                 room.append(n)
-        if not asked:
-            return {}
-        proposals = self.proposer.propose(asked, room)
-        classes = [getattr(d, "evidence", 0) for d in proposals]  # a plain list: class 0
-        threshold = self.threshold(len(decoding))
+        return asked, room
+
+    def _allot(
+        self,
+        asked: Sequence[Request],
+        proposals: Sequence[Sequence[int]],
+        classes: Sequence[int],
+        threshold: float,
+    ) -> list[int]:
+        """How many of its drafts each request verifies this step, within the step's budget."""
         # (chance that drafts 1..j of a request are all accepted, its index, j): the step's
         # budget goes to the likeliest first, so a sure request drafts deep, a doubtful none.
         candidates: list[tuple[float, int, int]] = []
@@ -146,12 +167,7 @@ class Speculator:
                 continue
             p = self.acceptance(r.request_id, classes[i])
             if p <= threshold:  # not worth it now: a probe of one draft now and then
-                track = self._tracks.setdefault(r.request_id, _Track())
-                if track.pause_steps:
-                    track.pause_steps -= 1
-                else:
-                    track.num_pauses += 1
-                    track.pause_steps = min(self.config.max_pause_steps, 2**track.num_pauses)
+                if self._probe_due(r.request_id):
                     probes.append(i)
                 continue
             chance = 1.0
@@ -168,12 +184,19 @@ class Speculator:
         candidates.sort(key=lambda c: -c[0])  # stable: ties keep the oldest request first
         for _chance, i, j in candidates[: max(0, budget)]:
             take[i] = max(take[i], j)
-        out: dict[str, list[int]] = {}
-        for r, drafts, cls, n in zip(asked, proposals, classes, take, strict=True):
-            if n:
-                out[r.request_id] = list(drafts[:n])
-                self._evidence[r.request_id] = (cls, out[r.request_id])
-        return out
+        return take
+
+    def _probe_due(self, request_id: str) -> bool:
+        """A request not worth drafting for now: True when no pause of its is running, and it
+        then drafts one token (a probe) and starts its next pause, each twice the last (up to
+        ``max_pause_steps``)."""
+        track = self._tracks.setdefault(request_id, _Track())
+        if track.pause_steps:
+            track.pause_steps -= 1
+            return False
+        track.num_pauses += 1
+        track.pause_steps = min(self.config.max_pause_steps, 2**track.num_pauses)
+        return True
 
     def record(self, item: ScheduledRequest, num_accepted: int) -> None:
         """A verification's outcome: ``num_accepted`` of ``item``'s drafts were accepted."""
