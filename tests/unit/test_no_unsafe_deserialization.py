@@ -39,31 +39,40 @@ def _dotted(node: ast.AST) -> str:
     return ""
 
 
+def _import_findings(node: ast.Import | ast.ImportFrom) -> list[str]:
+    """A banned module imported, or a banned name imported from anywhere."""
+    if isinstance(node, ast.Import):
+        return [f"import {a.name}" for a in node.names if a.name.split(".")[0] in BANNED_MODULES]
+    found = []
+    if (node.module or "").split(".")[0] in BANNED_MODULES:
+        found.append(f"from {node.module} import ...")
+    banned_names = BANNED_ATTRS | BANNED_BUILTINS
+    return found + [f"import of {a.name}" for a in node.names if a.name in banned_names]
+
+
+def _call_finding(node: ast.Call) -> str | None:
+    """What is unsafe about this call, if anything."""
+    name = _dotted(node.func)
+    if name in BANNED_BUILTINS or name in {f"builtins.{b}" for b in BANNED_BUILTINS}:
+        return f"{name}()"
+    if name == "torch.load" and not _kwarg_is_true(node, "weights_only"):
+        return "torch.load without weights_only=True"
+    if name in {"yaml.load", "yaml.full_load"}:
+        return f"{name} (use yaml.safe_load)"
+    if name in {"np.load", "numpy.load"} and _kwarg_is_true(node, "allow_pickle"):
+        return f"{name}(allow_pickle=True)"
+    return None
+
+
 def scan(source: str, filename: str = "<src>") -> list[tuple[int, str]]:
     findings: list[tuple[int, str]] = []
     for node in ast.walk(ast.parse(source, filename)):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.name.split(".")[0] in BANNED_MODULES:
-                    findings.append((node.lineno, f"import {alias.name}"))
-        elif isinstance(node, ast.ImportFrom):
-            if (node.module or "").split(".")[0] in BANNED_MODULES:
-                findings.append((node.lineno, f"from {node.module} import ..."))
-            for alias in node.names:
-                if alias.name in BANNED_ATTRS or alias.name in BANNED_BUILTINS:
-                    findings.append((node.lineno, f"import of {alias.name}"))
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            findings += [(node.lineno, what) for what in _import_findings(node)]
         elif isinstance(node, ast.Attribute) and node.attr in BANNED_ATTRS:
             findings.append((node.lineno, f".{node.attr}"))
-        elif isinstance(node, ast.Call):
-            name = _dotted(node.func)
-            if name in BANNED_BUILTINS or name in {f"builtins.{b}" for b in BANNED_BUILTINS}:
-                findings.append((node.lineno, f"{name}()"))
-            elif name == "torch.load" and not _kwarg_is_true(node, "weights_only"):
-                findings.append((node.lineno, "torch.load without weights_only=True"))
-            elif name in {"yaml.load", "yaml.full_load"}:
-                findings.append((node.lineno, f"{name} (use yaml.safe_load)"))
-            elif name in {"np.load", "numpy.load"} and _kwarg_is_true(node, "allow_pickle"):
-                findings.append((node.lineno, f"{name}(allow_pickle=True)"))
+        elif isinstance(node, ast.Call) and (what := _call_finding(node)) is not None:
+            findings.append((node.lineno, what))
     return findings
 
 
