@@ -55,7 +55,7 @@ _PRIOR_ACCEPTED, _PRIOR_TRIED = 1.6, 2.0  # before any verification: p = 0.8
 
 
 @dataclass(slots=True)
-class _Track:
+class _Acceptance:
     """One request's acceptance history (the adaptive policy's state)."""
 
     accepted: float = _PRIOR_ACCEPTED  # decayed sums of accepted and of tried drafts
@@ -81,9 +81,9 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, proposer: Proposer | None) -> None:
         self.config = config
         self.proposer = proposer
-        self._tracks: dict[str, _Track] = {}
-        self._classes: dict[int, _Track] = {}  # by the proposer's evidence class
-        self._overall = _Track()
+        self._tracks: dict[str, _Acceptance] = {}
+        self._classes: dict[int, _Acceptance] = {}  # by the proposer's evidence class
+        self._overall = _Acceptance()
         # this step's proposals: request id -> (evidence class, drafts)
         self._evidence: dict[str, tuple[int, list[int]]] = {}
         self.num_draft_tokens = 0
@@ -190,7 +190,7 @@ class Speculator:
         """A request not worth drafting for now: True when no pause of its is running, and it
         then drafts one token (a probe) and starts its next pause, each twice the last (up to
         ``max_pause_steps``)."""
-        track = self._tracks.setdefault(request_id, _Track())
+        track = self._tracks.setdefault(request_id, _Acceptance())
         if track.pause_steps:
             track.pause_steps -= 1
             return False
@@ -210,14 +210,14 @@ class Speculator:
         self.num_accepted_tokens += num_accepted
         self.num_verifications += 1
         tried = min(num_accepted + 1, num_drafted)
-        track = self._tracks.setdefault(req.request_id, _Track())
+        track = self._tracks.setdefault(req.request_id, _Acceptance())
         track.add(num_accepted, tried, _DECAY)
         # The class of the drafts proposed here; drafts from elsewhere (a grammar's forced
         # tokens, ``structured``) count as class 0.
         evidence, proposed = self._evidence.pop(req.request_id, (0, []))
         if item.draft_token_ids != proposed[:num_drafted]:
             evidence = 0
-        self._classes.setdefault(evidence, _Track()).add(num_accepted, tried, _CLASS_DECAY)
+        self._classes.setdefault(evidence, _Acceptance()).add(num_accepted, tried, _CLASS_DECAY)
         self._overall.add(num_accepted, tried, _CLASS_DECAY)
         if self.acceptance(req.request_id, evidence) > self.threshold(1):
             track.num_pauses = 0

@@ -31,7 +31,9 @@ from cluster.engine.structured.closing import Closer
 
 
 @dataclass(slots=True)
-class _Track:
+class _Closing:
+    """One request's state in the budget guard: its window and the closing kept for it."""
+
     window: int  # the last tokens of the budget in which the closing is kept
     plan: list[int] | None = None  # the closing of the current state, once in the window
     lost: bool = False  # in the window with no closing that fits
@@ -43,7 +45,7 @@ class BudgetGuard:
         self.closer = closer
         self.window = window
         self.eos = eos
-        self._tracks: dict[str, _Track] = {}
+        self._tracks: dict[str, _Closing] = {}
         self.num_closed = 0  # requests whose document the budget closed
         self.num_closing_tokens = 0  # tokens the closing chose instead of the sampled ones
         self.num_lost = 0  # requests the window could not close
@@ -51,7 +53,7 @@ class BudgetGuard:
     def start(self, request_id: str, min_plan: list[int] | None) -> None:
         """Track a request; ``min_plan``: the closing of its schema's empty document."""
         shortest = len(min_plan) if min_plan is not None else 0
-        self._tracks[request_id] = _Track(window=max(self.window, shortest))
+        self._tracks[request_id] = _Closing(window=max(self.window, shortest))
 
     def forget(self, request_id: str) -> None:
         self._tracks.pop(request_id, None)
@@ -60,7 +62,7 @@ class BudgetGuard:
         track = self._tracks.get(request_id)
         return track is not None and track.closed
 
-    def _plan(self, track: _Track, matcher: llguidance.LLMatcher, left: int) -> list[int] | None:
+    def _plan(self, track: _Closing, matcher: llguidance.LLMatcher, left: int) -> list[int] | None:
         """The closing of the current state, computed on entering the window."""
         if track.plan is None and not track.lost:
             track.plan = self.closer.plan(matcher, max_len=left)
