@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import BenchContext, BenchReport, percentile, summary
+from benchmarks.harness import ArmRun, BenchContext, BenchReport, percentile, summary
 from benchmarks.workloads import (
     CpuMeter,
     Timeline,
@@ -54,16 +54,6 @@ class Shape:
     long_prompt_len: int
     long_output_len: int
     arrival_steps: tuple[int, ...]
-
-
-@dataclass
-class ArmRun:
-    arm: str
-    itls: list[float]  # pooled over the decode requests
-    long_ttfts: list[float]
-    tpot_mean: float
-    duration_s: float
-    cpu_util: float  # < MIN_CPU_UTIL: other work on the machine took cores during this arm
 
 
 def _run_named_arm(
@@ -114,14 +104,14 @@ def run_arm(
     duration = time.perf_counter() - t0
     engine.check_integrity()
     assert len(longs) == len(long_prompts), "the decodes ended before every long prompt arrived"
-    tpots = [(tl.e2el - tl.ttft) / (len(tl.token_times) - 1) for tl in decodes.values()]
     return ArmRun(
         arm,
-        [gap for tl in decodes.values() for gap in tl.itls],
-        [tl.ttft for tl in longs.values()],
-        statistics.fmean(tpots),
-        duration,
         meter.utilisation(),
+        duration_s=duration,
+        # the decodes' gaps and TPOTs; the long prompts' TTFTs
+        itl_s=[gap for tl in decodes.values() for gap in tl.itls],
+        tpot_s=[(tl.e2el - tl.ttft) / (len(tl.token_times) - 1) for tl in decodes.values()],
+        ttft_s=[tl.ttft for tl in longs.values()],
     )
 
 
@@ -133,7 +123,7 @@ def plot_itl_cdf(path: Path, runs: list[ArmRun]) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for arm in dict.fromkeys(r.arm for r in runs):
-        xs = sorted(1e3 * g for r in runs if r.arm == arm for g in r.itls)
+        xs = sorted(1e3 * g for r in runs if r.arm == arm for g in r.itl_s)
         ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=arm)
     ax.set_xscale("log")
     ax.set_xlabel("inter-token latency of the running decodes (ms)")
@@ -190,20 +180,20 @@ def run(ctx: BenchContext) -> BenchReport:
                 _run_named_arm, ctx, runner, arms, shape, decode_prompts, long_prompts
             ),
             lambda r: (
-                f"p99 ITL {1e3 * percentile(r.itls, 99):.0f} ms, long TTFT "
-                f"{1e3 * statistics.fmean(r.long_ttfts):.0f} ms, {r.duration_s:.1f} s, "
+                f"p99 ITL {1e3 * percentile(r.itl_s, 99):.0f} ms, long TTFT "
+                f"{1e3 * statistics.fmean(r.ttft_s):.0f} ms, {r.duration_s:.1f} s, "
                 f"cpu util {r.cpu_util:.2f}"
             ),
             disturbed,
         )
         runs.append((done[names[0]], done[names[1]]))
 
-    itl_ratio = [percentile(u.itls, 99) / percentile(c.itls, 99) for u, c in runs]
-    ttft_cost = [statistics.fmean(c.long_ttfts) / statistics.fmean(u.long_ttfts) for u, c in runs]
+    itl_ratio = [percentile(u.itl_s, 99) / percentile(c.itl_s, 99) for u, c in runs]
+    ttft_cost = [statistics.fmean(c.ttft_s) / statistics.fmean(u.ttft_s) for u, c in runs]
     table = []
     for pair, arm_runs in enumerate(runs):
         for r in arm_runs:
-            s = summary(r.itls)
+            s = summary(r.itl_s)
             table.append(
                 {
                     "pair": pair + 1,
@@ -211,9 +201,9 @@ def run(ctx: BenchContext) -> BenchReport:
                     "itl_p50_ms": 1e3 * s["p50"],
                     "itl_p90_ms": 1e3 * s["p90"],
                     "itl_p99_ms": 1e3 * s["p99"],
-                    "itl_max_ms": 1e3 * max(r.itls),
-                    "tpot_mean_ms": 1e3 * r.tpot_mean,
-                    "long_ttft_mean_ms": 1e3 * statistics.fmean(r.long_ttfts),
+                    "itl_max_ms": 1e3 * max(r.itl_s),
+                    "tpot_mean_ms": 1e3 * statistics.fmean(r.tpot_s),
+                    "long_ttft_mean_ms": 1e3 * statistics.fmean(r.ttft_s),
                     "duration_s": r.duration_s,
                     "cpu_util": r.cpu_util,
                 }
@@ -237,8 +227,8 @@ def run(ctx: BenchContext) -> BenchReport:
             "arms": arms,
             "p99_itl_ratio_per_pair": itl_ratio,
             "long_ttft_cost_per_pair": ttft_cost,
-            "long_ttft_s": {r.arm: r.long_ttfts for pair_runs in runs for r in pair_runs},
-            "num_itls_per_arm": len(runs[0][0].itls),
+            "long_ttft_s": {r.arm: r.ttft_s for pair_runs in runs for r in pair_runs},
+            "num_itls_per_arm": len(runs[0][0].itl_s),
             "disturbed_pairs_rerun": disturbed,
         },
         files=files,

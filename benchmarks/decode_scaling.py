@@ -25,20 +25,12 @@ import random
 import statistics
 from dataclasses import dataclass, field
 
-import torch
-
 from benchmarks.harness import BenchContext, BenchReport
 from benchmarks.hf_reference import decode_step_times, load_hf_model
 from benchmarks.step_timer import PHASES, StepTimer
-from benchmarks.workloads import (
-    bench_model_dir,
-    exact_tokens,
-    make_engine,
-    pin_threads,
-    random_prompt,
-    warm_up,
-)
+from benchmarks.workloads import bench_model_dir, make_engine, pin_threads, random_prompt, warm_up
 from cluster.engine.engine import LLMEngine
+from cluster.planner.measure.engine import start_batch
 
 CONTEXTS = (128, 1024)
 BATCHES = (1, 4, 16, 32)
@@ -63,28 +55,6 @@ class KVUsage:
         return self.reserved_slots / self.tokens_with_kv if self.tokens_with_kv else float("nan")
 
 
-def _start_batch(
-    engine: LLMEngine, rng: random.Random, tag: str, batch: int, context: int, max_tokens: int
-) -> list[str]:
-    """``batch`` requests whose ``context`` prompt tokens have KV (synthetic) and one token."""
-    rids = [f"{tag}-{i}" for i in range(batch)]
-    for rid in rids:
-        prompt = random_prompt(rng, context, engine.vocab_size)
-        engine.add(rid, prompt, exact_tokens(max_tokens), prefill="remote")
-    engine.step()  # reserves blocks (no compute: nothing is runnable yet)
-    reservations = engine.take_reservations()
-    assert len(reservations) == batch, "pool too small for the batch"
-    kv = engine.runner.kv_cache  # [num_blocks, L, 2, block_size, Hkv, D]
-    template = torch.randn(kv.shape[1:], generator=torch.Generator().manual_seed(0))
-    template = template.to(device=kv.device, dtype=kv.dtype)
-    for res in reservations:
-        kv[torch.tensor(res.block_ids, dtype=torch.long, device=kv.device)] = template
-    for rid in rids:
-        engine.accept_first_token(rid, rng.randrange(17, engine.vocab_size))
-        engine.kv_arrived(rid)
-    return rids
-
-
 def _measure(
     engine: LLMEngine,
     timer: StepTimer,
@@ -98,7 +68,7 @@ def _measure(
 ) -> float:
     """Decode ``num_steps`` timed steps of a fresh batch; returns tok/s (batch / median step)."""
     tag = f"c{context}-b{batch}-{len(cell.step_s)}"
-    rids = _start_batch(engine, rng, tag, batch, context, num_warm + num_steps + 2)
+    rids = start_batch(engine, rng, tag, batch, context, num_warm + num_steps + 2)
     for _ in range(num_warm):  # the first one admits the batch
         engine.step()
     steps: list[float] = []

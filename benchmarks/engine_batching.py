@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.harness import BenchContext, BenchReport, summary
+from benchmarks.harness import ArmRun, BenchContext, BenchReport, summary
 from benchmarks.hf_reference import generate_exact, load_hf_model
 from benchmarks.workloads import (
     CpuMeter,
@@ -45,7 +45,9 @@ from cluster.engine.runner import ModelRunner
 
 
 @dataclass(frozen=True)
-class Workload:
+class PromptBatch:
+    """P2's requests, all submitted at t=0: each prompt and the exact output length it asks for."""
+
     prompts: list[list[int]]
     output_lens: list[int]
 
@@ -54,30 +56,17 @@ class Workload:
         return sum(self.output_lens)
 
 
-@dataclass
-class ArmRun:
-    arm: str
-    duration_s: float
-    e2el_s: list[float]
-    cpu_util: float  # < MIN_CPU_UTIL: other work on the machine took cores during this arm
-    ttft_s: list[float] | None = None
-    num_preemptions: int = 0
-
-    def output_tok_s(self, w: Workload) -> float:
-        return w.num_output_tokens / self.duration_s
-
-
 def make_workload(
     num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab: int
-) -> Workload:
+) -> PromptBatch:
     rng = random.Random(0)
     prompt_lens = [rng.randint(*prompt_range) for _ in range(num_requests)]
     output_lens = [rng.randint(*output_range) for _ in range(num_requests)]
     prompts = [random_prompt(rng, n, vocab) for n in prompt_lens]
-    return Workload(prompts, output_lens)
+    return PromptBatch(prompts, output_lens)
 
 
-def run_ours(ctx: BenchContext, runner: ModelRunner, w: Workload) -> ArmRun:
+def run_ours(ctx: BenchContext, runner: ModelRunner, w: PromptBatch) -> ArmRun:
     engine = make_engine(ctx, runner=runner)
     warm_up(engine, random.Random(1), 16, 2)
     meter = CpuMeter(bench_threads(ctx))
@@ -95,15 +84,15 @@ def run_ours(ctx: BenchContext, runner: ModelRunner, w: Workload) -> ArmRun:
     e2el = [tl.e2el for tl in timelines.values()]
     return ArmRun(
         "ours",
-        max(e2el),
-        e2el,
         meter.utilisation(),
-        [tl.ttft for tl in timelines.values()],
-        int(engine.stats()["num_preemptions"]),
+        duration_s=max(e2el),
+        e2el_s=e2el,
+        ttft_s=[tl.ttft for tl in timelines.values()],
+        num_preemptions=int(engine.stats()["num_preemptions"]),
     )
 
 
-def run_hf(model: Any, w: Workload, batch_size: int, threads: int) -> ArmRun:
+def run_hf(model: Any, w: PromptBatch, batch_size: int, threads: int) -> ArmRun:
     meter = CpuMeter(threads)
     t0 = time.perf_counter()
     e2el: list[float] = []
@@ -112,7 +101,7 @@ def run_hf(model: Any, w: Workload, batch_size: int, threads: int) -> ArmRun:
         longest = max(w.output_lens[start : start + batch_size])
         generate_exact(model, prompts, longest)
         e2el.extend([time.perf_counter() - t0] * len(prompts))
-    return ArmRun("hf_static_batch", e2el[-1], e2el, meter.utilisation())
+    return ArmRun("hf_static_batch", meter.utilisation(), duration_s=e2el[-1], e2el_s=e2el)
 
 
 def run(ctx: BenchContext) -> BenchReport:
@@ -144,14 +133,14 @@ def run(ctx: BenchContext) -> BenchReport:
                 run_ours(ctx, runner, w) if arm == "ours" else run_hf(hf, w, hf_batch, threads)
             ),
             lambda r: (
-                f"{r.duration_s:.1f} s, {r.output_tok_s(w):.1f} tok/s, mean E2EL "
+                f"{r.duration_s:.1f} s, {r.tok_s(w.num_output_tokens):.1f} tok/s, mean E2EL "
                 f"{statistics.fmean(r.e2el_s):.2f} s, cpu util {r.cpu_util:.2f}"
             ),
             disturbed,
         )
         runs.append((arms["ours"], arms["hf"]))
 
-    tput = [o.output_tok_s(w) / h.output_tok_s(w) for o, h in runs]
+    tput = [o.tok_s(w.num_output_tokens) / h.tok_s(w.num_output_tokens) for o, h in runs]
     e2el = [statistics.fmean(h.e2el_s) / statistics.fmean(o.e2el_s) for o, h in runs]
     table = []
     for pair, (o, h) in enumerate(runs):
@@ -162,7 +151,7 @@ def run(ctx: BenchContext) -> BenchReport:
                     "pair": pair + 1,
                     "arm": r.arm,
                     "duration_s": r.duration_s,
-                    "output_tok_s": r.output_tok_s(w),
+                    "output_tok_s": r.tok_s(w.num_output_tokens),
                     "e2el_mean_s": s["mean"],
                     "e2el_p50_s": s["p50"],
                     "e2el_p99_s": s["p99"],
@@ -186,7 +175,7 @@ def run(ctx: BenchContext) -> BenchReport:
             "ours": [
                 {
                     "e2el": summary(o.e2el_s),
-                    "ttft": summary(o.ttft_s or []),
+                    "ttft": summary(o.ttft_s),
                     "num_preemptions": o.num_preemptions,
                 }
                 for o, _ in runs

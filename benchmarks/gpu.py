@@ -86,7 +86,7 @@ def run(ctx: BenchContext) -> BenchReport:
     details["parts"]["handoff"] = {"s": time.monotonic() - t0}
 
     t0 = time.monotonic()
-    from benchmarks.profile import run_profile
+    from cluster.planner.measure.profiler import run_profile
 
     prof_path = ctx.results_dir / "profile-gpu.json"
     run_profile(cfg, "quick", prof_path, serving=False, progress=ctx.progress)
@@ -170,9 +170,9 @@ def weight_bytes_per_step(model: Any) -> int:
 def _roofline(ctx: BenchContext, cfg: Any) -> dict[str, Any]:
     import torch
 
-    from benchmarks.decode_scaling import _start_batch
     from benchmarks.workloads import bench_model_dir
     from cluster.engine.engine import LLMEngine
+    from cluster.planner.measure.engine import start_batch
 
     ctx.progress("P10: decode step time vs the HBM roofline")
     steps = 8
@@ -198,7 +198,7 @@ def _roofline(ctx: BenchContext, cfg: Any) -> dict[str, Any]:
     rng = random.Random(3)
     rows, keys = [], {}
     for b in BATCHES:
-        rids = _start_batch(engine, rng, f"roof{b}", b, CONTEXT, steps + 4)
+        rids = start_batch(engine, rng, f"roof{b}", b, CONTEXT, steps + 4)
         engine.step()
         times = []
         for _ in range(steps):

@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -21,7 +22,7 @@ from cluster.config import ClusterConfig
 from cluster.planner.metrics import summary
 from cluster.planner.workload import percentile
 
-__all__ = ["MODES", "BenchContext", "BenchReport", "emit", "percentile", "summary"]
+__all__ = ["MODES", "ArmRun", "BenchContext", "BenchReport", "emit", "percentile", "summary"]
 
 RESULTS_DIR = Path("bench/results")
 MODES = ("full", "quick", "smoke")
@@ -50,6 +51,47 @@ class BenchContext:
     def progress(self, message: str) -> None:
         elapsed = time.monotonic() - self.started
         print(f"[{self.name} {elapsed:7.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class ArmRun:
+    """One arm's run, one of an interleaved pair: what the engine benchmarks record about an
+    arm, each filling the figures it compares (``workloads.run_pair`` runs a pair again when
+    ``cpu_util`` shows that other work took cores)."""
+
+    arm: str = ""
+    cpu_util: float = 1.0  # < MIN_CPU_UTIL: other work on the machine took cores during this arm
+    duration_s: float = 0.0  # first request in to last token out
+    tokens: dict[str, list[int]] = field(default_factory=dict)  # per request: its output ids
+    e2el_s: list[float] = field(default_factory=list)  # per request: arrival to last token
+    ttft_s: list[float] = field(default_factory=list)  # per request: arrival to first token
+    tpot_s: list[float] = field(default_factory=list)  # per request: per token after the first
+    itl_s: list[float] = field(default_factory=list)  # gaps between a request's tokens, pooled
+    step_s: list[float] = field(default_factory=list)  # steps in which a whole group decoded
+    decode_tokens: int = 0  # tokens after each group's first token (batch 1: each request's)
+    decode_s: float = 0.0  # the time they took
+    total_tokens: int = 0  # every token, and the time from the groups' sends to their last
+    total_s: float = 0.0
+    drafted: int = 0  # speculative decoding: draft tokens proposed and accepted
+    accepted: int = 0
+    row_cost: float = float("nan")  # the speculator's draft-row cost at the arm's end
+    num_preemptions: int = 0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s else float("nan")
+
+    @property
+    def e2e_tok_s(self) -> float:
+        return self.total_tokens / self.total_s if self.total_s else float("nan")
+
+    @property
+    def step_ms(self) -> float:
+        return 1e3 * statistics.median(self.step_s) if self.step_s else float("nan")
+
+    def tok_s(self, num_tokens: int) -> float:
+        """``num_tokens`` over the arm's duration."""
+        return num_tokens / self.duration_s
 
 
 @dataclass

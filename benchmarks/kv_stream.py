@@ -39,11 +39,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.harness import BenchContext, BenchReport, interleaved_order, summary
-from benchmarks.workloads import FIRST_PLAIN_TOKEN, bench_model_dir, exact_tokens
+from benchmarks.workloads import bench_model_dir, exact_tokens
 from cluster.common.hashing import hash_block_tokens
 from cluster.common.protocol import GenerateCall, PrefillCall, PrefillProgress, PrefillReply
 from cluster.config import ClusterConfig
 from cluster.decode_worker.worker import DecodeWorker
+from cluster.planner.workload import FIRST_PLAIN_TOKEN
 from cluster.prefill_worker.worker import PrefillWorker
 
 ARMS = ("local", "bulk", "stream")
@@ -132,65 +133,85 @@ async def _one(decode: DecodeWorker, arm: str, prompt: list[int], block: int) ->
     )
 
 
+class _Workers:
+    """The arms' workers: a bulk and a streaming prefill worker behind one remote decode worker
+    (``ArmPrefillClient`` picks the arm's), and a decode worker that prefills locally."""
+
+    def __init__(self, cfg: ClusterConfig, shape: dict[str, Any]) -> None:
+        self.block = cfg.cache.block_size
+        self.prefills = {
+            "bulk": PrefillWorker(cfg.replace({"transfer.stream_min_tokens": 0})).start(),
+            "stream": PrefillWorker(
+                cfg.replace({"transfer.stream_min_tokens": shape["prompt"]})
+            ).start(),
+        }
+        self.client = ArmPrefillClient(self.prefills)
+        self.remote = DecodeWorker(cfg, self.client).start()
+        self.local = DecodeWorker(cfg, None).start()
+        self.rng = random.Random(5)
+        self.vocab = _vocab(cfg)
+
+    def prompt(self, n: int) -> list[int]:
+        return [self.rng.randrange(FIRST_PLAIN_TOKEN, self.vocab) for _ in range(n)]
+
+    async def measure(self, arm: str, n: int) -> Sample:
+        if arm == "local":
+            return await _one(self.local, arm, self.prompt(n), self.block)
+        self.client.arm = arm
+        parts_before = self.remote.counters["streamed_parts"]
+        s = await _one(self.remote, arm, self.prompt(n), self.block)
+        s.parts = self.remote.counters["streamed_parts"] - parts_before
+        return s
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "decode_transfer": self.remote.receiver.stats(),
+            "prefill_stream": self.prefills["stream"].sender.stats(),
+            "prefill_bulk": self.prefills["bulk"].sender.stats(),
+        }
+
+    def check_integrity(self) -> None:
+        for w in (self.remote, self.local):
+            w.engine.check_integrity()
+        for p in self.prefills.values():
+            p.engine.check_integrity()
+
+    def close(self) -> None:
+        self.remote.close()
+        self.local.close()
+        for p in self.prefills.values():
+            p.close()
+
+
+async def _samples(ctx: BenchContext, workers: _Workers, shape: dict[str, Any]) -> list[Sample]:
+    """A warm-up request per arm (first calls, lazy inits, the stream path end to end), then
+    the repetitions, the arms in a shuffled order each time."""
+    for arm in ARMS:
+        await workers.measure(arm, shape["warm_prompt"])
+    samples: list[Sample] = []
+    for rep in range(shape["reps"]):
+        for arm in interleaved_order(ARMS, rep):
+            s = await workers.measure(arm, shape["prompt"])
+            samples.append(s)
+            ctx.progress(
+                f"rep {rep + 1}/{shape['reps']} {arm}: T2 {s.t2_s:.3f} s, compute "
+                f"{s.compute_s:.3f} s, overhead {s.overhead_s * 1e3:.1f} ms, wait for KV "
+                f"{s.transfer_s * 1e3:.1f} ms, parts {s.parts}"
+            )
+    return samples
+
+
 def run(ctx: BenchContext) -> BenchReport:
     shape = _shape(ctx)
     cfg = _config(ctx, shape)
-    block = cfg.cache.block_size
     ctx.progress(f"starting 4 workers ({cfg.transfer.transports}, chunk {shape['chunk']})")
-    prefills = {
-        "bulk": PrefillWorker(cfg.replace({"transfer.stream_min_tokens": 0})).start(),
-        "stream": PrefillWorker(
-            cfg.replace({"transfer.stream_min_tokens": shape["prompt"]})
-        ).start(),
-    }
-    client = ArmPrefillClient(prefills)
-    remote = DecodeWorker(cfg, client).start()
-    local = DecodeWorker(cfg, None).start()
-    rng = random.Random(5)
-    vocab = _vocab(cfg)
-    samples: list[Sample] = []
-
-    def prompt(n: int) -> list[int]:
-        return [rng.randrange(FIRST_PLAIN_TOKEN, vocab) for _ in range(n)]
-
-    async def measure(arm: str, n: int) -> Sample:
-        if arm == "local":
-            return await _one(local, arm, prompt(n), block)
-        client.arm = arm
-        parts_before = remote.counters["streamed_parts"]
-        s = await _one(remote, arm, prompt(n), block)
-        s.parts = remote.counters["streamed_parts"] - parts_before
-        return s
-
-    async def main() -> None:
-        for arm in ARMS:  # first calls, lazy inits, the stream path end to end
-            await measure(arm, shape["warm_prompt"])
-        for rep in range(shape["reps"]):
-            for arm in interleaved_order(ARMS, rep):
-                s = await measure(arm, shape["prompt"])
-                samples.append(s)
-                ctx.progress(
-                    f"rep {rep + 1}/{shape['reps']} {arm}: T2 {s.t2_s:.3f} s, compute "
-                    f"{s.compute_s:.3f} s, overhead {s.overhead_s * 1e3:.1f} ms, wait for KV "
-                    f"{s.transfer_s * 1e3:.1f} ms, parts {s.parts}"
-                )
-
+    workers = _Workers(cfg, shape)
     try:
-        asyncio.run(main())
-        stats = {
-            "decode_transfer": remote.receiver.stats(),
-            "prefill_stream": prefills["stream"].sender.stats(),
-            "prefill_bulk": prefills["bulk"].sender.stats(),
-        }
-        for w in (remote, local):
-            w.engine.check_integrity()
-        for p in prefills.values():
-            p.engine.check_integrity()
+        samples = asyncio.run(_samples(ctx, workers, shape))
+        stats = workers.stats()
+        workers.check_integrity()
     finally:
-        remote.close()
-        local.close()
-        for p in prefills.values():
-            p.close()
+        workers.close()
     return _report(shape, cfg, samples, stats)
 
 

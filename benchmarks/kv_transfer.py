@@ -125,147 +125,201 @@ class RawClient:
         return elapsed
 
 
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """The run's layouts and pool sizes, and the transfer settings every sender and receiver
+    shares."""
+
+    layout: KVLayout
+    q_layout: KVLayout  # the int8 arms'
+    max_blocks: int  # of the largest transfer
+    pool_blocks: int
+    cfg: Any  # TransferConfig
+
+    @property
+    def transfer_spec(self) -> dict[str, Any]:
+        return {
+            "transports": ["shm", "zmq"],
+            "lease_s": self.cfg.lease_s,
+            "heartbeat_s": self.cfg.heartbeat_s,
+            "frame_bytes": self.cfg.frame_bytes,
+            "max_message_bytes": self.cfg.max_message_bytes,
+        }
+
+
+def _shape(ctx: BenchContext) -> _Shape:
+    layout = SMOKE_LAYOUT if ctx.smoke else DEFAULT_LAYOUT
+    max_blocks = -(-max(SIZES) // layout.block_size)
+    # A lease long enough for any pull here, under the drain timeout the config requires.
+    cfg = dataclasses.replace(
+        ctx.config.transfer, lease_s=50.0, heartbeat_s=5.0, transfer_timeout_s=60.0
+    )
+    return _Shape(layout, int8_layout(layout), max_blocks, POOL_FACTOR * max_blocks, cfg)
+
+
+class _Peers:
+    """Both sides of every arm: the sender children (fp32 and int8 pools) and the raw peer on
+    the prefill side's cores, this process's pools, receivers and raw clients."""
+
+    def __init__(self, shape: _Shape, prefill_cores: tuple[int, ...]) -> None:
+        layout, q_layout, cfg = shape.layout, shape.q_layout, shape.cfg
+        self.senders = {
+            lay.dtype: SenderProcess(
+                {
+                    "layout": lay.to_dict(),
+                    "num_blocks": shape.pool_blocks,
+                    "shared": True,
+                    "transfer": shape.transfer_spec,
+                    "cpus": list(prefill_cores),
+                }
+            )
+            for lay in (layout, q_layout)
+        }
+        self.raw = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.raw_zmq_peer",
+                str(shape.max_blocks * layout.bytes_per_block),
+                ",".join(map(str, prefill_cores)),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.raw.stdout is not None
+        raw_endpoints = json.loads(self.raw.stdout.readline())
+        self.zctx: zmq.Context[Any] = zmq.Context(io_threads=1)
+        self.zctx.linger = 0
+        self.pool = KVPool.allocate(layout, shape.pool_blocks)
+        q_pool = KVPool.allocate(q_layout, shape.max_blocks)
+        assert self.pool.bytes is not None
+        shm_cfg = dataclasses.replace(cfg, transports=("shm",), ipc=True)
+        ipc_cfg = dataclasses.replace(cfg, transports=("zmq",), ipc=True)
+        self.receivers = {
+            "shm": KVReceiver(shm_cfg, self.pool),
+            "zmq_ipc": KVReceiver(ipc_cfg, self.pool),
+            "zmq_tcp": KVReceiver(
+                dataclasses.replace(cfg, transports=("zmq",), ipc=False), self.pool
+            ),
+            "int8_shm": KVReceiver(shm_cfg, q_pool),
+            "int8_zmq_ipc": KVReceiver(ipc_cfg, q_pool),
+        }
+        for r in self.receivers.values():
+            r.start()
+        self.raws = {
+            "raw_zmq_ipc": RawClient(raw_endpoints["ipc"], self.zctx),
+            "raw_zmq_tcp": RawClient(raw_endpoints["tcp"], self.zctx),
+        }
+
+    def close(self) -> None:
+        for r in self.receivers.values():
+            r.close()
+        for c in self.raws.values():
+            c.sock.close(linger=0)
+        self.zctx.term()
+        for s in self.senders.values():
+            s.close()
+        assert self.raw.stdin is not None
+        self.raw.stdin.close()
+        self.raw.wait(timeout=10)
+
+
+class _Arms:
+    """Each arm's one timed transfer of ``n`` tokens (``measures``)."""
+
+    def __init__(self, shape: _Shape, peers: _Peers) -> None:
+        self.shape, self.peers = shape, peers
+        self.frag_rng = random.Random(4)
+        self.counter = iter(range(1 << 30))
+        self.src_buf = np.full(shape.max_blocks * shape.layout.bytes_per_block, 3, dtype=np.uint8)
+
+    def pull(self, arm: str, n: int, ids: list[int]) -> float:
+        src = dst = ids
+        if arm.endswith("_frag"):
+            src = self.frag_rng.sample(range(self.shape.pool_blocks), len(ids))
+            dst = self.frag_rng.sample(range(self.shape.pool_blocks), len(ids))
+        sender = self.peers.senders["int8" if arm.startswith("int8_") else self.shape.layout.dtype]
+        params = sender.register(f"{arm}-{next(self.counter)}", src, num_tokens=n)
+        t0 = time.perf_counter()
+        result = self.peers.receivers[arm.removesuffix("_frag")].pull(params, dst)
+        elapsed = time.perf_counter() - t0
+        assert result.transport == arm.removeprefix("int8_").split("_")[0]
+        return elapsed
+
+    def memcpy(self, nbytes: int) -> float:
+        assert self.peers.pool.bytes is not None
+        flat = self.peers.pool.bytes.reshape(-1)
+        t0 = time.perf_counter()
+        np.copyto(flat[:nbytes], self.src_buf[:nbytes])
+        return time.perf_counter() - t0
+
+    def measures(self, n: int) -> dict[str, Callable[[], float]]:
+        ids = list(range(-(-n // self.shape.layout.block_size)))
+        nbytes = len(ids) * self.shape.layout.bytes_per_block
+        out: dict[str, Callable[[], float]] = {
+            "memcpy": partial(self.memcpy, nbytes),
+            "raw_zmq_ipc": partial(self.peers.raws["raw_zmq_ipc"].fetch, nbytes),
+            "raw_zmq_tcp": partial(self.peers.raws["raw_zmq_tcp"].fetch, nbytes),
+        }
+        for arm in ARMS:
+            out.setdefault(arm, partial(self.pull, arm, n, ids))
+        return out
+
+
+Times = dict[tuple[str, int], list[float]]
+
+
+def _measure(ctx: BenchContext, arms: _Arms, reps: int, warmup: int) -> Times:
+    """Every size's arms, interleaved in a shuffled order per repetition; warm-ups dropped."""
+    times: Times = {(a, n): [] for a in ARMS for n in SIZES}
+    for n in SIZES:
+        measure = arms.measures(n)
+        for rep in range(warmup + reps):
+            for arm in arm_order(rep):
+                t = measure[arm]()
+                if rep >= warmup:
+                    times[(arm, n)].append(t)
+        nbytes = -(-n // arms.shape.layout.block_size) * arms.shape.layout.bytes_per_block
+        ctx.progress(
+            f"{n} tokens ({nbytes / 1e6:.1f} MB): "
+            + ", ".join(f"{a} {statistics.median(times[(a, n)]) * 1e3:.2f} ms" for a in ARMS)
+        )
+    return times
+
+
 def run(ctx: BenchContext) -> BenchReport:
     torch.set_num_threads(1)
-    layout = SMOKE_LAYOUT if ctx.smoke else DEFAULT_LAYOUT
+    shape = _shape(ctx)
     reps, warmup = ctx.pick(60, 20, 2), ctx.pick(5, 3, 1)
-    bpb = layout.bytes_per_block
-    max_blocks = -(-max(SIZES) // layout.block_size)
-    pool_blocks = POOL_FACTOR * max_blocks
-    frag_rng = random.Random(4)
-    cfg = ctx.config.transfer
-    # A lease long enough for any pull here, under the drain timeout the config requires.
-    cfg = dataclasses.replace(cfg, lease_s=50.0, heartbeat_s=5.0, transfer_timeout_s=60.0)
-    q_layout = int8_layout(layout)
     ctx.progress(
-        f"layout {layout}, {bpb} bytes per block (int8: {q_layout.bytes_per_block}); starting peers"
+        f"layout {shape.layout}, {shape.layout.bytes_per_block} bytes per block "
+        f"(int8: {shape.q_layout.bytes_per_block}); starting peers"
     )
-    transfer_spec = {
-        "transports": ["shm", "zmq"],
-        "lease_s": cfg.lease_s,
-        "heartbeat_s": cfg.heartbeat_s,
-        "frame_bytes": cfg.frame_bytes,
-        "max_message_bytes": cfg.max_message_bytes,
-    }
     # Placement: the prefill side (the children) and the decode side (this process) on cores of
     # their own, as ``pdserve serve`` binds one replica of each pool (``cpu_binding``).
     original = allowed_cores()
     split = split_for_pools(original)
     prefill_cores, decode_cores = split if split is not None else ((), ())
     ctx.progress(f"cores: prefill side {list(prefill_cores)}, decode side {list(decode_cores)}")
-    senders = {
-        lay.dtype: SenderProcess(
-            {
-                "layout": lay.to_dict(),
-                "num_blocks": pool_blocks,
-                "shared": True,
-                "transfer": transfer_spec,
-                "cpus": list(prefill_cores),
-            }
-        )
-        for lay in (layout, q_layout)
-    }
-    raw = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.raw_zmq_peer",
-            str(max_blocks * bpb),
-            ",".join(map(str, prefill_cores)),
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert raw.stdout is not None
-    raw_endpoints = json.loads(raw.stdout.readline())
-    zctx: zmq.Context[Any] = zmq.Context(io_threads=1)
-    zctx.linger = 0
-    pool = KVPool.allocate(layout, pool_blocks)
-    q_pool = KVPool.allocate(q_layout, max_blocks)
-    assert pool.bytes is not None
-    src_buf = np.full(max_blocks * bpb, 3, dtype=np.uint8)
-    shm_cfg = dataclasses.replace(cfg, transports=("shm",), ipc=True)
-    ipc_cfg = dataclasses.replace(cfg, transports=("zmq",), ipc=True)
-    receivers = {
-        "shm": KVReceiver(shm_cfg, pool),
-        "zmq_ipc": KVReceiver(ipc_cfg, pool),
-        "zmq_tcp": KVReceiver(dataclasses.replace(cfg, transports=("zmq",), ipc=False), pool),
-        "int8_shm": KVReceiver(shm_cfg, q_pool),
-        "int8_zmq_ipc": KVReceiver(ipc_cfg, q_pool),
-    }
-    for r in receivers.values():
-        r.start()
-    raws = {
-        "raw_zmq_ipc": RawClient(raw_endpoints["ipc"], zctx),
-        "raw_zmq_tcp": RawClient(raw_endpoints["tcp"], zctx),
-    }
-    times: dict[tuple[str, int], list[float]] = {(a, n): [] for a in ARMS for n in SIZES}
-    counter = iter(range(1 << 30))
+    peers = _Peers(shape, prefill_cores)
     if decode_cores:
         bind_process(decode_cores)  # every thread of the bench (receivers' too), until `finally`
     try:
-        for n in SIZES:
-            nblocks = -(-n // layout.block_size)
-            nbytes = nblocks * bpb
-            ids = list(range(nblocks))
-            flat = pool.bytes.reshape(-1)
-
-            def pull(arm: str, n: int = n, ids: list[int] = ids) -> float:
-                src = dst = ids
-                if arm.endswith("_frag"):
-                    src = frag_rng.sample(range(pool_blocks), len(ids))
-                    dst = frag_rng.sample(range(pool_blocks), len(ids))
-                sender = senders["int8" if arm.startswith("int8_") else layout.dtype]
-                params = sender.register(f"{arm}-{next(counter)}", src, num_tokens=n)
-                t0 = time.perf_counter()
-                result = receivers[arm.removesuffix("_frag")].pull(params, dst)
-                elapsed = time.perf_counter() - t0
-                assert result.transport == arm.removeprefix("int8_").split("_")[0]
-                return elapsed
-
-            def memcpy(nbytes: int = nbytes, flat: np.ndarray = flat) -> float:
-                t0 = time.perf_counter()
-                np.copyto(flat[:nbytes], src_buf[:nbytes])
-                return time.perf_counter() - t0
-
-            measure: dict[str, Callable[[], float]] = {
-                "memcpy": memcpy,
-                "raw_zmq_ipc": partial(raws["raw_zmq_ipc"].fetch, nbytes),
-                "raw_zmq_tcp": partial(raws["raw_zmq_tcp"].fetch, nbytes),
-                "shm": partial(pull, "shm"),
-                "zmq_ipc": partial(pull, "zmq_ipc"),
-                "zmq_tcp": partial(pull, "zmq_tcp"),
-                "shm_frag": partial(pull, "shm_frag"),
-                "zmq_ipc_frag": partial(pull, "zmq_ipc_frag"),
-                "zmq_tcp_frag": partial(pull, "zmq_tcp_frag"),
-                "int8_shm": partial(pull, "int8_shm"),
-                "int8_zmq_ipc": partial(pull, "int8_zmq_ipc"),
-            }
-            for rep in range(warmup + reps):
-                for arm in arm_order(rep):
-                    t = measure[arm]()
-                    if rep >= warmup:
-                        times[(arm, n)].append(t)
-            ctx.progress(
-                f"{n} tokens ({nbytes / 1e6:.1f} MB): "
-                + ", ".join(f"{a} {statistics.median(times[(a, n)]) * 1e3:.2f} ms" for a in ARMS)
-            )
-        sender_stats = {dtype: s.stats()["stats"] for dtype, s in senders.items()}
+        times = _measure(ctx, _Arms(shape, peers), reps, warmup)
+        sender_stats = {dtype: s.stats()["stats"] for dtype, s in peers.senders.items()}
     finally:
-        for r in receivers.values():
-            r.close()
-        for c in raws.values():
-            c.sock.close(linger=0)
-        zctx.term()
-        for s in senders.values():
-            s.close()
-        assert raw.stdin is not None
-        raw.stdin.close()
-        raw.wait(timeout=10)
+        peers.close()
         if decode_cores:
             bind_process(original)  # the benchmarks after this one run as before
+    cores = {"prefill_side": list(prefill_cores), "decode_side": list(decode_cores)}
+    return _report(ctx, shape, times, reps, {"cores": cores, "sender": sender_stats})
 
+
+def _report(
+    ctx: BenchContext, shape: _Shape, times: Times, reps: int, run_details: dict[str, Any]
+) -> BenchReport:
+    bpb, q_layout = shape.layout.bytes_per_block, shape.q_layout
     med = {k: statistics.median(v) for k, v in times.items()}
     keys = {
         "shm_vs_memcpy_512": med[("memcpy", 512)] / med[("shm", 512)],
@@ -279,15 +333,15 @@ def run(ctx: BenchContext) -> BenchReport:
         "int8_transfer_ms_ratio_512": med[("int8_zmq_ipc", 512)] / med[("zmq_ipc", 512)],
     }
     details: dict[str, Any] = {
-        "layout": layout.to_dict(),
+        "layout": shape.layout.to_dict(),
         "int8_layout": q_layout.to_dict(),
         "int8_bytes_ratio": q_layout.bytes_per_block / bpb,
         "int8_shm_ms_ratio_512": med[("int8_shm", 512)] / med[("shm", 512)],
         "reps": reps,
-        "pool_blocks": pool_blocks,
-        "cores": {"prefill_side": list(prefill_cores), "decode_side": list(decode_cores)},
+        "pool_blocks": shape.pool_blocks,
+        "cores": run_details["cores"],
         "zmq_tcp_vs_raw_512_frag": med[("raw_zmq_tcp", 512)] / med[("zmq_tcp_frag", 512)],
-        "sender": sender_stats,
+        "sender": run_details["sender"],
     }
     if not ctx.smoke:
         prefill = _prefill_times(ctx, (512, 1024), ctx.pick(3, 2, 1))
@@ -299,15 +353,14 @@ def run(ctx: BenchContext) -> BenchReport:
     for n in SIZES:
         for arm in ARMS:
             arm_bpb = q_layout.bytes_per_block if arm.startswith("int8_") else bpb
-            nbytes = -(-n // layout.block_size) * arm_bpb
-            xs = times[(arm, n)]
+            nbytes = -(-n // shape.layout.block_size) * arm_bpb
             table.append(
                 {
                     "tokens": n,
                     "arm": arm,
                     "MB": nbytes / 1e6,
                     "median_ms": med[(arm, n)] * 1e3,
-                    "p90_ms": percentile(xs, 90) * 1e3,
+                    "p90_ms": percentile(times[(arm, n)], 90) * 1e3,
                     "GB/s": nbytes / med[(arm, n)] / 1e9,
                 }
             )

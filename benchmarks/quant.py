@@ -29,23 +29,20 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import BenchContext, BenchReport
-from benchmarks.workloads import (
-    exact_tokens,
-    pin_threads,
-    random_prompt,
-    tiny_model_dir,
-)
+from benchmarks.workloads import exact_tokens, pin_threads, random_prompt
 from cluster.common.kv_layout import SCHEMES, KVLayout
 from cluster.config import ClusterConfig
 from cluster.config.model import is_gguf_source
 from cluster.config.model_paths import COMPLETE_MARKER, gguf_model_dir
 from cluster.engine.engine import LLMEngine
 from cluster.engine.runner import num_kv_blocks
+from cluster.planner.measure.engine import tiny_model_dir
 
 PROMPT = "The capital of France is"
 INSTALL_LLAMACPP = (
@@ -162,26 +159,30 @@ def _kv(config: ClusterConfig, fp32: KVLayout) -> dict[str, float]:
     }
 
 
-def run(ctx: BenchContext) -> BenchReport:
+def _source(ctx: BenchContext) -> ClusterConfig:
+    """The config whose GGUF file every arm loads (smoke: a tiny one written for the run)."""
     if ctx.smoke:
-        config = _smoke_source(ctx)
-    elif is_gguf_source(ctx.config.model.path):
-        config = ctx.config
-    else:
-        raise ValueError(
-            "bench quant compares a GGUF file's own blocks: use the default model or a "
-            ".gguf --model"
-        )
-    from cluster.engine.models.default_model import gguf_source
+        return _smoke_source(ctx)
+    if is_gguf_source(ctx.config.model.path):
+        return ctx.config
+    raise ValueError(
+        "bench quant compares a GGUF file's own blocks: use the default model or a .gguf --model"
+    )
 
-    gguf_path = gguf_source(config)
-    assert gguf_path is not None
-    num_reps = ctx.pick(5, 3, 1)
-    b1_tokens = ctx.pick(128, 64, 8)
-    b32_tokens = ctx.pick(24, 12, 4)
-    batch = ctx.pick(32, 32, 4)
-    threads = pin_threads(ctx)
-    blocks = batch * -(-(64 + b32_tokens + 8) // config.cache.block_size) + 64
+
+@dataclass
+class _Arms:
+    """Our engines on the file (its own blocks, de-quantized fp32, its blocks with int8 KV)
+    and llama.cpp on it (None: not installed, or --smoke); ``b1``: one timed bs1 run of each."""
+
+    engines: dict[str, LLMEngine]
+    llama: Any | None
+    b1: dict[str, Callable[[], float]]
+
+
+def _load_arms(
+    ctx: BenchContext, config: ClusterConfig, gguf_path: Path, threads: int, blocks: int
+) -> _Arms:
     ctx.progress(f"loading arms ({threads} threads, {blocks} KV blocks each)")
     engines = {
         "gguf": _engine(config, threads, blocks, **{"model.weights": "gguf"}),
@@ -196,48 +197,53 @@ def run(ctx: BenchContext) -> BenchReport:
             f"llama-cpp-python not installed: b1_vs_llamacpp unavailable; {INSTALL_LLAMACPP}"
         )
     prompt = engines["gguf"].tokenizer.encode(PROMPT)
-    rng = random.Random(0)
-    b1: dict[str, list[float]] = {name: [] for name in [*engines, "llamacpp"]}
-    b32: dict[str, list[float]] = {name: [] for name in engines}
-    arms: dict[str, Callable[[], float]] = {
+    b1_tokens = ctx.pick(128, 64, 8)
+    b1: dict[str, Callable[[], float]] = {
         name: partial(_b1_ours, e, prompt, b1_tokens) for name, e in engines.items()
     }
     if llama is not None:
-        arms["llamacpp"] = partial(_b1_llamacpp, llama, b1_tokens)
-    for fn in arms.values():  # warm-up: first-call allocations, kernel compiles, probes
+        b1["llamacpp"] = partial(_b1_llamacpp, llama, b1_tokens)
+    return _Arms(engines, llama, b1)
+
+
+def _measure(
+    ctx: BenchContext, arms: _Arms, batch: int, b32_tokens: int, num_reps: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Each repetition: every arm at bs1, then ours at ``batch``, the order alternating; tok/s
+    per arm and repetition."""
+    rng = random.Random(0)
+    engines = arms.engines
+    b1: dict[str, list[float]] = {name: [] for name in [*engines, "llamacpp"]}
+    b32: dict[str, list[float]] = {name: [] for name in engines}
+    for fn in arms.b1.values():  # warm-up: first-call allocations, kernel compiles, probes
         fn()
     for e in engines.values():
         _b32_ours(e, rng, batch, 3)
-    order = list(arms)
+    order, names = list(arms.b1), list(engines)
     for rep in range(num_reps):
         for name in order if rep % 2 == 0 else order[::-1]:
             pin_threads(ctx)
-            b1[name].append(arms[name]())
+            b1[name].append(arms.b1[name]())
             ctx.progress(f"rep {rep + 1}/{num_reps} bs1 {name}: {b1[name][-1]:.1f} tok/s")
-        names = list(engines)
         for name in names if rep % 2 == 0 else names[::-1]:
             pin_threads(ctx)
             b32[name].append(_b32_ours(engines[name], rng, batch, b32_tokens))
             ctx.progress(f"rep {rep + 1}/{num_reps} bs{batch} {name}: {b32[name][-1]:.1f} tok/s")
     for e in engines.values():
         e.check_integrity()
+    return b1, b32
 
-    def ratio(num: list[float], den: list[float]) -> float:
-        return statistics.median(a / b for a, b in zip(num, den))
 
-    kv = _kv(config, engines["fp32"].runner.layout)
-    gguf_runner: Any = engines["gguf"].runner
-    keys: dict[str, float] = {}
-    if not ctx.smoke:
-        keys["b1_vs_llamacpp"] = ratio(b1["gguf"], b1["llamacpp"]) if llama else float("nan")
-    keys.update(
-        {
-            "b1_vs_fp32": ratio(b1["gguf"], b1["fp32"]),
-            "b32_vs_fp32": ratio(b32["gguf"], b32["fp32"]),
-            "kv_bytes_ratio": kv["int8_bytes_per_token"] / kv["fp32_bytes_per_token"],
-            "kv_capacity_ratio": kv["int8_tokens"] / kv["fp32_tokens"],
-        }
-    )
+def _ratio(num: list[float], den: list[float]) -> float:
+    return statistics.median(a / b for a, b in zip(num, den))
+
+
+def _table(
+    engines: dict[str, LLMEngine],
+    b1: dict[str, list[float]],
+    b32: dict[str, list[float]],
+    batch: int,
+) -> list[dict[str, Any]]:
     table: list[dict[str, Any]] = []
     for name in b1:
         if not b1[name]:
@@ -253,14 +259,44 @@ def run(ctx: BenchContext) -> BenchReport:
                 "weight_MiB": runner.model.weight_bytes() / 2**20 if runner else "",
             }
         )
+    return table
+
+
+def run(ctx: BenchContext) -> BenchReport:
+    config = _source(ctx)
+    from cluster.engine.models.default_model import gguf_source
+
+    gguf_path = gguf_source(config)
+    assert gguf_path is not None
+    num_reps = ctx.pick(5, 3, 1)
+    b32_tokens = ctx.pick(24, 12, 4)
+    batch = ctx.pick(32, 32, 4)
+    threads = pin_threads(ctx)
+    blocks = batch * -(-(64 + b32_tokens + 8) // config.cache.block_size) + 64
+    arms = _load_arms(ctx, config, gguf_path, threads, blocks)
+    engines, llama = arms.engines, arms.llama
+    b1, b32 = _measure(ctx, arms, batch, b32_tokens, num_reps)
+    kv = _kv(config, engines["fp32"].runner.layout)
+    gguf_runner: Any = engines["gguf"].runner
+    keys: dict[str, float] = {}
+    if not ctx.smoke:
+        keys["b1_vs_llamacpp"] = _ratio(b1["gguf"], b1["llamacpp"]) if llama else float("nan")
+    keys.update(
+        {
+            "b1_vs_fp32": _ratio(b1["gguf"], b1["fp32"]),
+            "b32_vs_fp32": _ratio(b32["gguf"], b32["fp32"]),
+            "kv_bytes_ratio": kv["int8_bytes_per_token"] / kv["fp32_bytes_per_token"],
+            "kv_capacity_ratio": kv["int8_tokens"] / kv["fp32_tokens"],
+        }
+    )
     return BenchReport(
         keys=keys,
-        table=table,
+        table=_table(engines, b1, b32, batch),
         targets=TARGETS,
         details={
             "threads": threads,
             "num_reps": num_reps,
-            "bs1_tokens": b1_tokens,
+            "bs1_tokens": ctx.pick(128, 64, 8),
             "batch": batch,
             "bs1_tok_s_per_rep": b1,
             "bs_batch_tok_s_per_rep": b32,

@@ -32,14 +32,10 @@ import sys
 from typing import Any
 
 from benchmarks.harness import BenchContext, BenchReport, percentile, summary
-from benchmarks.serve_load import (
-    RequestRecord,
-    WorkItem,
-    local_cluster,
-    poisson_offsets,
-    run_load,
-)
 from benchmarks.workloads import bench_model_dir
+from cluster.planner.measure.deploy import local_cluster
+from cluster.planner.measure.load import RequestRecord, run_load
+from cluster.planner.workload import WorkItem, poisson_offsets
 
 ARMS = {"prefix_aware": "cache_aware", "round_robin": "round_robin"}
 OUTPUT_TOKENS = 8

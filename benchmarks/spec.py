@@ -37,13 +37,20 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.harness import BenchContext, BenchReport
+from benchmarks.harness import ArmRun, BenchContext, BenchReport
 from benchmarks.quant import INSTALL_LLAMACPP, load_llamacpp
 from benchmarks.spec_workloads import copy_heavy, no_copy
-from benchmarks.workloads import CpuMeter, bench_threads, make_engine, make_runner, run_pair
+from benchmarks.workloads import (
+    CpuMeter,
+    bench_threads,
+    make_engine,
+    make_runner,
+    run_groups,
+    run_pair,
+)
 from cluster.common.sampling_params import SamplingParams
 from cluster.config.model import is_gguf_source
 from cluster.engine.engine import LLMEngine
@@ -57,64 +64,11 @@ GGUF = {"model.path": None, "model.weights": "gguf"}
 BATCHES = (1, 8)
 
 
-@dataclass
-class ArmRun:
-    tokens: dict[str, list[int]] = field(default_factory=dict)
-    decode_tokens: int = 0  # tokens after each request's first
-    decode_s: float = 0.0
-    total_tokens: int = 0
-    total_s: float = 0.0
-    drafted: int = 0
-    accepted: int = 0
-    cpu_util: float = 1.0  # < MIN_CPU_UTIL: other work on the machine took cores during this arm
-    row_cost: float = float("nan")  # the speculator's measured draft-row cost at the arm's end
-
-    @property
-    def decode_tok_s(self) -> float:
-        return self.decode_tokens / self.decode_s if self.decode_s else float("nan")
-
-    @property
-    def e2e_tok_s(self) -> float:
-        return self.total_tokens / self.total_s if self.total_s else float("nan")
-
-
-def _run_group(
-    engine: LLMEngine, prompts: dict[str, list[int]], params: SamplingParams, run: ArmRun
-) -> None:
-    """Send ``prompts`` together and step until they finish, timing tokens as they come."""
-    spec0 = engine.speculator.stats()
-    t0 = time.perf_counter()
-    for rid, p in prompts.items():
-        engine.add(rid, p, params)
-    first: float | None = None  # the group's first token (batch 1: the request's)
-    last = t0
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        now = time.perf_counter()
-        for out in outputs:
-            if not out.new_token_ids:
-                continue
-            run.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-            last = now
-        if first is None and all(rid in run.tokens for rid in prompts):
-            first = now  # every request of the group decodes from here on
-    assert first is not None
-    n = sum(len(run.tokens[rid]) for rid in prompts)
-    run.total_tokens += n
-    run.total_s += last - t0
-    run.decode_tokens += n - len(prompts)
-    run.decode_s += last - first
-    spec1 = engine.speculator.stats()
-    run.drafted += spec1["num_draft_tokens"] - spec0["num_draft_tokens"]
-    run.accepted += spec1["num_accepted_tokens"] - spec0["num_accepted_tokens"]
-    run.row_cost = spec1.get("row_cost", float("nan"))
-
-
 def run_llamacpp(
     llm: Any, prompts: dict[str, list[int]], max_tokens: int, eos: tuple[int, ...]
 ) -> ArmRun:
     """llama.cpp, one request at a time: greedy from the same token ids, timed as ours."""
-    run = ArmRun()
+    run = ArmRun("llamacpp")
     meter = CpuMeter(llm.n_threads)
     for rid, prompt in prompts.items():
         t0 = time.perf_counter()
@@ -155,113 +109,129 @@ def _combined_arms(ctx: BenchContext) -> tuple[Any | None, ModelRunner | None, s
     )
 
 
+@dataclass
+class _Arms:
+    """What every cell runs on: the engines by arm (the combined ones when they can run),
+    llama.cpp (or None) and why, the workloads' prompts, the sampling and the EOS ids."""
+
+    engines: dict[str, LLMEngine]
+    llama: Any | None
+    llama_note: str
+    workloads: dict[str, dict[str, list[int]]]
+    params: SamplingParams
+    max_tokens: int
+    eos: tuple[int, ...]
+
+    def runner(
+        self, ctx: BenchContext, prompts: dict[str, list[int]], batch: int, pair: int
+    ) -> Callable[[str], ArmRun]:
+        def run_one(arm: str) -> ArmRun:
+            ids = {f"{rid}-{arm}-{pair}": p for rid, p in prompts.items()}
+            if arm == "llamacpp":
+                return run_llamacpp(self.llama, ids, self.max_tokens, self.eos)
+            return run_arm(ctx, self.engines[arm], ids, batch, self.params, arm)
+
+        return run_one
+
+    def names(self, workload: str, batch: int) -> tuple[str, ...]:
+        if self.llama is not None and (workload, batch) == ("copy", 1):
+            return (*ARMS, *COMBINED)
+        return ARMS
+
+
 def run_arm(
     ctx: BenchContext,
     engine: LLMEngine,
     prompts: dict[str, list[int]],
     batch: int,
     params: SamplingParams,
+    arm: str = "",
 ) -> ArmRun:
-    run = ArmRun()
-    # The arms share one runner, so one KV pool: a block the other engine's prefix cache
-    # names may hold this one's KV by now. Each arm starts with its prefix cache empty.
-    engine.reset_prefix_cache()
-    meter = CpuMeter(bench_threads(ctx))
-    ids = list(prompts)
-    for i in range(0, len(ids), batch):
-        _run_group(engine, {rid: prompts[rid] for rid in ids[i : i + batch]}, params, run)
-    run.cpu_util = meter.utilisation()
-    engine.check_integrity()
-    assert engine.stats()["kv"]["num_used_blocks"] == 0
-    return run
+    """One arm: ``prompts`` in groups of ``batch``, its prefix cache emptied first."""
+    return run_groups(ctx, arm, engine, prompts, batch, params)
 
 
-def run(ctx: BenchContext) -> BenchReport:
-    num_prompts = ctx.pick(16, 8, 2)
-    max_tokens = ctx.pick(128, 64, 8)
-    num_pairs = ctx.pick(2, 1, 1)
+def _arms(ctx: BenchContext, num_prompts: int, max_tokens: int) -> _Arms:
     ctx.progress("loading the runner")
     runner = make_runner(ctx)
-    spec_cfg = ctx.config.decode.speculative
-    on_overrides = {"decode.speculative.method": "ngram"}
     engines = {
         "off": make_engine(ctx, {"decode.speculative.method": "none"}, runner=runner),
-        "on": make_engine(ctx, on_overrides, runner=runner),
+        "on": make_engine(ctx, {"decode.speculative.method": "ngram"}, runner=runner),
     }
     tok = engines["off"].tokenizer
     workloads = {
         "copy": {f"copy{i}": tok.encode_chat(c) for i, c in enumerate(copy_heavy()[:num_prompts])},
         "no_copy": {f"free{i}": tok.encode_chat(c) for i, c in enumerate(no_copy()[:num_prompts])},
     }
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     llama, gguf_runner, llama_note = _combined_arms(ctx)
     ctx.progress(f"combined arms (copy b1): {llama_note}")
     if gguf_runner is not None:
         for arm, method in (("gguf_off", "none"), ("gguf_on", "ngram")):
             overrides = {**GGUF, "decode.speculative.method": method}
             engines[arm] = make_engine(ctx, overrides, runner=gguf_runner)
-    eos = engines["off"].eos_token_ids
-    for name, eng in engines.items():  # first-call allocations and lazy inits off the clock
-        run_arm(ctx, eng, {f"warm-{name}": workloads["copy"]["copy0"]}, 1, params)
-    cells: dict[tuple[str, int], list[dict[str, ArmRun]]] = {}
-    disturbed: list[dict[str, float]] = []
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    return _Arms(
+        engines, llama, llama_note, workloads, params, max_tokens, engines["off"].eos_token_ids
+    )
 
-    def arm_runner(prompts: dict[str, list[int]], batch: int, pair: int) -> Callable[[str], ArmRun]:
-        def run_one(arm: str) -> ArmRun:
-            ids = {f"{rid}-{arm}-{pair}": p for rid, p in prompts.items()}
-            if arm == "llamacpp":
-                return run_llamacpp(llama, ids, max_tokens, eos)
-            return run_arm(ctx, engines[arm], ids, batch, params)
 
-        return run_one
+def _describer(tag: str) -> Callable[[ArmRun], str]:
+    def describe(r: ArmRun) -> str:
+        return (
+            f"{tag}: decode {r.decode_tok_s:.1f} tok/s, e2e {r.e2e_tok_s:.1f} tok/s, "
+            f"accepted {r.accepted}/{r.drafted}, row cost {r.row_cost:.2f}, "
+            f"cpu util {r.cpu_util:.2f}"
+        )
 
-    def describer(tag: str) -> Callable[[ArmRun], str]:
-        def describe(r: ArmRun) -> str:
-            return (
-                f"{tag}: decode {r.decode_tok_s:.1f} tok/s, e2e {r.e2e_tok_s:.1f} tok/s, "
-                f"accepted {r.accepted}/{r.drafted}, row cost {r.row_cost:.2f}, "
-                f"cpu util {r.cpu_util:.2f}"
-            )
+    return describe
 
-        return describe
 
+Cells = dict[tuple[str, int], list[dict[str, ArmRun]]]
+
+
+def _run_cells(
+    ctx: BenchContext, arms: _Arms, num_pairs: int, disturbed: list[dict[str, float]]
+) -> Cells:
+    """Every (workload, batch) cell's arms as a pair, ``num_pairs`` times."""
+    for name, eng in arms.engines.items():  # first-call allocations and lazy inits off the clock
+        run_arm(ctx, eng, {f"warm-{name}": arms.workloads["copy"]["copy0"]}, 1, arms.params)
+    cells: Cells = {}
     for pair in range(num_pairs):
-        for wl, prompts in workloads.items():
+        for wl, prompts in arms.workloads.items():
             for batch in BATCHES:
-                names: tuple[str, ...] = ARMS
-                if llama is not None and (wl, batch) == ("copy", 1):
-                    names = (*ARMS, *COMBINED)
                 done = run_pair(
                     ctx,
                     pair,
                     num_pairs,
-                    names,
-                    arm_runner(prompts, batch, pair),
-                    describer(f"{wl} b{batch}"),
+                    arms.names(wl, batch),
+                    arms.runner(ctx, prompts, batch, pair),
+                    _describer(f"{wl} b{batch}"),
                     disturbed,
                 )
                 cells.setdefault((wl, batch), []).append(done)
+    return cells
 
-    def ratios(wl: str, batch: int, attr: str) -> list[float]:
-        return [getattr(d["on"], attr) / getattr(d["off"], attr) for d in cells[(wl, batch)]]
 
-    def speedup(wl: str, batch: int) -> float:
-        return statistics.median(ratios(wl, batch, "decode_tok_s"))
+def _ratios(cells: Cells, wl: str, batch: int, attr: str) -> list[float]:
+    return [getattr(d["on"], attr) / getattr(d["off"], attr) for d in cells[(wl, batch)]]
 
-    mismatches = []
-    for (wl, batch), pairs in cells.items():
-        for d in pairs:
-            for rid, toks in d["off"].tokens.items():
-                if d["on"].tokens[rid.replace("-off-", "-on-")] != toks:
-                    mismatches.append(f"{wl} b{batch} {rid}")
-    copy_b1 = cells[("copy", 1)]
 
-    def combined(num: str, den: str) -> float:
-        if llama is None:
-            return float("nan")
-        return statistics.median(d[num].decode_tok_s / d[den].decode_tok_s for d in copy_b1)
+def _speedup(cells: Cells, wl: str, batch: int) -> float:
+    return statistics.median(_ratios(cells, wl, batch, "decode_tok_s"))
 
-    drafted = sum(d["on"].drafted for d in copy_b1)
+
+def _mismatches(cells: Cells) -> list[str]:
+    """Requests whose greedy tokens differ between the off and on arms."""
+    return [
+        f"{wl} b{batch} {rid}"
+        for (wl, batch), pairs in cells.items()
+        for d in pairs
+        for rid, toks in d["off"].tokens.items()
+        if d["on"].tokens[rid.replace("-off-", "-on-")] != toks
+    ]
+
+
+def _table(cells: Cells) -> list[dict[str, Any]]:
     table = []
     for (wl, batch), pairs in cells.items():
         for arm in pairs[0]:
@@ -277,17 +247,51 @@ def run(ctx: BenchContext) -> BenchReport:
                     "accepted/drafted": f"{runs[0].accepted}/{runs[0].drafted}",
                 }
             )
+    return table
+
+
+def _speculative(ctx: BenchContext) -> dict[str, Any]:
+    """The ``decode.speculative`` knobs the on arm ran with."""
+    spec_cfg = ctx.config.decode.speculative
+    return {
+        "num_speculative_tokens": spec_cfg.num_speculative_tokens,
+        "min_ngram": spec_cfg.min_ngram,
+        "max_ngram": spec_cfg.max_ngram,
+        "max_batch_size": spec_cfg.max_batch_size,
+        "max_num_draft_tokens": spec_cfg.max_num_draft_tokens,
+        "draft_row_cost": spec_cfg.draft_row_cost,
+        "min_acceptance_rate": spec_cfg.min_acceptance_rate,
+        "max_pause_steps": spec_cfg.max_pause_steps,
+    }
+
+
+def run(ctx: BenchContext) -> BenchReport:
+    num_prompts = ctx.pick(16, 8, 2)
+    max_tokens = ctx.pick(128, 64, 8)
+    num_pairs = ctx.pick(2, 1, 1)
+    arms = _arms(ctx, num_prompts, max_tokens)
+    disturbed: list[dict[str, float]] = []
+    cells = _run_cells(ctx, arms, num_pairs, disturbed)
+    mismatches = _mismatches(cells)
+    copy_b1 = cells[("copy", 1)]
+
+    def combined(num: str, den: str) -> float:
+        if arms.llama is None:
+            return float("nan")
+        return statistics.median(d[num].decode_tok_s / d[den].decode_tok_s for d in copy_b1)
+
+    drafted = sum(d["on"].drafted for d in copy_b1)
     return BenchReport(
         keys={
-            "speedup_b1": speedup("copy", 1),
-            "speedup_b8": speedup("copy", 8),
-            "no_copy_ratio": min(speedup("no_copy", 1), speedup("no_copy", 8)),
+            "speedup_b1": _speedup(cells, "copy", 1),
+            "speedup_b8": _speedup(cells, "copy", 8),
+            "no_copy_ratio": min(_speedup(cells, "no_copy", 1), _speedup(cells, "no_copy", 8)),
             "acceptance": sum(d["on"].accepted for d in copy_b1) / drafted if drafted else 0.0,
             "greedy_identical": float(not mismatches),
             # --smoke leaves it out (llama.cpp runs the real GGUF file only); nan: see details
             **({} if ctx.smoke else {"b1_vs_llamacpp_copy": combined("gguf_on", "llamacpp")}),
         },
-        table=table,
+        table=_table(cells),
         targets={
             "speedup_b1": ">= 2.0",
             "speedup_b8": ">= 1.3",
@@ -297,24 +301,17 @@ def run(ctx: BenchContext) -> BenchReport:
         },
         details={
             "threads": bench_threads(ctx),
-            "combined_arms": llama_note,
+            "combined_arms": arms.llama_note,
             "speedup_b1_gguf": combined("gguf_on", "gguf_off"),
             "num_prompts": num_prompts,
             "max_tokens": max_tokens,
-            "speculative": {
-                "num_speculative_tokens": spec_cfg.num_speculative_tokens,
-                "min_ngram": spec_cfg.min_ngram,
-                "max_ngram": spec_cfg.max_ngram,
-                "max_batch_size": spec_cfg.max_batch_size,
-                "max_num_draft_tokens": spec_cfg.max_num_draft_tokens,
-                "draft_row_cost": spec_cfg.draft_row_cost,
-                "min_acceptance_rate": spec_cfg.min_acceptance_rate,
-                "max_pause_steps": spec_cfg.max_pause_steps,
-            },
+            "speculative": _speculative(ctx),
             "decode_ratios_per_pair": {
-                f"{wl}_b{b}": ratios(wl, b, "decode_tok_s") for (wl, b) in cells
+                f"{wl}_b{b}": _ratios(cells, wl, b, "decode_tok_s") for (wl, b) in cells
             },
-            "e2e_ratios_per_pair": {f"{wl}_b{b}": ratios(wl, b, "e2e_tok_s") for (wl, b) in cells},
+            "e2e_ratios_per_pair": {
+                f"{wl}_b{b}": _ratios(cells, wl, b, "e2e_tok_s") for (wl, b) in cells
+            },
             "mismatched_requests": mismatches,
             "disturbed_pairs": disturbed,
         },

@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
-from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks.harness import BenchContext, BenchReport
-from benchmarks.workloads import CpuMeter, bench_threads, make_engine, make_runner, run_pair
+from benchmarks.harness import ArmRun, BenchContext, BenchReport
+from benchmarks.workloads import bench_threads, make_engine, make_runner, run_groups, run_pair
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.engine import LLMEngine
 
@@ -79,67 +77,17 @@ FIXED_KEYS_SCHEMA: dict[str, Any] = {
 PEOPLE = ["Ada", "Grace", "Alan", "Edsger", "Barbara", "Donald", "Frances", "Ken"]
 
 
-@dataclass
-class ArmRun:
-    tokens: dict[str, list[int]] = field(default_factory=dict)
-    full_step_s: list[float] = field(default_factory=list)  # steps with the whole batch decoding
-    decode_tokens: int = 0
-    decode_s: float = 0.0
-    cpu_util: float = 1.0
-
-    @property
-    def step_ms(self) -> float:
-        return 1e3 * statistics.median(self.full_step_s) if self.full_step_s else float("nan")
-
-    @property
-    def decode_tok_s(self) -> float:
-        return self.decode_tokens / self.decode_s if self.decode_s else float("nan")
-
-
-def _group(
-    engine: LLMEngine, prompts: dict[str, list[int]], params: SamplingParams, run: ArmRun
-) -> None:
-    """Send ``prompts`` together; time every step and the tokens after each first token."""
-    for rid, p in prompts.items():
-        engine.add(rid, p, params)
-    first: float | None = None
-    last = time.perf_counter()
-    while engine.has_unfinished_requests():
-        decoding = sum(1 for r in engine.scheduler.running if r.output_token_ids)
-        t0 = time.perf_counter()
-        outputs = engine.step()
-        now = time.perf_counter()
-        if decoding == len(prompts) and engine.last_num_scheduled == len(prompts):
-            run.full_step_s.append(now - t0)
-        for out in outputs:
-            if out.new_token_ids:
-                run.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-                last = now
-        if first is None and all(rid in run.tokens for rid in prompts):
-            first = now
-    assert first is not None
-    run.decode_tokens += sum(len(run.tokens[rid]) for rid in prompts) - len(prompts)
-    run.decode_s += last - first
-
-
 def _arm(
     ctx: BenchContext,
     engine: LLMEngine,
     prompts: dict[str, list[int]],
     batch: int,
     params: SamplingParams,
+    arm: str = "",
 ) -> ArmRun:
-    run = ArmRun()
-    engine.reset_prefix_cache()  # the arms share one KV pool (one runner)
-    meter = CpuMeter(bench_threads(ctx))
-    ids = list(prompts)
-    for i in range(0, len(ids), batch):
-        _group(engine, {rid: prompts[rid] for rid in ids[i : i + batch]}, params, run)
-    run.cpu_util = meter.utilisation()
-    engine.check_integrity()
-    assert engine.stats()["kv"]["num_used_blocks"] == 0
-    assert engine.structured.active_ids() == set()
-    return run
+    """One arm: ``prompts`` in groups of ``batch`` (the arms share one KV pool: its prefix
+    cache is emptied first); no grammar left active after it."""
+    return run_groups(ctx, arm, engine, prompts, batch, params)
 
 
 def _cell(
@@ -156,11 +104,11 @@ def _cell(
         def one(arm: str, pair: int = pair) -> ArmRun:
             engine, params = arms[arm]
             ids = {f"{rid}-{arm}-{pair}": p for rid, p in prompts.items()}
-            return _arm(ctx, engine, ids, batch, params)
+            return _arm(ctx, engine, ids, batch, params, arm)
 
         def describe(r: ArmRun) -> str:
             return (
-                f"step {r.step_ms:.2f} ms ({len(r.full_step_s)} full steps), decode "
+                f"step {r.step_ms:.2f} ms ({len(r.step_s)} full steps), decode "
                 f"{r.decode_tok_s:.1f} tok/s, cpu util {r.cpu_util:.2f}"
             )
 

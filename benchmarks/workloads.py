@@ -6,30 +6,25 @@ measured side by side differ only in what they are meant to compare.
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import os
 import random
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 import torch
 
-from benchmarks.harness import BenchContext
+from benchmarks.harness import ArmRun, BenchContext
 from cluster.common.sampling_params import SamplingParams
 from cluster.config import ClusterConfig, cpu_count
-from cluster.config.model_paths import require_model_dir
 from cluster.engine.engine import LLMEngine, RequestOutput
 from cluster.engine.runner import ModelRunner
 from cluster.engine.runner_registry import create_runner
-from cluster.planner.workload import FIRST_PLAIN_TOKEN  # special tokens sit below it
-
-_tiny_model_dir: Path | None = None
+from cluster.planner.measure.engine import exact_tokens, model_dir, random_prompt
+from cluster.planner.measure.machine import machine_busy_s
 
 
 def bench_threads(ctx: BenchContext) -> int:
@@ -47,25 +42,7 @@ def pin_threads(ctx: BenchContext) -> int:
 def bench_model_dir(ctx: BenchContext) -> Path:
     """The checkpoint every arm loads: the config's model; in smoke mode, unless the config
     names one, the tiny random model."""
-    if ctx.config.model.path is None:
-        if ctx.smoke:
-            return tiny_model_dir()
-        from cluster.engine.models.default_model import ensure_default_model
-
-        return ensure_default_model(ctx.config)
-    return require_model_dir(ctx.config)
-
-
-def tiny_model_dir() -> Path:
-    """Build the tiny random Llama once per process into a temp dir (removed at exit)."""
-    global _tiny_model_dir
-    if _tiny_model_dir is None:
-        from cluster.engine.models.tiny import build_tiny_llama
-
-        tmp = Path(tempfile.mkdtemp(prefix="pdserve-bench-tiny-"))
-        atexit.register(shutil.rmtree, tmp, True)
-        _tiny_model_dir = build_tiny_llama(tmp / "model")
-    return _tiny_model_dir
+    return model_dir(ctx.config, ctx.mode)
 
 
 def engine_config(ctx: BenchContext, overrides: Mapping[str, Any] | None = None) -> ClusterConfig:
@@ -93,15 +70,6 @@ def make_engine(
     return LLMEngine(engine_config(ctx, overrides), runner=runner, role=role)
 
 
-def random_prompt(rng: random.Random, num_tokens: int, vocab_size: int) -> list[int]:
-    return [rng.randrange(FIRST_PLAIN_TOKEN, vocab_size) for _ in range(num_tokens)]
-
-
-def exact_tokens(n: int) -> SamplingParams:
-    """Greedy, EOS ignored: exactly ``n`` output tokens (what BENCHMARKS.md pins)."""
-    return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
-
-
 def warm_up(engine: LLMEngine, rng: random.Random, prompt_len: int, num_tokens: int) -> None:
     """One request end to end: first-call allocations and lazy inits happen outside the clock."""
     engine.add(
@@ -120,27 +88,20 @@ def max_pair_retries(ctx: BenchContext) -> int:
     return int(ctx.pick(2, 2, 0))
 
 
-class MeteredRun(Protocol):
-    cpu_util: float  # < MIN_CPU_UTIL: other work on the machine took cores during this arm
-
-
-R = TypeVar("R", bound=MeteredRun)
-
-
 def run_pair(
     ctx: BenchContext,
     pair: int,
     num_pairs: int,
     names: Sequence[str],
-    run: Callable[[str], R],
-    describe: Callable[[R], str],
+    run: Callable[[str], ArmRun],
+    describe: Callable[[ArmRun], str],
     disturbed: list[dict[str, float]],
-) -> dict[str, R]:
+) -> dict[str, ArmRun]:
     """One pair of interleaved arms (A B on even pairs, B A on odd ones), run again at most
     ``max_pair_retries`` times while another job took cores from either arm (``disturbed``
     collects the utilizations of the pairs thrown away)."""
     for attempt in range(max_pair_retries(ctx) + 1):
-        done: dict[str, R] = {}
+        done: dict[str, ArmRun] = {}
         for name in names if pair % 2 == 0 else names[::-1]:
             pin_threads(ctx)
             done[name] = run(name)
@@ -151,59 +112,6 @@ def run_pair(
         disturbed.append(utils)
         ctx.progress(f"pair {pair + 1} disturbed by other work (cpu util {utils}): again")
     return done
-
-
-_CLOCK_TICKS = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
-
-
-def _cpu_ticks() -> list[int] | None:
-    """``/proc/stat``'s machine-wide line: user nice system idle iowait irq softirq steal."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-    except OSError:
-        return None
-    if not fields or fields[0] != "cpu":
-        return None
-    return [int(v) for v in fields[1:9]]
-
-
-def machine_busy_s() -> float | None:
-    """CPU seconds every process on this machine has used since boot (``/proc/stat``: all but
-    idle and iowait, steal included: a hypervisor's share is taken from us too); None where
-    there is no ``/proc/stat``."""
-    ticks = _cpu_ticks()
-    return None if ticks is None else (sum(ticks) - ticks[3] - ticks[4]) / _CLOCK_TICKS
-
-
-def machine_steal_s() -> float | None:
-    """CPU seconds a hypervisor has taken from this (virtual) machine's cores since boot: time
-    a core had work but ran another guest (``/proc/stat``'s steal); None where unknown."""
-    ticks = _cpu_ticks()
-    return None if ticks is None else ticks[7] / _CLOCK_TICKS
-
-
-class StealMeter:
-    """The share of this machine's core time its hypervisor took over a stretch of wall time
-    (0: none; a benchmark's figures from a stretch with much of it say more about the host's
-    neighbours than about the code). None where ``/proc/stat`` has no steal."""
-
-    def __init__(
-        self,
-        *,
-        num_cores: int | None = None,
-        steal: Callable[[], float | None] = machine_steal_s,
-        clock: Callable[[], float] = time.perf_counter,
-    ) -> None:
-        self.num_cores = num_cores if num_cores is not None else (os.cpu_count() or 1)
-        self._steal_fn, self._clock = steal, clock
-        self._wall, self._steal = clock(), steal()
-
-    def share(self) -> float | None:
-        wall, now = self._clock() - self._wall, self._steal_fn()
-        if now is None or self._steal is None or wall <= 0:
-            return None
-        return max(0.0, now - self._steal) / (wall * self.num_cores)
 
 
 class CpuMeter:
@@ -285,3 +193,64 @@ def drain(engine: LLMEngine, timelines: Mapping[str, Timeline], max_steps: int =
         outputs = engine.step()
         record(outputs, timelines, time.perf_counter())
     raise RuntimeError(f"engine not idle after {max_steps} steps")
+
+
+def _run_group(
+    engine: LLMEngine, prompts: dict[str, list[int]], params: SamplingParams, run: ArmRun
+) -> None:
+    """Send ``prompts`` together and step until they finish: every token as it comes, the
+    steps in which the whole group decodes, and the time after the group's first token."""
+    spec0 = engine.speculator.stats()
+    t0 = time.perf_counter()
+    for rid, p in prompts.items():
+        engine.add(rid, p, params)
+    first: float | None = None  # the group's first token (batch 1: the request's)
+    last = t0
+    while engine.has_unfinished_requests():
+        decoding = sum(1 for r in engine.scheduler.running if r.output_token_ids)
+        start = time.perf_counter()
+        outputs = engine.step()
+        now = time.perf_counter()
+        if decoding == len(prompts) and engine.last_num_scheduled == len(prompts):
+            run.step_s.append(now - start)
+        for out in outputs:
+            if out.new_token_ids:
+                run.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                last = now
+        if first is None and all(rid in run.tokens for rid in prompts):
+            first = now  # every request of the group decodes from here on
+    assert first is not None
+    n = sum(len(run.tokens[rid]) for rid in prompts)
+    run.total_tokens += n
+    run.total_s += last - t0
+    run.decode_tokens += n - len(prompts)
+    run.decode_s += last - first
+    spec1 = engine.speculator.stats()
+    run.drafted += spec1["num_draft_tokens"] - spec0["num_draft_tokens"]
+    run.accepted += spec1["num_accepted_tokens"] - spec0["num_accepted_tokens"]
+    run.row_cost = spec1.get("row_cost", float("nan"))
+
+
+def run_groups(
+    ctx: BenchContext,
+    arm: str,
+    engine: LLMEngine,
+    prompts: dict[str, list[int]],
+    batch: int,
+    params: SamplingParams,
+) -> ArmRun:
+    """One arm: ``prompts`` in groups of ``batch`` sent together, one group after another
+    (``_run_group``), on an engine whose prefix cache starts empty; it ends idle and intact."""
+    run = ArmRun(arm)
+    # Arms share one runner, so one KV pool: a block the other engine's prefix cache names may
+    # hold this one's KV by now. Each arm starts with its prefix cache empty.
+    engine.reset_prefix_cache()
+    meter = CpuMeter(bench_threads(ctx))
+    ids = list(prompts)
+    for i in range(0, len(ids), batch):
+        _run_group(engine, {rid: prompts[rid] for rid in ids[i : i + batch]}, params, run)
+    run.cpu_util = meter.utilisation()
+    engine.check_integrity()
+    assert engine.stats()["kv"]["num_used_blocks"] == 0
+    assert engine.structured.active_ids() == set()
+    return run

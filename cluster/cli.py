@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 import time
 from collections.abc import Sequence
+from types import ModuleType
 from typing import Any
 
 from cluster.config import ClusterConfig, api_keys, load_config, parse_override
@@ -125,11 +127,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from benchmarks import run_benchmark
+# The benchmarks are a distribution of their own (benchmarks/ in the source tree), not in the
+# pdserve wheel: `pdserve bench` loads them when it runs, and says how to install them if absent.
+BENCHMARKS_MODULE = "benchmarks"
+INSTALL_BENCHMARKS = "pip install -e ./benchmarks"
 
-    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
-    return run_benchmark(args.name, mode, _config(args))
+
+def load_benchmarks() -> ModuleType:
+    """The installed benchmarks package; a ValueError naming the command that installs it when
+    there is none (or an unrelated package took its name)."""
+    try:
+        module = importlib.import_module(BENCHMARKS_MODULE)
+    except ModuleNotFoundError as e:
+        if e.name != BENCHMARKS_MODULE:
+            raise  # the benchmarks are there; something they import is not
+        module = None
+    if module is None or not hasattr(module, "run_benchmark"):
+        raise ValueError(
+            "the benchmarks are not installed: they are not part of the pdserve package. "
+            f"From a pdserve source checkout, install them with `{INSTALL_BENCHMARKS}` "
+            "(`make setup` does this)"
+        )
+    return module
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    benchmarks = load_benchmarks()
+    rc: int = benchmarks.run_benchmark(args.name, _mode(args), _config(args))
+    return rc
 
 
 def _mode(args: argparse.Namespace) -> str:
@@ -139,7 +164,7 @@ def _mode(args: argparse.Namespace) -> str:
 def cmd_profile(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from benchmarks.profile import run_profile
+    from cluster.planner.measure.profiler import run_profile
 
     threads = None
     if args.threads:
@@ -157,7 +182,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     if args.validate:
-        from benchmarks.plan_check import run_check
+        from cluster.planner.measure.validate import run_check
 
         return run_check(
             _config(args),
@@ -178,19 +203,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="pdserve", description="Disaggregated prefill/decode LLM serving on Ray Serve."
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_model(sub: Any) -> None:
     model = sub.add_parser("model", help="manage the default model")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     fetch = model_sub.add_parser("fetch", help="convert the default model once and cache it")
     _add_config_args(fetch)
     fetch.set_defaults(func=cmd_model_fetch)
 
+
+def _add_generate(sub: Any) -> None:
     gen = sub.add_parser("generate", help="generate a reply to a prompt (streams to stdout)")
     gen.add_argument("prompt")
     gen.add_argument("--raw", action="store_true", help="send the prompt without chat template")
@@ -206,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(gen)
     gen.set_defaults(func=cmd_generate)
 
+
+def _add_serve(sub: Any) -> None:
     srv = sub.add_parser("serve", help="start (or join) Ray and serve the cluster")
     srv.add_argument("--prefill-replicas", type=int, default=None)
     srv.add_argument("--decode-replicas", type=int, default=None)
@@ -229,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(srv)
     srv.set_defaults(func=cmd_serve)
 
+
+def _add_bench(sub: Any) -> None:
     bench = sub.add_parser("bench", help="run a benchmark (see BENCHMARKS.md)")
     bench.add_argument("name", help="benchmark name, or 'all'")
     mode = bench.add_mutually_exclusive_group()
@@ -237,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(bench)
     bench.set_defaults(func=cmd_bench)
 
+
+def _add_profile(sub: Any) -> None:
     prof = sub.add_parser("profile", help="measure this machine's step costs for pdserve plan")
     prof.add_argument("--out", default="bench/results/profile.json", help="the profile file")
     prof.add_argument("--threads", help="torch thread counts to profile, e.g. 1,2 (CPU)")
@@ -247,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(prof)
     prof.set_defaults(func=cmd_profile)
 
+
+def _add_plan(sub: Any) -> None:
     plan = sub.add_parser("plan", help="the best prefill/decode split by simulation")
     plan.add_argument("--profile", help="a profile file (default: the shipped example)")
     plan.add_argument("--workload", default="mixed-long", help="a workload name or JSON file")
@@ -264,6 +293,16 @@ def build_parser() -> argparse.ArgumentParser:
     lmode.add_argument("--smoke", action="store_true", help="the smallest run (tests)")
     _add_config_args(plan)
     plan.set_defaults(func=cmd_plan)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description="Disaggregated prefill/decode LLM serving on Ray Serve."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_model, _add_generate, _add_serve, _add_bench, _add_profile, _add_plan):
+        add(sub)
     return parser
 
 

@@ -29,7 +29,7 @@ from cluster.config import ClusterConfig
 from cluster.planner.metrics import knee, slo_metrics, unloaded_baseline
 from cluster.planner.profile import Profile
 from cluster.planner.simulator import ArmSpec, SimCluster, SimRecord
-from cluster.planner.workload import SLOs, Workload, poisson_offsets
+from cluster.planner.workload import SLOs, WorkloadMix, poisson_offsets
 
 ATTAINMENT = 0.9
 
@@ -37,7 +37,7 @@ ATTAINMENT = 0.9
 @dataclass(frozen=True)
 class PlanInput:
     profile: Profile
-    workload: Workload
+    workload: WorkloadMix
     rate: float  # requests/s the plan is evaluated at
     devices: int
     num_requests: int = 200
@@ -163,7 +163,7 @@ def arms_for(
 def simulate(
     arm: ArmSpec,
     profile: Profile,
-    workload: Workload,
+    workload: WorkloadMix,
     rate: float,
     num: int,
     seed: int,
@@ -224,7 +224,7 @@ def plan(inp: PlanInput, arms: Sequence[ArmSpec] | None = None) -> PlanResult:
     return PlanResult(inp, slos, results, best)
 
 
-def _unloaded_items(workload: Workload, vocab_size: int, per_class: int = 3) -> list[Any]:
+def _unloaded_items(workload: WorkloadMix, vocab_size: int, per_class: int = 3) -> list[Any]:
     """A few requests of every class, for the unloaded baseline."""
     out: list[Any] = []
     seed = 1

@@ -1,7 +1,7 @@
 """Step-cost profiles: what one engine step, one KV pull and one serving hop cost on a machine.
 
-``pdserve profile`` (``benchmarks.profile``) measures them on the actual hardware and writes a
-JSON file of this shape (``format: pdserve-profile/1``); the simulator reads it:
+``pdserve profile`` (``cluster.planner.measure.profiler``) measures them on the actual hardware
+and writes a JSON file of this shape (``format: pdserve-profile/1``); the simulator reads it:
 
   * ``steps[threads]``: per torch-thread count (CPU) or per device (GPU: one entry):
       - ``prefill``: one prefill chunk of N tokens at context 0: ``tokens`` -> ``seconds``;
@@ -159,7 +159,7 @@ class ServingCost:
     # Seconds a streaming engine's step (colocated or decode) gains per token it streams beyond
     # the first: the stack's work per streamed token (replica, Ray, router, client) on the cores
     # the engine runs on. Unloaded requests stream one at a time and cannot see it; a burst
-    # of concurrent requests does (``benchmarks.profile.burst_costs``).
+    # of concurrent requests does (``cluster.planner.calibration.burst_costs``).
     stream_s: float = 0.0
     # remote: how much longer a decode (prefill) step takes while the other pool's engine is
     # busy too, as a fraction: replicas that share a machine's cores (and its serving stack)

@@ -1,6 +1,6 @@
 """Workloads and SLOs, shared by the planner's simulator and the serving benchmark (torch-free).
 
-A ``Workload`` is a mix of request classes (each a share, a prompt-length range and a pinned
+A ``WorkloadMix`` is a mix of request classes (each a share, a prompt-length range and a pinned
 output length) with an optional shared prefix; ``items`` draws the requests (token ids and all)
 with a seeded RNG, so the benchmark and the simulator see the very same requests, and
 ``poisson_offsets`` their arrival times. ``SLOs`` are per class: TTFT and TPOT bounds for each
@@ -49,7 +49,7 @@ class WorkItem:
 
 
 @dataclass(frozen=True)
-class Workload:
+class WorkloadMix:
     name: str
     classes: tuple[RequestClass, ...]
     prefix_tokens: int = 0  # a system prompt every request starts with (0: none)
@@ -102,7 +102,7 @@ class Workload:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Workload:
+    def from_dict(cls, data: Mapping[str, Any]) -> WorkloadMix:
         unknown = sorted(set(data) - {"name", "classes", "prefix_tokens", "prefix_share"})
         if unknown:
             raise ValueError(f"workload: unknown keys {unknown}")
@@ -126,21 +126,21 @@ class Workload:
 # BENCHMARKS.md ``mixed-long``: 80% chat (64-128 in / 64 out), 20% long (768-1024 in / 32 out).
 CHAT = RequestClass("chat", 0.8, (64, 128), 64)
 LONG = RequestClass("long", 0.2, (768, 1024), 32)
-MIXED_LONG = Workload("mixed-long", (CHAT, LONG))
+MIXED_LONG = WorkloadMix("mixed-long", (CHAT, LONG))
 # The planner check's other two mixes: the same classes, other shares.
-CHAT_HEAVY = Workload(
+CHAT_HEAVY = WorkloadMix(
     "chat-heavy",
     (RequestClass("chat", 0.95, (64, 128), 64), RequestClass("long", 0.05, (768, 1024), 32)),
 )
-LONG_HEAVY = Workload(
+LONG_HEAVY = WorkloadMix(
     "long-heavy",
     (RequestClass("chat", 0.5, (64, 128), 64), RequestClass("long", 0.5, (768, 1024), 32)),
 )
 WORKLOADS = {w.name: w for w in (MIXED_LONG, CHAT_HEAVY, LONG_HEAVY)}
 
 
-def load_workload(spec: str) -> Workload:
-    """A named workload (``mixed-long``, ...) or a JSON file of ``Workload.to_dict()`` shape."""
+def load_workload(spec: str) -> WorkloadMix:
+    """A named workload (``mixed-long``, ...) or a JSON file of ``WorkloadMix.to_dict()`` shape."""
     if spec in WORKLOADS:
         return WORKLOADS[spec]
     path = Path(spec)
@@ -152,7 +152,7 @@ def load_workload(spec: str) -> Workload:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"workload: {path} is not valid JSON: {e}") from None
-    return Workload.from_dict(data)
+    return WorkloadMix.from_dict(data)
 
 
 def poisson_offsets(num: int, rate: float, seed: int) -> list[float]:

@@ -3,7 +3,8 @@ the machine's core time its hypervisor took (fake clocks throughout)."""
 
 from __future__ import annotations
 
-from benchmarks.workloads import CpuMeter, StealMeter, machine_busy_s, machine_steal_s
+from benchmarks.workloads import CpuMeter
+from cluster.planner.measure.machine import StealMeter, machine_busy_s, machine_steal_s
 
 
 class Clocks:

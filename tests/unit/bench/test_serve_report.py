@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks.harness import BenchContext
-from benchmarks.serve import ArmRuns, _report, class_slos
-from benchmarks.serve_load import RequestRecord
+from benchmarks.serve import _report
+from cluster.planner.measure.arms import ArmRecords, class_slos
+from cluster.planner.measure.load import RequestRecord
 from tests.helpers import make_config
 
 
@@ -21,8 +22,8 @@ def _rec(cls: str, ttft: float, tpot: float, n: int = 5) -> RequestRecord:
     return r
 
 
-def _runs(knees: dict[str, float | None], rates: list[float]) -> ArmRuns:
-    runs = ArmRuns(rates)
+def _runs(knees: dict[str, float | None], rates: list[float]) -> ArmRecords:
+    runs = ArmRecords(rates)
     for arm, k in knees.items():
         # Unloaded: chat 0.1 s TTFT / 10 ms TPOT, long 1 s / 20 ms (disagg slower: 0.2 / 2 s).
         slow = 2.0 if arm == "disagg" else 1.0
@@ -71,7 +72,7 @@ def test_an_arm_without_a_knee_is_named(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_a_burst_is_short_prompts_at_once_then_one_long_one_while_they_decode() -> None:
-    from benchmarks.serve import burst_items, unloaded_items
+    from cluster.planner.measure.arms import burst_items, unloaded_items
     from cluster.planner.workload import MIXED_LONG
 
     items, offsets = burst_items(MIXED_LONG, 8, 49152, 1.0)

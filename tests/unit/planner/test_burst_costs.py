@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.profile import BurstSample, burst_costs
+from cluster.planner.calibration import BurstSample, burst_costs
 from tests.unit.planner.synthetic import costs
 
 STEPS = costs(1.0)
@@ -71,8 +71,8 @@ def test_no_burst_or_a_faster_one_than_the_engine_costs_nothing() -> None:
 def test_calibrate_takes_the_median_over_bursts_that_could_be_fitted() -> None:
     """One burst is one moment of a shared machine: the calibration takes the median over all
     of them, and a burst whose shorts never decoded together counts as no measurement, not 0."""
-    from benchmarks.profile import ServingSample, calibrate, predicted_prefill
     from cluster.config import config_from_dict
+    from cluster.planner.calibration import ServingSample, calibrate, predicted_prefill
 
     cfg = config_from_dict({"decode": {"num_threads": 1}})
     scale = 1.3

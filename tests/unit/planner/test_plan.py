@@ -12,7 +12,7 @@ import pytest
 
 from cluster.planner.plan import PlanInput, arms_for, plan, write_plot
 from cluster.planner.profile import EXAMPLE_PROFILE, Profile
-from cluster.planner.workload import MIXED_LONG, Workload, load_workload
+from cluster.planner.workload import MIXED_LONG, WorkloadMix, load_workload
 from tests.unit.planner.synthetic import synthetic_profile
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -75,7 +75,7 @@ def test_bad_profiles_and_workloads_are_refused_naming_the_problem(tmp_path: Pat
     with pytest.raises(ValueError, match="prompt"):
         load_workload(str(bad))
     with pytest.raises(ValueError, match="shares sum"):
-        Workload.from_dict(
+        WorkloadMix.from_dict(
             {"classes": [{"name": "a", "share": 0.5, "prompt": [4, 8], "output": 3}]}
         )
     with pytest.raises(ValueError, match="no step costs"):

@@ -10,8 +10,14 @@ import random
 
 import pytest
 
-from benchmarks.plan_check import BOOTSTRAP, FIGURES, TOLERANCE, _sampling, relative_error
-from benchmarks.serve_load import RequestRecord, compute_metrics
+from cluster.planner.measure.load import RequestRecord, compute_metrics
+from cluster.planner.measure.validate import (
+    BOOTSTRAP,
+    FIGURES,
+    TOLERANCE,
+    _sampling,
+    relative_error,
+)
 from cluster.planner.workload import SLOs
 
 DURATION_S = 20.0
@@ -76,8 +82,8 @@ def test_nothing_measured_is_no_pass() -> None:
 
 
 def test_loaded_prefill_scale_reads_long_uncached_prompts_only() -> None:
-    from benchmarks.plan_check import LONG_PROMPT, loaded_prefill_scale
-    from benchmarks.profile import predicted_prefill
+    from cluster.planner.calibration import predicted_prefill
+    from cluster.planner.measure.validate import LONG_PROMPT, loaded_prefill_scale
     from tests.unit.planner.synthetic import costs
 
     table, chunk = costs(1.0), 256

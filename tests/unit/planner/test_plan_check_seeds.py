@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 
-from benchmarks.plan_check import MIXES, mix_seed
+from cluster.planner.measure.validate import MIXES, mix_seed
 from cluster.planner.workload import WORKLOADS
 
 BLOCK = 16  # the default cache block: a shared first block is a prefix-cache hit

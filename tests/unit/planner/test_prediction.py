@@ -3,8 +3,8 @@
 
 Ray-free prefill and decode workers in this process on the fake runner (its steps sleep 2 ms
 per prefill token, 20 ms per step with decodes, plus whatever this machine adds). The profile is
-measured as ``pdserve profile`` measures one (``bench.profile.measure_steps`` on the engine, the
-serving calibration from a few unloaded requests on the workers), then the same seeded requests
+measured as ``pdserve profile`` measures one (``measure.engine.measure_steps`` on the engine,
+the serving calibration from a few unloaded requests on the workers), then the same seeded requests
 are simulated and sent in real time to a colocated worker and to a 1P1D pair; predicted p50/p90
 TTFT, p50/p90 TPOT and goodput must be within 25% of the measured ones. What is tested is the
 simulator's scheduling, queueing and batching under Poisson load and the remote hand-off.
@@ -18,16 +18,17 @@ from typing import Any
 
 import pytest
 
-from benchmarks.profile import ServingSample, calibrate, measure_steps, step_costs
 from cluster.common.hashing import hash_block_tokens
 from cluster.common.protocol import GenerateCall
 from cluster.decode_worker.worker import DecodeWorker
 from cluster.engine.engine import LLMEngine
+from cluster.planner.calibration import ServingSample, calibrate
+from cluster.planner.measure.engine import measure_steps, step_costs
 from cluster.planner.metrics import slo_metrics, unloaded_baseline
 from cluster.planner.plan import simulate, simulate_unloaded
 from cluster.planner.profile import Profile, StepCosts, TransferCost
 from cluster.planner.simulator import ArmSpec, SimRecord
-from cluster.planner.workload import RequestClass, SLOs, Workload, poisson_offsets
+from cluster.planner.workload import RequestClass, SLOs, WorkloadMix, poisson_offsets
 from cluster.prefill_worker.worker import PrefillWorker
 from tests.helpers import fake_config, greedy
 from tests.unit.servers.test_pd_cores import InProcessPrefill
@@ -35,7 +36,7 @@ from tests.unit.servers.test_pd_cores import InProcessPrefill
 pytestmark = pytest.mark.timeout(400)
 
 PREFILL_S, DECODE_S = 0.002, 0.02
-WORK = Workload(
+WORK = WorkloadMix(
     "fake-mixed",
     (RequestClass("chat", 0.8, (40, 80), 16), RequestClass("long", 0.2, (240, 320), 8)),
 )

@@ -13,7 +13,7 @@ from cluster.engine.engine import LLMEngine
 from cluster.planner.plan import arms_for, simulate, simulate_unloaded
 from cluster.planner.profile import Profile
 from cluster.planner.simulator import ArmSpec, SimCluster
-from cluster.planner.workload import MIXED_LONG, RequestClass, WorkItem, Workload
+from cluster.planner.workload import MIXED_LONG, RequestClass, WorkItem, WorkloadMix
 from tests.helpers import fake_config, greedy
 from tests.unit.planner.synthetic import synthetic_profile
 
@@ -84,7 +84,7 @@ def test_every_remote_request_finishes_and_every_pool_ends_clean(
 
 
 def test_unloaded_ttft_is_the_hops_plus_the_profiled_prefill() -> None:
-    work = Workload("one", (RequestClass("c", 1.0, (500, 500), 8),))
+    work = WorkloadMix("one", (RequestClass("c", 1.0, (500, 500), 8),))
     items = work.items(1, 49152, seed=1)
     costs = PROFILE.costs(1)
     for arm in arms_for(2, PROFILE, 700):
@@ -99,7 +99,7 @@ def test_unloaded_ttft_is_the_hops_plus_the_profiled_prefill() -> None:
 
 
 def test_the_transfer_delays_the_second_token_and_streaming_leaves_only_the_tail() -> None:
-    work = Workload("long", (RequestClass("c", 1.0, (2048, 2048), 4),))
+    work = WorkloadMix("long", (RequestClass("c", 1.0, (2048, 2048), 4),))
     items = work.items(1, 49152, seed=1)
     gaps = {}
     for stream in (0, 1024):
@@ -142,7 +142,7 @@ def test_each_concurrent_stream_adds_its_cost_to_a_streaming_step_only() -> None
     def steps(
         name: str, stream_s: float, n: int = 4, prompt: int = 64
     ) -> tuple[list[float], list[int], list[float]]:
-        work = Workload("short", (RequestClass("c", 1.0, (prompt, prompt), 12),))
+        work = WorkloadMix("short", (RequestClass("c", 1.0, (prompt, prompt), 12),))
         items = work.items(n, 49152, seed=3)
         recs = SimCluster(arms[name], _with_stream_cost(stream_s)).run(items, [0.0] * n)
         assert all(r.ok for r in recs)

@@ -20,9 +20,10 @@ from typing import Any
 import grpc
 import pytest
 
-from benchmarks.serve_load import WorkItem, compute_metrics, run_load
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from cluster.planner.measure.load import compute_metrics, run_load
+from cluster.planner.workload import WorkItem
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""Arms side by side each get a gRPC port of their own (``serve_load.arm_ports``): the first
+"""Arms side by side each get a gRPC port of their own (``measure.deploy.arm_ports``): the first
 arm's, then the next free ones up. The first often comes from the ephemeral range, where the
 next port up may be another process's: the plan check's smoke run once failed to deploy its
 third arm on one."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import socket
 
-from benchmarks.serve_load import arm_ports
+from cluster.planner.measure.deploy import arm_ports
 from tests.helpers import make_config
 
 
