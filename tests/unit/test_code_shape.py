@@ -49,3 +49,17 @@ def test_nothing_outside_the_engine_reads_the_block_manager() -> None:
         and "block_manager" in p.read_text()
     ]
     assert not offenders, offenders
+
+
+def test_no_two_classes_share_a_name() -> None:
+    """One name per concept (STYLE.md): two classes of one name in the package, private ones
+    too, read as one thing in a traceback, a grep or a review."""
+    where: dict[str, list[str]] = {}
+    for p in sorted(ROOT.rglob("*.py")):
+        if "pb" in p.relative_to(ROOT).parts:  # generated code
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(f"{p.relative_to(ROOT)}:{node.lineno}")
+    shared = {name: places for name, places in where.items() if len(places) > 1}
+    assert not shared, shared
