@@ -87,20 +87,79 @@ def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
     return left
 
 
+def _tls_files(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A test CA and a router certificate signed by it: (ca, cert, key) PEM files."""
+    ca = cert("pdserve test CA", None, True)
+    files = {"ca": pem(*ca)[0], **dict(zip(("cert", "key"), pem(*cert("router", ca, False))))}
+    for name, data in files.items():
+        (tmp_path / f"{name}.pem").write_bytes(data)
+    return tmp_path / "ca.pem", tmp_path / "cert.pem", tmp_path / "key.pem"
+
+
+def _wait_until_up(proc: subprocess.Popen[bytes], log_path: Path) -> str:
+    """The launcher's log once it says pdserve is up (fails if it exits or takes 240 s)."""
+    deadline = time.monotonic() + 240
+    while "pdserve is up" not in log_path.read_text():
+        assert proc.poll() is None, log_path.read_text()[-3000:]
+        assert time.monotonic() < deadline, "pdserve serve did not come up"
+        time.sleep(1)
+    return log_path.read_text()
+
+
+def _check_tls_only(grpc_port: int, http_port: int, ca_file: str) -> None:
+    """Both listeners answer over TLS with the test CA and refuse plaintext."""
+    client = PDServeClient(f"localhost:{grpc_port}", tls_ca_file=ca_file)
+    plain = PDServeClient(f"localhost:{grpc_port}")
+    try:
+        assert [m.text for m in client.generate("t5 t6 t7", max_tokens=3, timeout=60)]
+        assert not plain.is_serving(timeout=5)  # no plaintext gRPC
+    finally:
+        client.close()
+        plain.close()
+    https = ssl.create_default_context(cafile=ca_file)
+    with urllib.request.urlopen(f"https://localhost:{http_port}/health", context=https) as r:
+        assert r.status == 200
+    with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
+        urllib.request.urlopen(f"http://localhost:{http_port}/health", timeout=10)
+
+
+def _check_bound_to_every_interface(pids: set[int], grpc_port: int, http_port: int) -> None:
+    bound = listening(pids)
+    on = {port: {ip for ip, p in bound if p == port} for port in (grpc_port, http_port)}
+    # gRPC takes the wildcard 0.0.0.0 for "every interface" and binds it dual-stack (::)
+    assert on in (
+        {grpc_port: {"0.0.0.0"}, http_port: {"0.0.0.0"}},
+        {grpc_port: {"::"}, http_port: {"0.0.0.0"}},
+    ), on
+
+
+def _kill_launcher_and_check_nothing_is_left(
+    proc: subprocess.Popen[bytes], tree: list[psutil.Process], ports: tuple[int, ...]
+) -> None:
+    """F13: the launcher dies without a chance to clean up; its processes and ports go too."""
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+    deadline = time.monotonic() + 10
+    while alive(tree) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    survivors = [(p.pid, p.name()) for p in alive(tree)]
+    assert not survivors, survivors
+    for port in ports:  # released (connections may linger in TIME_WAIT,
+        with socket.socket() as s:  # which a restarted server's SO_REUSEADDR binds over)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("0.0.0.0", port))
+
+
 def test_opt_in_warns_follows_router_host_serves_tls_and_a_killed_launcher_leaves_nothing(
     tmp_path: Path,
 ) -> None:
     http_port, grpc_port = free_port(), free_port()
     log_path = tmp_path / "serve.log"
-    ca = cert("pdserve test CA", None, True)
-    files = {"ca": pem(*ca)[0], **dict(zip(("cert", "key"), pem(*cert("router", ca, False))))}
-    for name, data in files.items():
-        (tmp_path / f"{name}.pem").write_bytes(data)
-    ca_file = str(tmp_path / "ca.pem")
+    ca_file, cert_file, key_file = _tls_files(tmp_path)
     args = (
         *("--allow-unauthenticated", "--set", "router.host=0.0.0.0"),
-        *("--set", f"router.tls_cert_file={tmp_path / 'cert.pem'}"),
-        *("--set", f"router.tls_key_file={tmp_path / 'key.pem'}"),
+        *("--set", f"router.tls_cert_file={cert_file}"),
+        *("--set", f"router.tls_key_file={key_file}"),
     )
     ports = ("--set", f"router.http_port={http_port}", "--set", f"router.grpc_port={grpc_port}")
     with log_path.open("w") as log:
@@ -114,47 +173,12 @@ def test_opt_in_warns_follows_router_host_serves_tls_and_a_killed_launcher_leave
         )
     tree: list[psutil.Process] = []
     try:
-        deadline = time.monotonic() + 240
-        while "pdserve is up" not in log_path.read_text():
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, "pdserve serve did not come up"
-            time.sleep(1)
-        text = log_path.read_text()
+        text = _wait_until_up(proc, log_path)
         assert "WARNING: serving on 0.0.0.0" in text and "WITHOUT authentication" in text
-        client = PDServeClient(f"localhost:{grpc_port}", tls_ca_file=ca_file)
-        plain = PDServeClient(f"localhost:{grpc_port}")
-        try:
-            assert [m.text for m in client.generate("t5 t6 t7", max_tokens=3, timeout=60)]
-            assert not plain.is_serving(timeout=5)  # no plaintext gRPC
-        finally:
-            client.close()
-            plain.close()
-        https = ssl.create_default_context(cafile=ca_file)
-        with urllib.request.urlopen(f"https://localhost:{http_port}/health", context=https) as r:
-            assert r.status == 200
-        with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
-            urllib.request.urlopen(f"http://localhost:{http_port}/health", timeout=10)
+        _check_tls_only(grpc_port, http_port, str(ca_file))
         tree = psutil.Process(proc.pid).children(recursive=True)
-        bound = listening({proc.pid, *(p.pid for p in tree)})
-        on = {port: {ip for ip, p in bound if p == port} for port in (grpc_port, http_port)}
-        # gRPC takes the wildcard 0.0.0.0 for "every interface" and binds it dual-stack (::)
-        assert on in (
-            {grpc_port: {"0.0.0.0"}, http_port: {"0.0.0.0"}},
-            {grpc_port: {"::"}, http_port: {"0.0.0.0"}},
-        ), on
-
-        # F13: the launcher dies without a chance to clean up
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-        deadline = time.monotonic() + 10
-        while alive(tree) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        survivors = [(p.pid, p.name()) for p in alive(tree)]
-        assert not survivors, survivors
-        for port in (grpc_port, http_port):  # released (connections may linger in TIME_WAIT,
-            with socket.socket() as s:  # which a restarted server's SO_REUSEADDR binds over)
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                s.bind(("0.0.0.0", port))
+        _check_bound_to_every_interface({proc.pid, *(p.pid for p in tree)}, grpc_port, http_port)
+        _kill_launcher_and_check_nothing_is_left(proc, tree, (grpc_port, http_port))
     finally:
         if proc.poll() is None:
             proc.kill()

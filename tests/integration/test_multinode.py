@@ -240,6 +240,44 @@ print(json.dumps(out))
 """
 
 
+def _oracle(config_file: Path) -> dict[str, list[int]]:
+    """Every prompt's greedy output from an offline engine of the same configuration."""
+    engine = LLMEngine(load_config(config_file))
+    for rid, p in PROMPTS.items():
+        engine.add(rid, p, greedy(MAX_TOKENS))
+    return run_until_done(engine)
+
+
+def _kill_the_decode_node_mid_stream(ray_cluster: RayCluster, stub: Any, node: str) -> None:
+    """The decode node dies with streams in flight: each ends with a status, none hangs."""
+    long_calls = [
+        stub.Generate(_request(f"inflight-{i}", PROMPTS["r3"], 400), timeout=60) for i in range(3)
+    ]
+    for call in long_calls:  # every stream has started (a first token each)
+        while not next(call).token_ids:
+            pass
+    t_kill = time.monotonic()
+    assert ray_cluster.kill(node) > 0
+    for call in long_calls:
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in call:
+                pass
+        assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
+    assert time.monotonic() - t_kill < 45, "streams on the dead node were not ended"
+
+
+def _check_integrity_once_idle(ray_cluster: RayCluster) -> None:
+    """Both pools pass their block-integrity check with no block or lease held (waiting up to
+    30 s for the last releases)."""
+    deadline = time.monotonic() + 30
+    while True:
+        state = ray_cluster.probe(INTEGRITY)
+        if all(v[1:] == [0, 0] for v in state.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert state == {"PrefillServer": ["ok", 0, 0], "DecodeServer": ["ok", 0, 0]}, state
+
+
 def test_pools_on_two_ray_nodes_exact_outputs_node_death_and_return(
     ray_cluster: RayCluster, tmp_path: Path
 ) -> None:
@@ -247,11 +285,7 @@ def test_pools_on_two_ray_nodes_exact_outputs_node_death_and_return(
     raw = _config(http_port, grpc_port)
     config_file = tmp_path / "pdserve.yaml"
     config_file.write_text(yaml.safe_dump(raw))
-    engine = LLMEngine(load_config(config_file))  # the oracle, before any cluster starts
-    for rid, p in PROMPTS.items():
-        engine.add(rid, p, greedy(MAX_TOKENS))
-    expected = run_until_done(engine)
-    del engine
+    expected = _oracle(config_file)  # before any cluster starts
 
     t0 = time.monotonic()
 
@@ -282,22 +316,7 @@ def test_pools_on_two_ray_nodes_exact_outputs_node_death_and_return(
         assert ray_cluster.replica_nodes("DecodeServer", nodes) == {"decode-a"}
         assert _generate_all(stub, "before") == expected
 
-        # The decode node dies with streams in flight: each ends with a status, none hangs.
-        long_calls = [
-            stub.Generate(_request(f"inflight-{i}", PROMPTS["r3"], 400), timeout=60)
-            for i in range(3)
-        ]
-        for call in long_calls:  # every stream has started (a first token each)
-            while not next(call).token_ids:
-                pass
-        t_kill = time.monotonic()
-        assert ray_cluster.kill("decode-a") > 0
-        for call in long_calls:
-            with pytest.raises(grpc.RpcError) as err:
-                for _ in call:
-                    pass
-            assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
-        assert time.monotonic() - t_kill < 45, "streams on the dead node were not ended"
+        _kill_the_decode_node_mid_stream(ray_cluster, stub, "decode-a")
         _wait_health(channel, "NOT_SERVING", 60, server)
         phase("decode node killed, its streams ended, NOT_SERVING")
         with pytest.raises(grpc.RpcError) as err:  # no decode node: refused, not queued forever
@@ -316,13 +335,7 @@ def test_pools_on_two_ray_nodes_exact_outputs_node_death_and_return(
         assert ray_cluster.replica_nodes("DecodeServer", nodes) == {"decode-b"}
         assert ray_cluster.replica_nodes("PrefillServer", nodes) == {"head"}
         assert _generate_all(stub, "after") == expected
-        deadline = time.monotonic() + 30
-        while True:
-            state = ray_cluster.probe(INTEGRITY)
-            if all(v[1:] == [0, 0] for v in state.values()) or time.monotonic() > deadline:
-                break
-            time.sleep(1)
-        assert state == {"PrefillServer": ["ok", 0, 0], "DecodeServer": ["ok", 0, 0]}, state
+        _check_integrity_once_idle(ray_cluster)
         phase("integrity checked")
     finally:
         channel.close()

@@ -125,6 +125,79 @@ def _policy_state() -> dict[str, Any] | None:
     return ray.get(controller.__ray_call__.remote(read), timeout=30)
 
 
+async def _scale_up_then_down(
+    handle: Any, timeline: dict[str, float]
+) -> tuple[list[Outcome], list[Outcome]]:
+    """Two long streams take the pool to two replicas; then short ones trickle on while it
+    scales back to one. Returns (the long streams, the short ones)."""
+    start = time.monotonic()
+    longs = [
+        asyncio.create_task(_stream(handle, f"long{i}", _prompt(LONG_PROMPT, i), LONG_TOKENS))
+        for i in range(2)
+    ]
+    await _wait_states(lambda s: s.get("RUNNING", 0) == 2, 60, "a second decode replica")
+    timeline["scaled_up"] = time.monotonic() - start
+    long_out = await asyncio.gather(*longs)
+    timeline["long_streams_done"] = time.monotonic() - start
+    trickle = await _trickle_through_scale_down(handle, {o.replica for o in long_out})
+    timeline["scaled_down"] = time.monotonic() - start
+    return long_out, trickle
+
+
+async def _trickle_through_scale_down(handle: Any, first: set[str]) -> list[Outcome]:
+    """Short streams from four workers until the pool is down to one replica (and a second
+    more). Ray stops the newest replica first: two workers steer to it (the pools' router
+    honours exclude_replicas while another replica is left, here the ``first`` replicas), so
+    streams are in flight on it when it is stopped; the other two go wherever the router sends
+    them."""
+    stop = asyncio.Event()
+    trickle: list[Outcome] = []
+
+    async def worker(w: int) -> None:
+        i = 0
+        avoid = tuple(first) if w < 2 else ()
+        while not stop.is_set():
+            prompt = _prompt(12, 100 + w * 50 + i)
+            trickle.append(await _stream(handle, f"t{w}-{i}", prompt, SHORT_TOKENS, avoid))
+            i += 1
+
+    workers = [asyncio.create_task(worker(w)) for w in range(4)]
+    await _wait_states(
+        lambda s: s.get("RUNNING", 0) == 1 and len(s) == 1, 60, "the scale-down to 1"
+    )
+    await asyncio.sleep(1.0)  # requests keep flowing to the remaining replica
+    stop.set()
+    await asyncio.gather(*workers)
+    return trickle
+
+
+def _check_the_policy_decided_on_kv_use() -> dict[str, Any]:
+    """The decisions are visible in the policy state Ray keeps for the deployment: up on KV
+    use (not the request count), then down. Returns the last (down) decision."""
+    state = _policy_state()
+    assert state is not None and POLICY_STATE_KEY in state, state
+    mine = state[POLICY_STATE_KEY]
+    print("policy state:", mine)
+    assert mine["scale_ups"] >= 1 and mine["scale_downs"] >= 1, mine
+    ups = [d for d in mine["history"] if d["direction"] == "up"]
+    assert ups and "kv_usage" in ups[0]["reason"], mine  # not the request count
+    down = mine["last_decision"]
+    assert down["direction"] == "down", mine
+    return down
+
+
+def _check_the_removed_replica_drained(
+    handle: Any, trickle: list[Outcome], down: dict[str, Any]
+) -> None:
+    """Streams in flight on the removed replica when the pool shrank finished (drained)."""
+    remaining = handle.stats.remote().result()["replica_id"]
+    removed = {o.replica for o in trickle} - {remaining}
+    drained = [o for o in trickle if o.replica in removed and o.start < down["time"] < o.end]
+    per = {r: sum(o.replica == r for o in trickle) for r in {o.replica for o in trickle}}
+    print(f"{len(trickle)} short requests {per}, {len(drained)} drained by {removed}")
+    assert len(removed) == 1 and drained, (removed, down, trickle)
+
+
 def test_decode_pool_scales_on_kv_use_and_drains_on_scale_down(
     serve_cluster: ServeCluster,
 ) -> None:
@@ -137,70 +210,14 @@ def test_decode_pool_scales_on_kv_use_and_drains_on_scale_down(
     )
     timeline: dict[str, float] = {"deployed": time.monotonic() - t0}
     try:
-
-        async def main() -> tuple[list[Outcome], list[Outcome]]:
-            start = time.monotonic()
-            longs = [
-                asyncio.create_task(
-                    _stream(handle, f"long{i}", _prompt(LONG_PROMPT, i), LONG_TOKENS)
-                )
-                for i in range(2)
-            ]
-            await _wait_states(lambda s: s.get("RUNNING", 0) == 2, 60, "a second decode replica")
-            timeline["scaled_up"] = time.monotonic() - start
-            long_out = await asyncio.gather(*longs)
-            timeline["long_streams_done"] = time.monotonic() - start
-
-            stop = asyncio.Event()
-            trickle: list[Outcome] = []
-
-            # Ray stops the newest replica first: two workers steer to it (the pools' router
-            # honours exclude_replicas while another replica is left), so streams are in flight
-            # on it when it is stopped; the other two go wherever the router sends them.
-            first = {o.replica for o in long_out}
-
-            async def worker(w: int) -> None:
-                i = 0
-                avoid = tuple(first) if w < 2 else ()
-                while not stop.is_set():
-                    prompt = _prompt(12, 100 + w * 50 + i)
-                    trickle.append(await _stream(handle, f"t{w}-{i}", prompt, SHORT_TOKENS, avoid))
-                    i += 1
-
-            workers = [asyncio.create_task(worker(w)) for w in range(4)]
-            await _wait_states(
-                lambda s: s.get("RUNNING", 0) == 1 and len(s) == 1, 60, "the scale-down to 1"
-            )
-            timeline["scaled_down"] = time.monotonic() - start
-            await asyncio.sleep(1.0)  # requests keep flowing to the remaining replica
-            stop.set()
-            await asyncio.gather(*workers)
-            return long_out, trickle
-
-        long_out, trickle = asyncio.run(main())
+        long_out, trickle = asyncio.run(_scale_up_then_down(handle, timeline))
         print("timeline (s):", {k: round(v, 1) for k, v in timeline.items()})
         for o in long_out:
             assert o.error is None and o.finish == "length" and o.tokens == LONG_TOKENS, o
         failed = [o for o in trickle if o.error is not None or o.tokens != SHORT_TOKENS]
         assert not failed, failed[:3]
-        # The decision is visible in the policy state Ray keeps for the deployment.
-        state = _policy_state()
-        assert state is not None and POLICY_STATE_KEY in state, state
-        mine = state[POLICY_STATE_KEY]
-        print("policy state:", mine)
-        assert mine["scale_ups"] >= 1 and mine["scale_downs"] >= 1, mine
-        ups = [d for d in mine["history"] if d["direction"] == "up"]
-        assert ups and "kv_usage" in ups[0]["reason"], mine  # not the request count
-        down = mine["last_decision"]
-        assert down["direction"] == "down", mine
-
-        # Streams in flight on the removed replica when the pool shrank finished (drained).
-        remaining = handle.stats.remote().result()["replica_id"]
-        removed = {o.replica for o in trickle} - {remaining}
-        drained = [o for o in trickle if o.replica in removed and o.start < down["time"] < o.end]
-        per = {r: sum(o.replica == r for o in trickle) for r in {o.replica for o in trickle}}
-        print(f"{len(trickle)} short requests {per}, {len(drained)} drained by {removed}")
-        assert len(removed) == 1 and drained, (removed, down, trickle)
+        down = _check_the_policy_decided_on_kv_use()
+        _check_the_removed_replica_drained(handle, trickle, down)
 
         # The remaining replica's KV blocks are intact and all free again.
         assert handle.check_integrity.remote().result() == "ok"

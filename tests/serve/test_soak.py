@@ -236,30 +236,50 @@ def soak(app: App, duration_s: float) -> None:
         time.sleep(warmup_s)
         for k in range(checkpoints + 1):
             run.pause()
-            app.assert_clean()  # 0 blocks held, no leases, integrity: at every checkpoint
-            now = time.monotonic() - t0
-            pids = replica_pids(app)
-            for name, pid in pids.items():  # every replica started with the tuned allocator
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    assert b"MALLOC_ARENA_MAX=" in f.read(), name
-            for name, (point, age) in sample(pids, now).items():
-                series.setdefault(name, []).append(point)
-                born.setdefault(name, max(0.0, now - age))
+            checkpoint(app, time.monotonic() - t0, series, born)
             if k == checkpoints:
                 break
             run.running.set()
             if k in kill_at:
-                role = kill_at[k]
-                time.sleep(period / 3)
-                victim = next(iter(app.stats(role).values()))["pid"]
-                run.kills.append(time.monotonic())
-                os.kill(victim, signal.SIGKILL)
-                wait_replicas_ready(app, role, victim, timeout=90)
-                time.sleep(max(0.0, period * 2 / 3 - (time.monotonic() - run.kills[-1])))
+                kill_one(app, run, kill_at[k], period)
             else:
                 time.sleep(period)
     finally:
         run.finish()
+    check_traffic(run, duration_s, t0)
+    # A process is judged after the warm-up the first ones had before their first judged
+    # checkpoint (the soak's warm-up plus a period).
+    check_resources(series, born, warmup_s + period)
+
+
+def checkpoint(
+    app: App, now: float, series: dict[str, list[Point]], born: dict[str, float]
+) -> None:
+    """With the traffic paused: the pools hold nothing and pass their integrity check, every
+    replica runs with the tuned allocator, and each process's point joins its series."""
+    app.assert_clean()  # 0 blocks held, no leases, integrity: at every checkpoint
+    pids = replica_pids(app)
+    for name, pid in pids.items():  # every replica started with the tuned allocator
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            assert b"MALLOC_ARENA_MAX=" in f.read(), name
+    for name, (point, age) in sample(pids, now).items():
+        series.setdefault(name, []).append(point)
+        born.setdefault(name, max(0.0, now - age))
+
+
+def kill_one(app: App, run: Soak, role: str, period: float) -> None:
+    """A third into the period, SIGKILL one replica of ``role``; the period ends once Serve has
+    replaced it (or at its end, whichever is later)."""
+    time.sleep(period / 3)
+    victim = next(iter(app.stats(role).values()))["pid"]
+    run.kills.append(time.monotonic())
+    os.kill(victim, signal.SIGKILL)
+    wait_replicas_ready(app, role, victim, timeout=90)
+    time.sleep(max(0.0, period * 2 / 3 - (time.monotonic() - run.kills[-1])))
+
+
+def check_traffic(run: Soak, duration_s: float, t0: float) -> None:
+    """>= 99.9 % of the untouched requests exact; every cancel and invalid its own status."""
     plain = run.untouched()
     failed = [r for r in plain if r[3] != "ok"]
     others = [r for r in run.log if r[2] != "plain" and r[3] != "ok"]
@@ -270,10 +290,12 @@ def soak(app: App, duration_s: float) -> None:
     assert len(plain) >= 200, "too little traffic to judge"
     assert len(failed) <= len(plain) * 0.001, failed[:5]
     assert not others, others[:5]  # every cancel CANCELLED, every invalid INVALID_ARGUMENT
-    # A process is judged after the warm-up the first ones had before their first judged
-    # checkpoint (the soak's warm-up plus a period); a slope needs 3 judged checkpoints over
-    # MIN_SLOPE_SPAN_S at least (over less, one-off start-up costs read as a slope).
-    warm_s = warmup_s + period
+
+
+def check_resources(series: dict[str, list[Point]], born: dict[str, float], warm_s: float) -> None:
+    """Per process, after ``warm_s`` of life: RSS slope < 1 MiB/min, fds and threads within
+    +-5. A slope needs 3 judged checkpoints over MIN_SLOPE_SPAN_S at least (over less, one-off
+    start-up costs read as a slope): processes with fewer are reported, not judged."""
     growing, followed = {}, 0
     for name, points in series.items():
         later = judged(points, born[name], warm_s)
