@@ -4,7 +4,7 @@ How:
   1. Arms, one process, the same torch threads: ``gguf`` (the GGUF file's own blocks, native
      kernels), ``fp32`` (the same model de-quantized, dense), ``gguf_int8kv`` (gguf weights and
      an int8 KV cache, reported, no key) and ``llamacpp`` (llama-cpp-python on the same GGUF
-     file with ``n_threads`` = ours; optional, ``pip install 'pdserve[llamacpp]'``).
+     file with ``n_threads`` = ours; optional: ``pip install -e './benchmarks[llamacpp]'``).
   2. bs1: the same short prompt, greedy, EOS ignored; decode tok/s = 1 / the median gap between
      consecutive tokens after the first (prefill left out), llama.cpp's through its token
      generator. bs32: 32 requests of 64 random prompt tokens, decode tok/s = 32 / the median
@@ -46,7 +46,7 @@ from cluster.planner.measure.engine import tiny_model_dir
 
 PROMPT = "The capital of France is"
 INSTALL_LLAMACPP = (
-    "pip install 'pdserve[llamacpp]' (llama-cpp-python; it builds llama.cpp from source, "
+    "pip install -e './benchmarks[llamacpp]' (llama-cpp-python; it builds llama.cpp from source, "
     "about 5 minutes on 2 cores; CMAKE_ARGS=-DGGML_NATIVE=ON for this CPU, see the README "
     "where the CPU reports AMX the VM does not enable)"
 )
