@@ -1,6 +1,9 @@
 """``pdserve bench <name>``: the performance benchmarks P1-P11 of BENCHMARKS.md.
 
-Each entry of ``BENCHMARKS`` names a module with ``run(ctx) -> BenchReport``.
+A distribution of its own (``pdserve-benchmarks``, not in pdserve's wheel), installed beside
+pdserve by ``make setup`` (``pip install -e ./benchmarks``). Each entry of ``BENCHMARKS`` names
+a module with ``run(ctx) -> BenchReport``. What ``pdserve profile`` and ``pdserve plan
+--validate`` measure is the product's (``cluster.planner.measure``); ``bench serve`` shares it.
 """
 
 from __future__ import annotations

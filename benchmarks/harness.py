@@ -2,6 +2,7 @@
 
 Every benchmark is a ratio of arms measured side by side in one run (BENCHMARKS.md). A
 benchmark module exposes ``run(ctx: BenchContext) -> BenchReport``; this module prints and saves.
+``ArmRun`` is what an engine benchmark records about one arm's run.
 """
 
 from __future__ import annotations

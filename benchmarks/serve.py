@@ -1,6 +1,8 @@
 """P1 ``serve``: disaggregation under load, against the running cluster over gRPC.
 
-How (BENCHMARKS.md, P1; the README's benchmarks section has the notes):
+How (BENCHMARKS.md, P1; the README's benchmarks section has the notes; the arms and their
+measuring are ``cluster.planner.measure``'s, which ``pdserve profile`` and ``plan --validate``
+use too):
   * Arms, deployed side by side as applications of one local Ray/Serve instance (each arm's
     router on its own gRPC port; an idle arm's replicas only poll): ``disagg`` (1 prefill
     + 1 decode replica, 1 torch thread each, every prefill remote), ``colocated`` (one replica

@@ -1,18 +1,19 @@
 """`pdserve bench serve --smoke` (P1) and `pdserve bench routing --smoke` (P8) run their arms end
-to end on their own local Ray (the tiny model: the figures mean nothing, the harness is checked)."""
+to end (the tiny model: the figures mean nothing, the harness is checked). They run in this
+process through the CLI, on the session's shared Ray/Serve instance: their arms are deployed
+onto it as applications and deleted after."""
 
 from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from cluster import cli
 from tests.helpers import SHORT_SHUTDOWN_SETS
-from tests.serve_fixtures import free_port
+from tests.serve_fixtures import ServeCluster, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -32,21 +33,28 @@ ARMS = {
 
 
 @pytest.mark.parametrize("name", ["serve", "routing"])
-def test_bench_smoke(tmp_path: Path, name: str) -> None:
-    out = subprocess.run(
+def test_bench_smoke(
+    serve_cluster: ServeCluster,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    name: str,
+) -> None:
+    from ray import serve
+
+    monkeypatch.chdir(tmp_path)  # bench/results lands here
+    rc = cli.main(
         [
-            *(sys.executable, "-m", "cluster.cli", "bench", name, "--smoke"),
-            *("--set", f"router.http_port={free_port()}"),
+            *("bench", name, "--smoke"),
+            # Serve's HTTP proxy is the session's (bench routing times completions through it).
+            *("--set", f"router.http_port={serve_cluster.http_port}"),
             *("--set", f"router.grpc_port={free_port()}"),
             *SHORT_SHUTDOWN_SETS,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=540,
-        cwd=tmp_path,
+        ]
     )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    last = out.stdout.strip().splitlines()[-1].split()
+    out, err = capsys.readouterr()
+    assert rc == 0, out[-3000:] + err[-3000:]
+    last = out.strip().splitlines()[-1].split()
     assert last[:2] == ["RESULT", name], last
     keys = {k: float(v) for k, v in (p.split("=", 1) for p in last[2:])}
     assert set(keys) == KEYS[name] and all(math.isfinite(v) and v >= 0 for v in keys.values())
@@ -58,3 +66,5 @@ def test_bench_smoke(tmp_path: Path, name: str) -> None:
         assert (results / "serve_latency_cdf.png").stat().st_size > 1000
     else:
         assert keys["hit_rate"] > 0  # groups stuck to a replica even on the tiny model
+    # The shared instance runs on, without the benchmark's applications.
+    assert not set(serve.status().applications) & (ARMS[name] | {"pdserve"})

@@ -1,44 +1,46 @@
-"""`pdserve plan --validate --smoke`: the planner check end to end on its own local Ray (the
-tiny model, one mix, a few requests): a profile is measured, the same seeded requests are
-simulated and sent to bench serve's three arms, and every figure is compared. The figures mean
-nothing on the tiny model; the full check (`pdserve plan --validate`) is reported in the
-README."""
+"""`pdserve plan --validate --smoke`: the planner check end to end (the tiny model, one mix, a
+few requests): a profile is measured, the same seeded requests are simulated and sent to bench
+serve's three arms, and every figure is compared. It runs in this process through the CLI, on
+the session's shared Ray/Serve instance (the arms deployed onto it as applications and deleted
+after). The figures mean nothing on the tiny model; the full check (`pdserve plan --validate`)
+is reported in the README."""
 
 from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from cluster import cli
 from tests.helpers import SHORT_SHUTDOWN_SETS
-from tests.serve_fixtures import free_port
+from tests.serve_fixtures import ServeCluster, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
-ROOT = Path(__file__).resolve().parents[2]
 
+def test_plan_validate_smoke(
+    serve_cluster: ServeCluster,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from ray import serve
 
-def test_plan_validate_smoke(tmp_path: Path) -> None:
-    out = subprocess.run(
+    monkeypatch.chdir(tmp_path)
+    rc = cli.main(
         [
-            *(sys.executable, "-m", "cluster.cli", "plan", "--validate", "--smoke"),
+            *("plan", "--validate", "--smoke"),
             *("--out", str(tmp_path / "results")),
-            *("--set", f"router.http_port={free_port()}"),
+            *("--set", f"router.http_port={serve_cluster.http_port}"),
             *("--set", f"router.grpc_port={free_port()}"),
             *SHORT_SHUTDOWN_SETS,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=560,
-        cwd=tmp_path,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
+        ]
     )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    last = out.stdout.strip().splitlines()[-1].split()
+    out, err = capsys.readouterr()
+    assert rc == 0, out[-3000:] + err[-3000:]
+    last = out.strip().splitlines()[-1].split()
     assert last[:2] == ["RESULT", "plan-check"], last
     keys = {k: float(v) for k, v in (p.split("=", 1) for p in last[2:])}
     assert set(keys) == {
@@ -93,3 +95,5 @@ def test_plan_validate_smoke(tmp_path: Path) -> None:
     # The hypervisor's share while the profile and the calibration ran (None: no /proc/stat).
     assert set(payload["steal_%"]) == {"profile", "calibration"}
     assert all(v is None or 0 <= v <= 100 for v in payload["steal_%"].values())
+    # The shared instance runs on, without the check's applications.
+    assert not set(serve.status().applications) & {"disagg", "colocated", "colocated_chunked"}
