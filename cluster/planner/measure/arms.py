@@ -120,7 +120,7 @@ def burst_items(
 
 
 @dataclass(frozen=True, slots=True)
-class Requests:
+class _Requests:
     """What ``measure`` sends: the workload's prompts at ``vocab`` and length ``scale``."""
 
     workload: WorkloadMix
@@ -129,7 +129,7 @@ class Requests:
 
 
 def _unloaded(
-    targets: dict[str, str], req: Requests, per_class: int, seed: int, runs: ArmRecords
+    targets: dict[str, str], req: _Requests, per_class: int, seed: int, runs: ArmRecords
 ) -> None:
     """One request at a time (no queueing, no batching), the arms interleaved per request."""
     items = unloaded_items(req.workload, per_class, req.vocab, req.scale, seed=seed)
@@ -142,7 +142,7 @@ def _unloaded(
 
 
 def _bursts(
-    targets: dict[str, str], req: Requests, burst: int, seed: int, runs: ArmRecords
+    targets: dict[str, str], req: _Requests, burst: int, seed: int, runs: ArmRecords
 ) -> None:
     load, offsets = burst_items(req.workload, burst, req.vocab, req.scale, seed=seed)
     for arm, target in targets.items():
@@ -153,7 +153,7 @@ def _bursts(
 
 def _loaded(
     targets: dict[str, str],
-    req: Requests,
+    req: _Requests,
     per_rate: int,
     seed: int,
     runs: ArmRecords,
@@ -208,7 +208,7 @@ def measure(
         for arm, cfg in configs.items():
             progress(f"deploying arm {arm}")
             put(arm, cfg)
-    req = Requests(workload, vocab, scale)
+    req = _Requests(workload, vocab, scale)
     warm = unloaded_items(workload, 1, vocab, scale, seed=7)
     # First calls, lazy inits: not measured (prompts used nowhere else).
     for target in targets.values():
