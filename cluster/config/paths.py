@@ -8,7 +8,9 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class PathsConfig:
-    cache_dir: str = ""  # converted models and other caches; "" -> $PDSERVE_CACHE_DIR or XDG
+    cache_dir: str = ""
+    """Where converted models and other caches live; "": ``$PDSERVE_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/pdserve`` (``~/.cache/pdserve``)."""
 
     @property
     def resolved_cache_dir(self) -> Path:

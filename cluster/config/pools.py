@@ -2,37 +2,44 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from cluster.config.scheduler import SchedulerConfig
 from cluster.config.speculative import SpeculativeConfig
-from cluster.config.validation import check, check_choice
+from cluster.config.validation import check, check_choices
 
 
 @dataclass(frozen=True)
 class RoutingConfig:
     """How a pool's Ray Serve ``RequestRouter`` picks a replica (callers of the pool run it)."""
 
-    policy: str = "cache_aware"  # cache_aware | least_loaded | round_robin (a baseline)
-    # Replicas publish their cached-block events (stored / evicted) this often.
+    CHOICES: ClassVar[Mapping[str, tuple[str, ...]]] = {
+        "policy": ("cache_aware", "least_loaded", "round_robin")
+    }
+
+    policy: str = "cache_aware"
+    """cache_aware: the lowest cost below (cached prefix, load, KV headroom); least_loaded: the
+    least outstanding work; round_robin: each replica in turn (a baseline)."""
     stats_period_s: float = 0.5
-    # Scoring, in prompt-token equivalents, lowest cost first: miss_cost_factor x the prompt
-    # tokens it has not cached (the request waits for that prefill, and the pool computes and
-    # caches a prefix again that another replica holds), + its queued prefill tokens, +
-    # queue_cost_tokens per request queued or in flight there, + (decode pool)
-    # transfer_cost_per_block per prompt block it lacks. A replica with less free KV than
-    # min_kv_headroom is only picked when no other one can take the request.
+    """Replicas publish their prefix-cache snapshot and load this often."""
     miss_cost_factor: float = 2.0
+    """A candidate's cost, in prompt-token equivalents, counts each prompt token it has not
+    cached this many times (the request waits for that prefill, and the pool computes and caches
+    a prefix another replica may hold), plus its queued prefill tokens."""
     queue_cost_tokens: float = 256.0
+    """Cost added per request queued or in flight at the candidate."""
     transfer_cost_per_block: float = 0.5
+    """Decode pool: cost added per prompt block the candidate lacks (bytes that would move)."""
     min_kv_headroom: float = 0.05
-    # The index forgets a replica's blocks it has not confirmed within this long.
+    """A replica with less free KV than this share is only picked when no other can take the
+    request."""
     index_ttl_s: float = 30.0
+    """The index forgets a replica's blocks it has not confirmed within this long."""
 
     def _validate(self, name: str) -> None:
-        check_choice(
-            self.policy, f"{name}.routing.policy", ("cache_aware", "least_loaded", "round_robin")
-        )
+        check_choices(self, f"{name}.routing")
         check(self.stats_period_s > 0, f"{name}.routing.stats_period_s", "must be > 0")
         check(self.miss_cost_factor >= 1, f"{name}.routing.miss_cost_factor", "must be >= 1")
         check(self.queue_cost_tokens >= 0, f"{name}.routing.queue_cost_tokens", "must be >= 0")
@@ -55,25 +62,38 @@ class PoolScalingConfig:
     """
 
     enabled: bool = False
+    """Autoscale this pool; off: ``num_replicas`` fixed replicas."""
     min_replicas: int = 1
+    """The fewest replicas the policy keeps."""
     max_replicas: int = 4
-    initial_replicas: int | None = None  # None: min_replicas
-    metrics_interval_s: float = 10.0  # how often replicas report their signals
-    look_back_period_s: float = 30.0  # the window the signals are averaged over
-    upscale_delay_s: float = 30.0  # pressure must last this long before a scale-up
-    downscale_delay_s: float = 300.0  # calm must last this long before a scale-down
-    upscale_smoothing_factor: float = 1.0  # multiplies each step's change (<1: cautious)
+    """The most replicas the policy asks for."""
+    initial_replicas: int | None = None
+    """Replicas at deployment; null: ``min_replicas``."""
+    metrics_interval_s: float = 10.0
+    """How often replicas report their signals."""
+    look_back_period_s: float = 30.0
+    """The window the signals are averaged over."""
+    upscale_delay_s: float = 30.0
+    """Pressure must last this long before a scale-up."""
+    downscale_delay_s: float = 300.0
+    """Calm must last this long before a scale-down."""
+    upscale_smoothing_factor: float = 1.0
+    """Multiplies each scale-up step's change (< 1: cautious)."""
     downscale_smoothing_factor: float = 0.5
-    # Hysteresis: scale up when a signal exceeds its target, down only when every signal is
-    # below scale_down_ratio x its target for the whole delay.
+    """Multiplies each scale-down step's change."""
     scale_down_ratio: float = 0.6
-    # prefill signals
+    """Hysteresis: scale up when a signal exceeds its target, down only when every signal stays
+    below this share of its target for the whole delay."""
     ttft_slo_ms: float = 2000.0
-    target_queued_prefill_tokens: int = 8192  # per replica
-    # decode signals
+    """Prefill signal: the recent TTFT target."""
+    target_queued_prefill_tokens: int = 8192
+    """Prefill signal: queued prompt tokens per replica."""
     tpot_slo_ms: float = 200.0
-    target_kv_usage: float = 0.75  # fraction of a replica's KV blocks in use
-    target_running_fraction: float = 0.75  # running sequences / max_num_seqs per replica
+    """Decode signal: the recent TPOT target."""
+    target_kv_usage: float = 0.75
+    """Decode signal: the share of a replica's KV blocks in use."""
+    target_running_fraction: float = 0.75
+    """Decode signal: running sequences / ``max_num_seqs`` per replica."""
 
     def _validate(self, name: str) -> None:
         n = f"{name}.autoscaling"
@@ -113,28 +133,47 @@ class PoolScalingConfig:
 class PoolConfig:
     """One pool (prefill or decode): its replicas and the Ray Serve settings that matter."""
 
+    CHOICES: ClassVar[Mapping[str, tuple[str, ...]]] = {"cpu_binding": ("auto", "on", "off")}
+
     num_replicas: int = 1
-    num_cpus: float = 0.5  # Ray logical CPUs per replica (fractional: 2-core machines)
-    num_gpus: float = 0.0  # GPUs per replica (Ray resource)
-    num_threads: int | None = None  # torch threads per replica; None: model.num_threads
-    # on: each replica binds its process to num_threads cores no other pdserve replica on the
-    # node holds (unbound when too few are free); off: never. auto: on where pdserve started
-    # Ray itself (``pdserve serve`` without --address), off on a cluster it joined.
+    """Replicas of the pool (when autoscaling is off); 0 in the prefill pool: colocated."""
+    num_cpus: float = 0.5
+    """Ray logical CPUs per replica (fractional: 2-core machines)."""
+    num_gpus: float = 0.0
+    """GPUs per replica (a Ray resource)."""
+    num_threads: int | None = None
+    """Torch threads per replica; null: ``model.num_threads``."""
     cpu_binding: str = "auto"
-    scheduler: SchedulerConfig | None = None  # this pool's batching; None: the scheduler section
-    max_ongoing_requests: int | None = None  # None: sized to the batch (max_num_seqs + leases)
-    max_queued_requests: int = 64  # beyond this, callers get RESOURCE_EXHAUSTED / 429 at once
-    graceful_shutdown_timeout_s: float = 60.0  # must exceed the KV lease plus drain time
-    # How often a replica going away checks that its calls have finished, after waiting this
-    # long once so that callers stop picking it (Serve's default: 2 s).
+    """on: each replica binds its process to ``num_threads`` cores no other pdserve replica on
+    the node holds (unbound when too few are free); off: never. auto: on where pdserve started
+    Ray itself (``pdserve serve`` without ``--address``), off on a cluster it joined."""
+    scheduler: SchedulerConfig | None = None
+    """This pool's batching, with the keys of the ``scheduler`` section; null: that section."""
+    max_ongoing_requests: int | None = None
+    """Calls a replica takes at once; null: sized to the batch (max_num_seqs + leases)."""
+    max_queued_requests: int = 64
+    """Calls a caller queues for the pool (Serve's ``max_queued_requests``); beyond it, callers
+    get RESOURCE_EXHAUSTED / 429 at once."""
+    graceful_shutdown_timeout_s: float = 60.0
+    """A replica going away lets its streams (leased KV included) finish for this long; must
+    exceed ``transfer.lease_s``."""
     graceful_shutdown_wait_loop_s: float = 2.0
+    """How often a replica going away checks that its calls have finished, after waiting this
+    long once so that callers stop picking it (Serve's default: 2 s)."""
     health_check_period_s: float = 5.0
+    """Ray Serve's liveness check of each replica (engine thread and KV side alive), this
+    often."""
     health_check_timeout_s: float = 30.0
-    resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources (multi-node)
+    """A liveness check unanswered this long fails the replica."""
+    resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources per replica (multi-node: pins the pool to its nodes)."""
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    """How callers of the pool pick one of its replicas."""
     autoscaling: PoolScalingConfig = field(default_factory=PoolScalingConfig)
+    """The pool's autoscaling policy on Ray Serve's autoscaler."""
 
     def _validate(self, name: str) -> None:
+        check_choices(self, name)
         self.routing._validate(name)
         self.autoscaling._validate(name)
         check(self.num_replicas >= 0, f"{name}.num_replicas", "must be >= 0")
@@ -142,7 +181,6 @@ class PoolConfig:
         check(self.num_gpus >= 0, f"{name}.num_gpus", "must be >= 0")
         if self.num_threads is not None:
             check(self.num_threads >= 1, f"{name}.num_threads", "must be >= 1")
-        check_choice(self.cpu_binding, f"{name}.cpu_binding", ("auto", "on", "off"))
         if self.max_ongoing_requests is not None:
             check(self.max_ongoing_requests >= 1, f"{name}.max_ongoing_requests", "must be >= 1")
         check(self.max_queued_requests >= 0, f"{name}.max_queued_requests", "must be >= 0")
@@ -167,11 +205,11 @@ class PrefillPoolConfig(PoolConfig):
 
 @dataclass(frozen=True)
 class DecodePoolConfig(PoolConfig):
-    # A request whose uncached prompt part is at most this many tokens is prefilled locally on
-    # its decode replica (no transfer); longer ones go to the prefill pool. 0: always remote.
     local_prefill_threshold: int = 64
-    # Speculative decoding (prompt-lookup drafts verified exactly); off by default.
+    """A request whose uncached prompt part is at most this many tokens is prefilled on its
+    decode replica (no transfer); longer ones go to the prefill pool. 0: always remote."""
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    """Speculative decoding (drafts verified exactly); off by default."""
 
     def __post_init__(self) -> None:
         self._validate("decode")

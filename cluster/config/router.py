@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import ClassVar
 
-from cluster.config.validation import check
+from cluster.config.validation import check, check_choices
 
 POOL_CALL_TRANSPORTS = ("grpc", "object_ref")
 
@@ -13,54 +15,75 @@ POOL_CALL_TRANSPORTS = ("grpc", "object_ref")
 class RouterConfig:
     """The public edge: Ray Serve ingress, gRPC and OpenAI-compatible HTTP."""
 
-    host: str = "127.0.0.1"  # public listeners; 0.0.0.0 only when configured (Kubernetes)
+    CHOICES: ClassVar[Mapping[str, tuple[str, ...]]] = {"pool_call_transport": POOL_CALL_TRANSPORTS}
+
+    host: str = "127.0.0.1"
+    """The public listeners' address (HTTP and gRPC); 0.0.0.0 only when configured
+    (Kubernetes). gRPC binds 0.0.0.0 dual-stack, as ``[::]``."""
     http_port: int = 8000
-    grpc_port: int = 9000  # each router replica's own gRPC server (SO_REUSEPORT on one node)
-    # A host that is not loopback without API keys is refused unless this is set (a warning).
+    """OpenAI-compatible HTTP, through Ray Serve's proxy."""
+    grpc_port: int = 9000
+    """gRPC: each router replica's own server (SO_REUSEPORT on one node)."""
     allow_unauthenticated: bool = False
+    """A ``host`` that is not loopback without API keys is refused unless this is set (then a
+    warning is printed)."""
     num_replicas: int = 1
+    """Router replicas."""
     num_cpus: float = 0.25
-    # Custom Ray resources per replica (multi-node: pin the replicas, whose gRPC servers the
-    # clients dial, to the nodes a Service or load balancer points at).
+    """Ray logical CPUs per router replica."""
     resources: dict[str, float] = field(default_factory=dict)
-    # Requests in flight at one router replica (both APIs); beyond: RESOURCE_EXHAUSTED / HTTP
-    # 429 at once, before any parsing. None: what the decode pool can hold (its replicas x
-    # their max_ongoing_requests, shared by the router replicas, + its max_queued_requests).
+    """Custom Ray resources per replica (multi-node: pin the replicas, whose gRPC servers the
+    clients dial, to the nodes a Service or load balancer points at)."""
     max_ongoing_requests: int | None = None
-    max_queued_requests: int = 256  # HTTP requests Serve's proxy queues for a router replica
-    max_streams_per_connection: int = 100  # gRPC calls open at once on one client connection
-    graceful_shutdown_timeout_s: float = 20.0  # a router replica going away lets calls finish
-    # How often a replica going away checks that its calls have finished; it waits this long
-    # once before the first check, so the proxies stop sending to it (Serve's default: 2 s).
+    """Requests in flight at one router replica (both APIs); beyond: RESOURCE_EXHAUSTED / HTTP
+    429 at once, before any parsing. null: what the decode pool can hold (its replicas x their
+    ``max_ongoing_requests``, shared by the router replicas, + its ``max_queued_requests``)."""
+    max_queued_requests: int = 256
+    """HTTP requests Serve's proxy queues for a router replica."""
+    max_streams_per_connection: int = 100
+    """gRPC calls open at once on one client connection."""
+    graceful_shutdown_timeout_s: float = 20.0
+    """A router replica going away lets its calls finish for this long."""
     graceful_shutdown_wait_loop_s: float = 2.0
-    # Health says SERVING once the pools answer a readiness probe, sent this often.
+    """How often a replica going away checks that its calls have finished; it waits this long
+    once before the first check, so the proxies stop sending to it (Serve's default: 2 s)."""
     readiness_period_s: float = 0.5
-    request_timeout_s: float = 600.0  # default deadline of a request that brings none
-    max_request_bytes: int = 4 << 20  # gRPC message and HTTP body limit
-    # Structured output: a JSON Schema longer than this (its JSON text) is refused (400).
+    """Health says SERVING once the pools answer a readiness probe, sent this often."""
+    request_timeout_s: float = 600.0
+    """The deadline of a request that brings none."""
+    max_request_bytes: int = 4 << 20
+    """The gRPC message and HTTP body limit."""
     max_json_schema_bytes: int = 64 << 10
-    retries: int = 3  # attempts before the first token reaches the client (never after)
-    assignment_timeout_s: float = 10.0  # a pool with no healthy replica answers UNAVAILABLE
-    # A pool stream silent this long (a hung or SIGSTOPped replica: no token, no keepalive,
-    # which replicas send every quarter of it) ends UNAVAILABLE: retried before the first token,
-    # ABORTED after. Also every pool call's bound, decode -> prefill included.
+    """Structured output: a JSON Schema longer than this (its JSON text) is refused (400)."""
+    retries: int = 3
+    """Attempts on another replica before the first token reaches the client (never after)."""
+    assignment_timeout_s: float = 10.0
+    """A pool call no replica accepts within this long ends UNAVAILABLE (not retried)."""
     stall_timeout_s: float = 10.0
-    # How the router calls the decode pool, and a decode replica the prefill pool: "grpc" is
-    # Serve's channel between replicas (each chunk a gRPC message; the caller spent 0.37 ms of
-    # CPU per chunk against 0.59 ms for "object_ref"), "object_ref" is Ray's actor calls, an
-    # object reference per chunk.
+    """A pool stream silent this long (a hung or stopped replica: no token, no keepalive, which
+    replicas send every quarter of it) ends UNAVAILABLE: retried before the first token, ABORTED
+    after. Also every pool call's bound, decode -> prefill included."""
     pool_call_transport: str = "grpc"
-    # Empty: $PDSERVE_API_KEYS (comma list), read by the router at start; neither: no auth.
+    """How the router calls the decode pool, and a decode replica the prefill pool: grpc is
+    Serve's channel between replicas (a gRPC message per chunk), object_ref is Ray's actor calls
+    (an object reference per chunk)."""
     api_keys: tuple[str, ...] = ()
-    api_keys_file: str = ""  # one key per line, added to the keys above
-    model_name: str = ""  # the OpenAI `model` name; "" -> the model directory's name
-    # TLS on the public listeners (PEM files): both or neither; a client CA makes the gRPC
-    # listener require client certificates (mTLS; HTTP clients are not asked for one).
+    """Bearer keys (>= 8 characters); empty: ``$PDSERVE_API_KEYS`` (comma-separated), read by the
+    router at start; neither (nor a file): no authentication."""
+    api_keys_file: str = ""
+    """A file of keys, one per line, added to the keys above."""
+    model_name: str = ""
+    """The OpenAI ``model`` name; "": the model directory's name."""
     tls_cert_file: str = ""
+    """PEM certificate: TLS on the gRPC listeners and HTTPS on Serve's proxy (with the key)."""
     tls_key_file: str = ""
+    """PEM private key of ``tls_cert_file``: both or neither."""
     tls_client_ca_file: str = ""
+    """PEM CA: the gRPC listener then requires client certificates it signed (mTLS; HTTP
+    clients are not asked for one)."""
 
     def __post_init__(self) -> None:
+        check_choices(self, "router")
         for name in ("http_port", "grpc_port"):
             check(0 < getattr(self, name) < 65536, f"router.{name}", "must be a TCP port")
         check(self.http_port != self.grpc_port, "router.grpc_port", "must differ from http_port")
@@ -75,11 +98,6 @@ class RouterConfig:
         check(self.retries >= 0, "router.retries", "must be >= 0")
         check(self.assignment_timeout_s > 0, "router.assignment_timeout_s", "must be > 0")
         check(self.stall_timeout_s > 0, "router.stall_timeout_s", "must be > 0")
-        check(
-            self.pool_call_transport in POOL_CALL_TRANSPORTS,
-            "router.pool_call_transport",
-            f"must be one of {', '.join(POOL_CALL_TRANSPORTS)}",
-        )
         streams = self.max_streams_per_connection
         check(streams >= 1, "router.max_streams_per_connection", "must be >= 1")
         check(

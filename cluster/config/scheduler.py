@@ -9,9 +9,13 @@ from cluster.config.validation import check
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64  # sequences in one step's batch
-    max_num_batched_tokens: int = 2048  # tokens (prefill chunks + decodes) in one step
-    chunk_size: int | None = 256  # prefill tokens per request per step; None: no chunking
+    max_num_seqs: int = 64
+    """Sequences in one step's batch, at most."""
+    max_num_batched_tokens: int = 2048
+    """Tokens (prefill chunks + decode tokens) in one step, at most."""
+    chunk_size: int | None = 256
+    """Prefill tokens per request per step (chunked prefill shares steps with running decodes);
+    null: no chunking, a prompt prefills in one step."""
 
     def __post_init__(self) -> None:
         check(self.max_num_seqs >= 1, "scheduler.max_num_seqs", "must be >= 1")

@@ -17,9 +17,11 @@ most ``max_num_draft_tokens`` in all, the likeliest first, and none with more th
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
-from cluster.config.validation import check, check_choice
+from cluster.config.validation import check, check_choices
 
 # The proposer registry's names (cluster.engine.spec.PROPOSERS), plus "none".
 SPECULATIVE_METHODS = ("none", "ngram")
@@ -27,28 +29,38 @@ SPECULATIVE_METHODS = ("none", "ngram")
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str = "none"  # none | ngram
-    num_speculative_tokens: int = 8  # k: draft tokens verified per request per step, at most
-    min_ngram: int = 2  # the shortest suffix a lookup may match
-    max_ngram: int = 8  # the longest suffix tried (longer matches are preferred and surer)
-    max_batch_size: int = 16  # no drafts in a step with more decoding requests than this
-    # Draft tokens per step across the batch, the likeliest first: 24 keeps 8 decoding requests
-    # (8 + 24 rows) within the CPU rows kernel's 32 (more rows cost much more per row).
+    CHOICES: ClassVar[Mapping[str, tuple[str, ...]]] = {"method": SPECULATIVE_METHODS}
+
+    method: str = "none"
+    """The draft proposer (registry ``cluster.engine.spec.PROPOSERS``): ngram is prompt lookup;
+    none: no speculation."""
+    num_speculative_tokens: int = 8
+    """k: draft tokens verified per request per step, at most."""
+    min_ngram: int = 2
+    """The shortest suffix a lookup may match."""
+    max_ngram: int = 8
+    """The longest suffix tried (longer matches are preferred and surer)."""
+    max_batch_size: int = 16
+    """No drafts in a step with more decoding requests than this."""
     max_num_draft_tokens: int = 24
-    # One more row in a step costs this share of a one-row decode step (CPU fp32 with the rows
-    # kernel: ~0.1); with it the engine drafts only what it expects to pay (speculator.py).
+    """Draft tokens per step across the batch, the likeliest first: 24 keeps 8 decoding requests
+    (8 + 24 rows) within the CPU rows kernel's 32 rows."""
     draft_row_cost: float = 0.1
-    # Measure the row cost on the engine's own decode steps (draft_row_cost is then the prior,
-    # used until the steps span two row counts); false: draft_row_cost as it is.
+    """One more row in a step as a share of a one-row decode step (the prior while measuring);
+    the engine drafts only what it expects to pay for."""
     measure_row_cost: bool = True
-    min_acceptance_rate: float = 0.05  # a per-draft acceptance under this never drafts
-    max_pause_steps: int = 64  # a paused request drafts again after at most this many steps
-    # Structured output: the tokens a request's grammar forces next are proposed as drafts
-    # (verified, so exact), whatever the method; at most num_speculative_tokens a request.
+    """Measure the row cost on the engine's own decode steps (``draft_row_cost`` is the prior
+    until the steps span two row counts); false: ``draft_row_cost`` as it is."""
+    min_acceptance_rate: float = 0.05
+    """A request whose expected per-draft acceptance is under this never drafts (only probes)."""
+    max_pause_steps: int = 64
+    """A paused request drafts again (a probe) after at most this many steps."""
     grammar_drafts: bool = True
+    """Structured output: the tokens a request's grammar forces next are proposed as drafts
+    (verified, so exact), whatever the method; at most ``num_speculative_tokens`` a request."""
 
     def _validate(self, name: str) -> None:
-        check_choice(self.method, f"{name}.method", SPECULATIVE_METHODS)
+        check_choices(self, name)
         check(
             1 <= self.num_speculative_tokens <= 64,
             f"{name}.num_speculative_tokens",

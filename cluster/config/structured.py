@@ -20,10 +20,12 @@ from cluster.config.validation import check
 @dataclass(frozen=True)
 class StructuredConfig:
     close_at_budget: bool = True
-    # The window, in tokens, in which the closing is checked (each step, one greedy closing per
-    # constrained request whose sampled token leaves the closing's path; none before it), and
-    # the longest closing searched for there; at least the schema's shortest document.
+    """Near the end of its budget a constrained request's document is closed by the grammar
+    (valid JSON, finish reason ``length``) instead of being cut mid-document."""
     max_closing_tokens: int = 64
+    """The window, in tokens, in which the closing is checked (each step, one greedy closing per
+    constrained request whose sampled token leaves the closing's path; none before it), and the
+    longest closing searched for there; at least the schema's shortest document."""
 
     def __post_init__(self) -> None:
         check(

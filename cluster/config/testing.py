@@ -16,17 +16,27 @@ class FakeModelConfig:
     """The deterministic stand-in model of the ``fake`` runner (orchestration and fault tests)."""
 
     vocab_size: int = 512
+    """Token ids of the fake model."""
     num_layers: int = 2
+    """Layers of its KV cache."""
     num_kv_heads: int = 2
+    """KV heads per layer."""
     head_dim: int = 16
-    context_window: int = 4  # next token = f(the KV of the last context_window positions)
+    """Values per head."""
+    context_window: int = 4
+    """Next token = f(the KV read back from the last ``context_window`` positions), so missing or
+    corrupt KV changes the output."""
     prefill_delay_per_token_s: float = 0.0
-    decode_delay_s: float = 0.0  # per step with at least one decode
-    load_delay_s: float = 0.0  # once, when the runner is built: a real model's load time
+    """Emulated prefill compute per prompt token."""
+    decode_delay_s: float = 0.0
+    """Emulated compute of a step with at least one decode."""
+    load_delay_s: float = 0.0
+    """Once, when the runner is built: a real model's load time."""
     eos_token_id: int = 0
-    # Ids 1..127 read as their ASCII character (the rest as `` t<id>``), so the fake model can
-    # spell grammar-constrained output (JSON) for structured-output tests.
+    """The end-of-sequence id."""
     ascii_tokens: bool = False
+    """Ids 1..127 read as their ASCII character (the rest as `` t<id>``), so the fake model can
+    spell grammar-constrained output (JSON) in structured-output tests."""
 
     def __post_init__(self) -> None:
         check(self.vocab_size >= 16, "testing.fake_model.vocab_size", "must be >= 16")
@@ -43,11 +53,15 @@ class FakeModelConfig:
 
 @dataclass(frozen=True)
 class TestingConfig:
-    enabled: bool = False  # test mode: the only way to turn on the two hooks below
-    # `<name>[:n][=action]`: act the n-th time (default 1st) a worker reaches the named point.
+    enabled: bool = False
+    """Test mode: the only way to turn on the two hooks below."""
     fault_points: tuple[str, ...] = ()
-    force_preempt_interval: int = 0  # preempt the newest running request every N steps (0: off)
+    """``<name>[:n][=action]``: act (kill, raise, hang, pause) the n-th time (default: the 1st) a
+    worker reaches the named point."""
+    force_preempt_interval: int = 0
+    """Preempt the newest running request every N steps (0: off)."""
     fake_model: FakeModelConfig = field(default_factory=FakeModelConfig)
+    """The ``fake`` runner's model (``model.runner: fake``)."""
 
     def __post_init__(self) -> None:
         check(self.force_preempt_interval >= 0, "testing.force_preempt_interval", "must be >= 0")

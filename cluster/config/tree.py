@@ -22,15 +22,27 @@ from cluster.config.validation import check
 @dataclass(frozen=True)
 class ClusterConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
+    """Which model runs, on what, in which weight format."""
     cache: CacheConfig = field(default_factory=CacheConfig)
+    """The paged KV cache of each engine: block size, budget, dtype, prefix caching."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """The batch one engine step may build (a pool may override it: ``prefill.scheduler``,
+    ``decode.scheduler``)."""
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    """How KV blocks move from a prefill pool to a decode pool: transports, leases, auth."""
     router: RouterConfig = field(default_factory=RouterConfig)
+    """The public edge: listeners, limits, retries, API keys, TLS."""
     prefill: PrefillPoolConfig = field(default_factory=PrefillPoolConfig)
+    """The prefill pool: replicas, Ray resources, routing, autoscaling."""
     decode: DecodePoolConfig = field(default_factory=DecodePoolConfig)
+    """The decode pool: as ``prefill``, plus the local-prefill threshold and speculative
+    decoding."""
     structured: StructuredConfig = field(default_factory=StructuredConfig)
+    """Grammar-constrained decoding (JSON Schema) in the pools' engines."""
     paths: PathsConfig = field(default_factory=PathsConfig)
+    """Where pdserve keeps what it converts and caches."""
     testing: TestingConfig = field(default_factory=TestingConfig)
+    """Test mode: fault points, forced preemption, the fake runner's model."""
 
     def __post_init__(self) -> None:
         sched, model = self.scheduler, self.model
