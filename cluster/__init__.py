@@ -14,16 +14,15 @@ from typing import TYPE_CHECKING, Any
 def _short_openmp_spin() -> None:
     """Idle OpenMP threads sleep after about a millisecond instead of spinning for ~20.
 
-    torch's OpenMP (libgomp) threads spin after every parallel region (300,000 pauses by default,
-    about 20 ms on a recent Xeon) and so hold every core the runtime has between one small torch
-    op and the next. The native kernels' own threads then wait for a core: a batch-1 decode step
-    on 2 cores took 15-18 ms instead of 10. Set before torch loads (its OpenMP reads the
-    environment once); a process that already imported torch, or set its own OpenMP wait policy,
-    keeps what it has.
+    torch's OpenMP (libgomp) threads spin after every parallel region (300,000 pauses by default)
+    and so hold every core the runtime has between one small torch op and the next, while the
+    native kernels' own threads wait for a core (the docs' design decisions have the cost). Set
+    before torch loads (its OpenMP reads the environment once); a process that already imported
+    torch, or set its own OpenMP wait policy, keeps what it has.
     """
     if "torch" in sys.modules:
         if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-            # measured: a batch-1 decode step of the default model on 2 cores, 12.3 ms against 8.0
+            # say so: its spinning threads slow every decode step of this process
             import logging
 
             logging.getLogger(__name__).warning(

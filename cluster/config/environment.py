@@ -108,15 +108,11 @@ def _read_keys_file(path: str) -> tuple[str, ...]:
 
 
 # glibc malloc in the long-lived replicas (tens of threads each: Ray, gRPC, KV receivers). With
-# glibc's defaults (an arena per thread, up to 8 x cores, and a mmap threshold that rises after
-# every large free) a router replica's heap kept growing ~2-3 MiB/min under steady traffic while
-# the bytes in use stayed flat: freed chunks scattered over many arenas, never returned (soak,
-# RELIABILITY L2). Two arenas everywhere; the router (torch-free) also gets a fixed mmap
-# threshold (large buffers go straight to mmap and back), which holds its heap flat. The pools
-# keep glibc's rising threshold: fixed at 128 KiB, every activation of a prefill (MiBs, a few per
-# layer) was a fresh mmap, page-faulted and unmapped again, and a 1,024-token prefill of the
-# default model took 1.6x as long on 1 torch thread and 3.1x on 2 (the faults serialize the
-# threads). Only glibc reads these; an allocator preloaded instead ignores them.
+# glibc's defaults (an arena per thread, a mmap threshold that rises after every large free) a
+# router's heap grows while the bytes in use stay flat. Two arenas everywhere; the router also
+# gets a fixed mmap threshold. The pools keep the rising one: fixed, every prefill activation is
+# a fresh mmap, page-faulted inside the step. The docs' design decisions have the measurements.
+# Only glibc reads these; an allocator preloaded instead ignores them.
 POOL_ALLOCATOR_ENV = {"MALLOC_ARENA_MAX": "2"}
 ROUTER_ALLOCATOR_ENV = {**POOL_ALLOCATOR_ENV, "MALLOC_MMAP_THRESHOLD_": "131072"}
 

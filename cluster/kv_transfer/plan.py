@@ -19,12 +19,9 @@ from cluster.kv_transfer.protocol import KVTransferError, KVTransferParams, Reas
 MIN_FRAME_BYTES = 1 << 16
 # A transfer of at least PIPELINE_FRAMES * PIPELINE_MIN_FRAME_BYTES goes in at least
 # PIPELINE_FRAMES frames, so the receiver copies one frame into its blocks while the next is
-# still on the wire. A frame costs about 0.2 ms of its own on 2 cores (its header, a tracked
-# zero-copy send, a wake-up of the receiver's thread, whose copy then competes with both zmq
-# I/O threads for the cores), so a frame must carry a few MiB before splitting pays. Measured
-# on 2 cores, zmq ipc, 512 tokens of the default layout, interleaved pulls: int8 KV (6.3 MB)
-# in 4 frames of 1.6 MB was 4-7% slower than in one frame; fp32 (23.6 MB) in 4 frames of
-# 5.9 MB as fast as in 3 of 8 MiB (within 3%), and 1 frame -> 4 was 13.4 -> 12.9 ms.
+# still on the wire. A frame has a cost of its own (its header, a tracked zero-copy send, a
+# wake-up of the receiver's thread), so it must carry a few MiB before splitting pays (the
+# docs' design decisions, "KV frame sizes", have the measurements).
 PIPELINE_FRAMES = 4
 PIPELINE_MIN_FRAME_BYTES = 4 << 20
 MAX_FRAMES = 1 << 14

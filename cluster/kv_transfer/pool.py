@@ -36,10 +36,8 @@ def _prefault(region: mmap.mmap) -> None:
 
     A memfd's pages are allocated on first write; left to the engine, that write is the KV of
     a prompt, and each of its blocks (180 pages at the default layout) page-faults inside the
-    step. Measured on 2 cores, default model, 100-token prompts on fresh blocks, one process,
-    interleaved: 209 ms a prefill into a private pool, 241 ms into an untouched memfd, 205 ms
-    into a prefaulted one. A private pool is written at allocation too (``torch.zeros``), so
-    this costs no memory the other does not.
+    step (the docs' design decisions have the cost). A private pool is written at allocation
+    too (``torch.zeros``), so this costs no memory the other does not.
     """
     np.frombuffer(region, dtype=np.uint8)[:: mmap.PAGESIZE] = 0
 

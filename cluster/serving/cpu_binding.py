@@ -3,14 +3,9 @@
 Why: a pull of KV blocks crosses threads inside each process (the caller, the receiver's or
 sender's I/O thread, zmq's I/O thread) and each hand-off wakes a thread. Left to the scheduler,
 the threads of both pools spread over every core and most wake-ups cross cores; on a virtual
-machine that is an inter-processor interrupt each. Measured with P4 on 2 cores (2026-12-05, three
-full runs each way, 512 tokens over zmq ipc): the two sides bound to a core each pulled int8 KV
-in 2.62-2.66 ms against 3.02-3.17 unbound, fp32 in 8.2-8.7 ms against 7.9-8.4, and a 32-token
-pull's overhead over the raw transport fell by a third (``zmq_ipc_vs_raw_32`` 0.76-0.78 against
-0.60-0.62). A pull of scattered blocks over zmq ipc, one message per block, got slower
-(12.8-13.5 ms against 8.9-9.4): its per-message work now shares one core per side (the zmq
-transport now sends such a pull in a few messages). The same pulls over tcp and shm did not
-slow.
+machine that is an inter-processor interrupt each. Bound, small pulls get cheaper and scattered
+ones over zmq ipc dearer (their per-message work shares one core per side, which is why the zmq
+transport groups their frames); the measurements are in the docs (design decisions).
 
 How (``cpu_binding: on``, which ``pdserve serve`` turns on in a Ray of its own):
 

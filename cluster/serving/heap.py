@@ -2,14 +2,13 @@
 
 A pool replica (or the router) holds a few hundred thousand objects from start-up (torch,
 transformers, Ray, the model's modules) that live as long as the process. CPython's full
-(generation 2) collection walks all of them, holding the GIL: measured here, 148 ms with the
-default model loaded and Ray imported. In a replica each such pause stalls the engine thread
-and every stream at once (a replica logged 1 to 6 of them, 27 to 226 ms each, in a 40-second
-load run). ``freeze_startup_heap`` collects once, then moves every object alive to the
-permanent generation (``gc.freeze``): later full collections walk only what was made since
-(the same collection then takes well under 1 ms). Objects allocated afterwards are collected
-as before; a start-up object that later becomes cyclic garbage stays (none is expected: the
-collection just before the freeze takes what start-up left behind).
+(generation 2) collection walks all of them, holding the GIL, and in a replica each such
+pause stalls the engine thread and every stream at once (the docs' design decisions have the
+figures). ``freeze_startup_heap`` collects once, then moves every object alive to the
+permanent generation (``gc.freeze``): later full collections walk only what was made since.
+Objects allocated afterwards are collected as before; a start-up object that later becomes
+cyclic garbage stays (none is expected: the collection just before the freeze takes what
+start-up left behind).
 """
 
 from __future__ import annotations

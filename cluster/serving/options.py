@@ -93,8 +93,7 @@ def deployment_options(config: ClusterConfig) -> dict[str, dict[str, Any]]:
 
 def _runtime_env(role: str) -> dict[str, Any]:
     """A replica's process environment: glibc's allocator tuned for long-lived, many-threaded
-    servers, per role (``config.environment.replica_allocator_env``; without it the soak's RSS
-    crept; with the router's fixed mmap threshold in the pools, prefill ran 1.6-3x slower)."""
+    servers, per role (``config.environment.replica_allocator_env`` says why)."""
     return {"env_vars": replica_allocator_env(role)}
 
 
