@@ -1,4 +1,4 @@
-"""``pdserve bench <name>``: the performance benchmarks P1-P11 of BENCHMARKS.md.
+"""``pdserve bench <name>``: the performance benchmarks P1-P11 of docs/benchmarks/index.md.
 
 A distribution of its own (``pdserve-benchmarks``, not in pdserve's wheel), installed beside
 pdserve by ``make setup`` (``pip install -e ./benchmarks``). Each entry of ``BENCHMARKS`` names

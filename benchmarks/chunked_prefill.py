@@ -1,6 +1,6 @@
 """P7 ``chunked-prefill``: stall-free decoding while long prompts arrive.
 
-How (BENCHMARKS.md, P7):
+How (docs/benchmarks/index.md, P7):
   1. 16 requests (128-token random prompts, 256 output tokens, greedy, EOS ignored) are sent
      together; once all have their first token, every later engine step is a decode step of
      theirs, counted 1, 2, ...

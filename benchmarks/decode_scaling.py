@@ -1,6 +1,6 @@
 """P6 ``decode-scaling``: decode step tok/s at batch 1/4/16/32, context 128 and 1024.
 
-How (BENCHMARKS.md, P6):
+How (docs/benchmarks/index.md, P6):
   1. One engine. For each (context, batch) the batch's prompt KV is filled synthetically through
      the decode-role API: ``add(prefill="remote")`` reserves the blocks, the bench writes
      random values into them (as a KV transfer would: untouched zero pages would make the

@@ -1,6 +1,6 @@
 """P2 ``engine``: continuous batching (ours) vs static batching (transformers ``generate``).
 
-How (BENCHMARKS.md, P2):
+How (docs/benchmarks/index.md, P2):
   1. Workload, seed 0: N requests (64; quick 16), prompt lengths U(32, 256) of random token ids,
      output lengths U(16, 256), all submitted at t=0, greedy with EOS ignored (every request
      produces exactly the tokens it asked for).

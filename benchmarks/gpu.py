@@ -15,7 +15,7 @@ each part under its own time limit, its figures into one report:
      ``KVReceiver`` here, over ``cuda_ipc``: two processes on one GPU cannot form an NCCL pair
      (NCCL refuses two ranks on one device), so the same-GPU hand-off is CUDA IPC (one device
      copy, pool to pool); ``handoff_vs_device_copy_<n>`` = a plain device copy of the same bytes
-     / the pull (BENCHMARKS.md P10: >= 0.5);
+     / the pull (docs/benchmarks/index.md P10: >= 0.5);
   5. ``pdserve profile`` (quick, the engine steps and transfers) into
      ``bench/results/profile-gpu.json`` for ``pdserve plan --profile``.
 """

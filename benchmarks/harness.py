@@ -1,6 +1,6 @@
 """Shared benchmark plumbing: modes, progress, the human table, RESULT line and JSON file.
 
-Every benchmark is a ratio of arms measured side by side in one run (BENCHMARKS.md). A
+Every benchmark is a ratio of arms measured side by side in one run (docs/benchmarks/index.md). A
 benchmark module exposes ``run(ctx: BenchContext) -> BenchReport``; this module prints and saves.
 ``ArmRun`` is what an engine benchmark records about one arm's run.
 """

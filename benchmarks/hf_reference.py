@@ -26,7 +26,7 @@ def load_hf_model(model_dir: Path, device: torch.device | str = "cpu") -> Any:
 
 
 def pad_token_id(model: Any) -> int:
-    """Pad with EOS, as BENCHMARKS.md's HF arm does (padded rows are masked anyway)."""
+    """Pad with EOS, as docs/benchmarks/index.md's HF arm does (padded rows are masked anyway)."""
     eos = model.config.eos_token_id
     return int(eos[0] if isinstance(eos, list) else eos)
 

@@ -1,6 +1,6 @@
 """P5 ``kv-stream``: KV streamed while prefill runs vs one bulk pull after the last chunk.
 
-How (BENCHMARKS.md, P5; the README's benchmarks section has the notes):
+How (docs/benchmarks/index.md, P5; docs/benchmarks/index.md has the notes):
   * Ray-free pool workers in this process, on the default model: two prefill workers (one with
     ``transfer.stream_min_tokens`` at the prompt length, one with 0: bulk), one decode worker
     that prefills remotely (``decode.local_prefill_threshold`` 0) through whichever of them the
@@ -11,7 +11,7 @@ How (BENCHMARKS.md, P5; the README's benchmarks section has the notes):
     ``local`` (the decode replica prefills the prompt itself), ``bulk`` and ``stream``; every
     request is a fresh random prompt of 2,048 tokens (nothing cached anywhere), 2 output
     tokens, greedy.
-  * In pdserve the first token is streamed before any KV moves (README, architecture), so the
+  * In pdserve the first token is streamed before any KV moves (docs/architecture/index.md), so the
     transfer delays the first token the decode replica computes, not the first the client
     sees. The TTFT that counts here is therefore the time until the decode replica can decode:
     its KV is in place (remote: the pull after the first token landed; local: its own prefill

@@ -1,4 +1,4 @@
-"""P4 ``kv-transfer``: the data plane, pool to pool between two processes (BENCHMARKS.md).
+"""P4 ``kv-transfer``: the data plane, pool to pool between two processes (docs/benchmarks).
 
 The KV of 32 / 512 / 1024 prompt tokens of the default model's layout (fp32, 30 layers, 3 KV
 heads, head dim 64, block 16: 737,280 bytes per block) moves from a prefill pool in a child

@@ -1,6 +1,6 @@
 """P3 ``prefix``: the prefix cache.
 
-How (BENCHMARKS.md, P3):
+How (docs/benchmarks/index.md, P3):
   1. 10 prefixes of 512 random tokens; each request is a prefix + a fresh 32-token suffix and
      asks for 8 tokens; 5 requests per prefix (quick 3), shuffled (seed 0), sent one at a time
      (each runs to completion before the next is sent). The first request of each prefix in the

@@ -1,4 +1,4 @@
-"""P11 ``quant``: quantized weights and KV (BENCHMARKS.md, P11).
+"""P11 ``quant``: quantized weights and KV (docs/benchmarks/index.md, P11).
 
 How:
   1. Arms, one process, the same torch threads: ``gguf`` (the GGUF file's own blocks, native
@@ -47,12 +47,12 @@ from cluster.planner.measure.engine import tiny_model_dir
 PROMPT = "The capital of France is"
 INSTALL_LLAMACPP = (
     "pip install -e './benchmarks[llamacpp]' (llama-cpp-python; it builds llama.cpp from source, "
-    "about 5 minutes on 2 cores; CMAKE_ARGS=-DGGML_NATIVE=ON for this CPU, see the README "
+    "about 5 minutes on 2 cores; CMAKE_ARGS=-DGGML_NATIVE=ON for this CPU, see docs/benchmarks "
     "where the CPU reports AMX the VM does not enable)"
 )
 TARGETS = {
     "b1_vs_llamacpp": ">= 1.0",
-    "b1_vs_fp32": ">= 4 (BENCHMARKS.md: >= 2.5)",
+    "b1_vs_fp32": ">= 4 (docs/benchmarks/index.md: >= 2.5)",
     "b32_vs_fp32": ">= 1.0",
     "kv_bytes_ratio": "<= 0.27",
     "kv_capacity_ratio": ">= 3.6",

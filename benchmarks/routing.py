@@ -1,6 +1,6 @@
 """P8 ``routing``: prefix-aware routing of the prefill pool vs round-robin.
 
-How (BENCHMARKS.md, P8; the README's benchmarks section has the notes):
+How (docs/benchmarks/index.md, P8; docs/benchmarks/index.md has the notes):
   * 2 prefill replicas and 1 decode replica on one local Ray/Serve instance, remote prefill
     forced (``decode.local_prefill_threshold: 0``: the decode side's cache cannot absorb the
     workload). Workload ``shared-prefix``: G groups x P prompts, each a group's S-token system

@@ -1,6 +1,6 @@
 """P1 ``serve``: disaggregation under load, against the running cluster over gRPC.
 
-How (BENCHMARKS.md, P1; the README's benchmarks section has the notes; the arms and their
+How (docs/benchmarks/index.md, P1; docs/benchmarks/index.md has the notes; the arms and their
 measuring are ``cluster.planner.measure``'s, which ``pdserve profile`` and ``plan --validate``
 use too):
   * Arms, deployed side by side as applications of one local Ray/Serve instance (each arm's

@@ -1,6 +1,6 @@
 """P9 ``spec``: speculative decoding (prompt-lookup drafts) vs none.
 
-How (BENCHMARKS.md, P9):
+How (docs/benchmarks/index.md, P9):
   1. One runner (the real model), two engines on it: speculation off, and
      ``decode.speculative.method: ngram`` with the config's other ``decode.speculative`` knobs
      (the defaults unless ``--set`` says otherwise). Same weights, same memory, same threads.

@@ -1,6 +1,6 @@
 """``structured``: grammar-constrained decoding (a JSON Schema through llguidance) vs none.
 
-How (issue 11; BENCHMARKS.md has no entry for it yet: README's benchmarks section describes it):
+How (issue 11; docs/benchmarks/index.md describes it):
   1. One runner (the config's model; the tiny random one in ``--smoke``), engines on it that
      differ only in what the cell compares. Same weights, same memory, same threads; the arms of
      a cell run as a pair, interleaved (A B, then B A in the next pair), a pair in which an arm
@@ -127,7 +127,7 @@ def run(ctx: BenchContext) -> BenchReport:
         "free": make_engine(ctx, off, runner=runner),
         # RECORDS_SCHEMA's shortest document (50 records) is longer than max_tokens: with the
         # budget closing on (structured.close_at_budget) admission would refuse it, so this
-        # arm runs without it (the cell times the masks; README: what the closing costs).
+        # arm runs without it (the cell times the masks; the docs: what the closing costs).
         "json": make_engine(ctx, {**off, "structured.close_at_budget": False}, runner=runner),
         "drafts_off": make_engine(ctx, off, runner=runner),
         "drafts_on": make_engine(ctx, {"decode.speculative.grammar_drafts": True}, runner=runner),

@@ -254,7 +254,7 @@ def _add_serve(sub: Any) -> None:
 
 
 def _add_bench(sub: Any) -> None:
-    bench = sub.add_parser("bench", help="run a benchmark (see BENCHMARKS.md)")
+    bench = sub.add_parser("bench", help="run a benchmark (see docs/benchmarks/index.md)")
     bench.add_argument("name", help="benchmark name, or 'all'")
     mode = bench.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="fewer requests, same ratios")

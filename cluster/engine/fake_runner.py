@@ -1,6 +1,6 @@
 """The ``fake`` runner: a deterministic tiny "model" on the real KV cache.
 
-For orchestration and fault tests (RELIABILITY.md, "Harness"). Each token's KV is a fixed
+For orchestration and fault tests (reliability matrix, "Harness"). Each token's KV is a fixed
 function of (token, position, layer, k/v, head, dim), written through the real block tables into
 the real KV tensor; the next-token distribution is a function of the KV *read back from the
 cache* for the last ``context_window`` positions: logits ``-((v - base) mod V)`` around a base

@@ -1,6 +1,6 @@
 """The KV-transfer data plane: move a prefilled request's KV blocks from a prefill pool into a
 decode pool (pull with a lease). The wire format and the conversation are in ``protocol.py``;
-README.md, "KV transfer", walks through them.
+docs/kv-transfer.md walks through them.
 
     sender = KVSender(config.transfer, KVPool(kv_cache, layout), on_release=..., epoch=...)
     params = sender.register(request_id, block_ids, num_tokens=n)      # prefill side

@@ -102,7 +102,7 @@ class LeaseTable:
         """Every lease past its deadline, in one pass.
 
         A full scan rather than a queue ordered by creation: a reaper that stops at the first
-        live entry strands the expired ones behind a renewed head (RELIABILITY.md F7). The table
+        live entry strands the expired ones behind a renewed head (reliability matrix F7). The table
         holds at most one lease per held request, so the scan is cheap.
         """
         now = self.clock()

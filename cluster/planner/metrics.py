@@ -1,4 +1,4 @@
-"""Client-side serving metrics over request records (BENCHMARKS.md's definitions), shared by the
+"""Client-side serving metrics over request records (the benchmark docs' definitions), shared by the
 simulator's predictions and ``bench serve``'s measurements so both are read the same way.
 
 A record needs ``ok``, ``cls``, ``ttft``, ``tpot`` (None for one output token), ``e2el`` and

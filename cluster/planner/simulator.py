@@ -11,7 +11,7 @@ bytes, and the serving stack's hops a fixed delay (``profile.ServingCost``). Bet
 replica applies what arrived meanwhile (new requests, KV landed, leases released), as the
 engine's step loop does.
 
-A remote request goes as in the cluster (README, architecture): router -> the decode replica
+A remote request goes as in the cluster (docs/architecture/index.md): router -> the decode replica
 with the least work (it reserves the prompt's blocks first) -> then the prefill replica with the
 fewest queued prompt tokens -> first token back to the decode replica and on to the client; then the
 pull of the blocks it lacks (a streamed prompt: its announced parts while the prefill runs,

@@ -4,7 +4,7 @@ A ``WorkloadMix`` is a mix of request classes (each a share, a prompt-length ran
 output length) with an optional shared prefix; ``items`` draws the requests (token ids and all)
 with a seeded RNG, so the benchmark and the simulator see the very same requests, and
 ``poisson_offsets`` their arrival times. ``SLOs`` are per class: TTFT and TPOT bounds for each
-prompt-length class (BENCHMARKS.md, P1), so long prompts can meet theirs unloaded.
+prompt-length class (docs/benchmarks/index.md, P1), so long prompts can meet theirs unloaded.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ class WorkloadMix:
         )
 
 
-# BENCHMARKS.md ``mixed-long``: 80% chat (64-128 in / 64 out), 20% long (768-1024 in / 32 out).
+# docs/benchmarks ``mixed-long``: 80% chat (64-128 in / 64 out), 20% long (768-1024 in / 32 out).
 CHAT = RequestClass("chat", 0.8, (64, 128), 64)
 LONG = RequestClass("long", 0.2, (768, 1024), 32)
 MIXED_LONG = WorkloadMix("mixed-long", (CHAT, LONG))

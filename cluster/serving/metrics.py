@@ -1,6 +1,6 @@
 """pdserve's metrics, recorded with Ray's metrics API (exported by Ray as ``ray_pdserve_*``).
 
-The canonical list of names lives in ``METRIC_NAMES`` (README and the Grafana dashboard use the
+The canonical list of names lives in ``METRIC_NAMES`` (docs/api/metrics.md and Grafana use the
 same). Ray appends ``_total`` to counters on export, so counters are declared without it. Tests
 read the same numbers through each replica's ``stats()``, never by scraping.
 """

@@ -1,4 +1,4 @@
-"""Scripted wire faults for deterministic fault tests (RELIABILITY.md K1-K8, F19, F21).
+"""Scripted wire faults for deterministic fault tests (docs/reliability/matrix.md K1-K8, F19, F21).
 
 A ``FaultyTransport`` is the ``WireFaults`` injector a test hands a ``KVSender`` or
 ``KVReceiver`` (``faults=``): their ``Framer`` asks it to rewrite the n-th message of a tag on

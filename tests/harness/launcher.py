@@ -1,4 +1,4 @@
-"""Test-only launcher: pool workers as real processes on 127.0.0.1 (RELIABILITY.md, Harness)."""
+"""Test-only launcher: pool workers as real processes on 127.0.0.1 (reliability matrix, Harness)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A real two-node Ray cluster on this machine (issue 12.9): the README's multi-machine recipe.
+"""A real two-node Ray cluster on this machine (issue 12.9): docs/operations/running.md's recipe.
 
 `ray start --head` (offering `pdserve_prefill` and `pdserve_router`) and a second `ray start`
 joining it (offering `pdserve_decode`), then `pdserve serve --address`, exactly as on two

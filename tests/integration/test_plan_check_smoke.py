@@ -3,7 +3,7 @@ few requests): a profile is measured, the same seeded requests are simulated and
 serve's three arms, and every figure is compared. It runs in this process through the CLI, on
 the session's shared Ray/Serve instance (the arms deployed onto it as applications and deleted
 after). The figures mean nothing on the tiny model; the full check (`pdserve plan --validate`)
-is reported in the README."""
+is in docs/benchmarks/planner.md."""
 
 from __future__ import annotations
 

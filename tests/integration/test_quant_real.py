@@ -8,7 +8,7 @@ reference and stays packed; int8 weights and int8 KV pass the accuracy gates.
   within 2% of fp32, int8 KV within 1%; top-1 prediction the same as fp32's at >= 97% of
   positions. References are computed before the engines they judge. int8 weights in groups of
   32 (``model.weights: int8``) pass (0.9897, perplexity x0.9989): these weights are the
-  de-quantized Q4_1 file, whose blocks line up with the groups (README says what that means).
+  de-quantized Q4_1 file, whose blocks line up with the groups (the formats docs say why).
   One scale per output channel (``int8_rows``) misses the top-1 gate (0.9413 measured,
   perplexity x1.0142 within its 2%): a strict xfail, so it fails the day it passes.
 """
@@ -106,7 +106,7 @@ def test_int8_accuracy_gates(
     got = teacher_forced(eng.runner, text_ids)
     ratio = got.perplexity / fp32.perplexity
     agreement = float((got.top1 == fp32.top1).float().mean())
-    print(  # the figures README.md quotes
+    print(  # the figures docs/benchmarks/results.csv holds
         f"{overrides}: perplexity {got.perplexity:.4f} vs fp32 {fp32.perplexity:.4f} "
         f"(x{ratio:.4f}), top-1 agreement {agreement:.4f}"
     )

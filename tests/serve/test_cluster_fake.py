@@ -1,5 +1,5 @@
 """The whole cluster on Ray Serve with the fake model: API edges, bad input, auth, cancellation
-at each phase, replicas killed mid-request (RELIABILITY.md B1-B5, B7, B9, S5, F4, F8).
+at each phase, replicas killed mid-request (docs/reliability/matrix.md B1-B5, B7, B9, S5, F4, F8).
 
 One deployment for the module (2 prefill replicas, 1 decode replica, API keys on); tests run in
 file order and the kill tests come last. Every test ends with the block-integrity check.

@@ -1,4 +1,4 @@
-"""What a running cluster exposes (RELIABILITY.md S1, S7), listed with psutil.
+"""What a running cluster exposes (docs/reliability/matrix.md S1, S7), listed with psutil.
 
 Every listening socket of the session's Ray cluster, with a pdserve app deployed (the default
 router.host, 127.0.0.1): pdserve's own sockets (each router replica's gRPC server, Serve's HTTP

@@ -1,4 +1,4 @@
-"""Load on Ray Serve, fake model (RELIABILITY.md L1, F9, L4, B8; issue 12.7).
+"""Load on Ray Serve, fake model (docs/reliability/matrix.md L1, F9, L4, B8; issue 12.7).
 
   * L1: 200 concurrent streams against a pool that holds a few dozen: the excess gets a fast
     RESOURCE_EXHAUSTED (never a DEADLINE_EXCEEDED after queueing), the admitted ones are

@@ -1,4 +1,4 @@
-"""Readiness on Ray Serve (RELIABILITY.md F22, issue 12.4): ``/health`` and the gRPC health
+"""Readiness on Ray Serve (reliability matrix F22, issue 12.4): ``/health`` and the gRPC health
 service say SERVING only while both pools can take a request: not while the app's pools start,
 not while the only decode (or prefill) replica is being replaced; and a request sent the moment
 health turns SERVING succeeds, promptly and oracle-identical.

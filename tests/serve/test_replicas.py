@@ -1,4 +1,4 @@
-"""Hung, failing, killed and drained replicas on Ray Serve, fake model (RELIABILITY.md F10, F12,
+"""Hung, failing, killed and drained replicas on Ray Serve, fake model (reliability matrix F10, F12,
 F15, F16; issue 12.5). Two replicas of every deployment, so that the survivors serve.
 
   * F10: a decode replica SIGSTOPped with streams in flight: each of its streams ends (ABORTED

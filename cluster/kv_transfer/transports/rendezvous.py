@@ -1,7 +1,7 @@
 """The torch_dist rendezvous store, bound where the config says (never on every interface).
 
 ``TCPStore`` on its own listens on all interfaces; handing it a socket we bound ourselves keeps
-it on ``bind_host`` like every other pdserve socket (RELIABILITY.md S1). The store carries no
+it on ``bind_host`` like every other pdserve socket (reliability matrix S1). The store carries no
 authentication of its own: on a non-loopback bind only use torch_dist on a trusted network.
 """
 

@@ -7,7 +7,7 @@ I/O thread. The pull's control still rides zmq: the sender answers ``Ready`` and
 ``send`` per planned frame; the receiver posts the matching ``recv`` straight into its
 destination blocks (the header was validated first; a failed pull never reports DONE).
 
-Failure (RELIABILITY.md F21): a peer that never receives leaves the sender's ``send`` pending;
+Failure (reliability matrix F21): a peer that never receives leaves the sender's ``send`` pending;
 the receiver's pull times out on the control plane, the receiver aborts its side of the pair
 and tells the sender (``Abort``), which aborts its side; every wait carries a timeout, so no
 thread waits past it. The next pull builds generation + 1 (``DistSetup``) and succeeds.

@@ -65,7 +65,7 @@ def model_dir(config: ClusterConfig, mode: str) -> Path:
 
 
 def exact_tokens(n: int) -> SamplingParams:
-    """Greedy, EOS ignored: exactly ``n`` output tokens (what BENCHMARKS.md pins)."""
+    """Greedy, EOS ignored: exactly ``n`` output tokens (what docs/benchmarks/index.md pins)."""
     return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
 
 

@@ -4,7 +4,7 @@ engine never admitted (or refused as a duplicate) leaves nothing and touches nob
 
 The leak this pins: a stream cancelled (client gone) after the engine thread admitted the
 request but before the event loop resumed the caller; the caller never learned it was in the
-engine, so nothing aborted it and its blocks stayed held (RELIABILITY.md F9, the abort storm).
+engine, so nothing aborted it and its blocks stayed held (reliability matrix F9, the abort storm).
 """
 
 from __future__ import annotations

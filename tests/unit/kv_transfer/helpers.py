@@ -24,7 +24,7 @@ torch.set_num_threads(1)
 
 
 def transfer_config(**overrides: Any) -> TransferConfig:
-    """RELIABILITY.md's test timings: lease 1 s, heartbeat 0.2 s, transfer timeout 1 s."""
+    """the reliability matrix's test timings: lease 1 s, heartbeat 0.2 s, transfer timeout 1 s."""
     base = TransferConfig(lease_s=1.0, heartbeat_s=0.2, transfer_timeout_s=1.0)
     return dataclasses.replace(base, **overrides)
 

@@ -1,4 +1,4 @@
-"""Forged messages from rogue peers (RELIABILITY.md K3, K4, K5, K9, S2): refused with a reason
+"""Forged messages from rogue peers (reliability matrix K3, K4, K5, K9, S2): refused with a reason
 before any write, counted, and the real sender or receiver keeps serving afterwards."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Security defaults (RELIABILITY.md S1, S4): loopback listeners, CURVE and HMAC auth."""
+"""Security defaults (reliability matrix S1, S4): loopback listeners, CURVE and HMAC auth."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Scripted wire faults (RELIABILITY.md K1, K5-K8, F19): every case ends in a clear error or a
+"""Scripted wire faults (reliability matrix K1, K5-K8, F19): every case ends in a clear error or a
 clean success, the threads alive, 0 leaked leases, no write outside the request's blocks."""
 
 from __future__ import annotations

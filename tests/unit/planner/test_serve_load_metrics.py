@@ -125,7 +125,7 @@ def test_client_metrics_match_the_injected_schedule() -> None:
     # 60 ms (prompt of 40: a miss, since a sleep never ends early), so an undisturbed run attains
     # 0.75. A late wake-up on the busy machine can push one of the first three past 50 ms too:
     # that is a real miss, so attainment is checked against what each request measured
-    # (BENCHMARKS.md: a request is good when TTFT <= its bound and TPOT, if any, <= its bound).
+    # (docs/benchmarks: a request is good when TTFT <= its bound and TPOT, if any, <= its bound).
     by_len = {rec.prompt_len: rec for rec in records}
     assert by_len[40].ttft > 0.05
     good = sum(1 for r in records if r.ttft <= 0.05 and (r.tpot is None or r.tpot <= 0.02))

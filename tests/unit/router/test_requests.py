@@ -1,4 +1,4 @@
-"""The router's validation and tokenization (RELIABILITY.md B1-B5, B9): no worker involved."""
+"""The router's validation and tokenization (reliability matrix B1-B5, B9): no worker involved."""
 
 from __future__ import annotations
 

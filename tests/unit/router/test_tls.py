@@ -1,4 +1,4 @@
-"""TLS and mTLS on the router's gRPC listener (RELIABILITY.md S6, issue 12.10): real sockets and
+"""TLS and mTLS on the router's gRPC listener (reliability matrix S6, issue 12.10): real sockets and
 handshakes against ``GrpcListener`` with certificates made here. A plaintext client, a client
 that trusts another CA, and (mTLS) a client without a certificate or with one from another CA
 are all refused; the right client gets SERVING."""
