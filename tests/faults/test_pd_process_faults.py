@@ -1,4 +1,4 @@
-"""Fault rows of RELIABILITY.md at the server level: pool workers as real processes (fake model).
+"""Fault rows of the reliability matrix, server level: pool workers as real processes (fake model).
 
 Every case: the affected request ends oracle-identical (recompute) or with a clear error, other
 requests are untouched, and every surviving pool is idle-clean (0 used blocks, 0 leases).

@@ -1,4 +1,4 @@
-"""Soak (RELIABILITY.md L2, L3; issue 12.8) on Ray Serve with the fake model: closed-loop traffic
+"""Soak (reliability matrix L2, L3; issue 12.8) on Ray Serve, fake model: closed-loop traffic
 with 1 % cancels and 1 % invalid requests, one prefill and one decode replica SIGKILLed (Serve
 restarts them), and idle checkpoints in between. Checked:
 
