@@ -15,6 +15,9 @@ SERVE_ARGS ?=
 .PHONY: setup model run serve test lint typecheck contracts docs unit bench protos clean
 
 setup: $(STAMP)
+	@# The native CPU kernels (one library, cluster/engine/kernels): rebuilt when their sources
+	@# changed; without a C compiler it says so and the engine runs torch.
+	@$(PY) -m cluster.engine.kernels.build
 
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -15,7 +15,7 @@ from cluster.config import ClusterConfig
 from cluster.config.model_paths import model_name
 from cluster.engine import prompt_logprobs
 from cluster.engine.attention import AttentionMetadata, PrefillSeq, decode_row_index
-from cluster.engine.kernels import load_paged_decode
+from cluster.engine.kernels.native import MAX_GROUP, load_native
 from cluster.engine.kv_codec import kv_codec_for
 from cluster.engine.models.default_model import ModelSource, model_source
 from cluster.engine.models.weights import LoadSpec, load_model
@@ -47,8 +47,8 @@ class TorchModelRunner:
         self.device = resolve_device(config)
         dtype = resolve_dtype(config, self.device)
         source = ModelSource(model_dir, None) if model_dir is not None else model_source(config)
-        # CPU fp32 fast paths (model.kernels): oneDNN linear layers, the quantized linear and
-        # the paged decode kernels.
+        # CPU fp32: the native library's linear, layer ops and paged decode attention
+        # (model.kernels).
         self.native = config.model.kernels != "torch" and (
             self.device.type == "cpu" and dtype == torch.float32
         )
@@ -83,7 +83,7 @@ class TorchModelRunner:
         )
         self.model.kv_codec = kv_codec_for(self.layout)
         self.num_blocks = num_kv_blocks(config, self.layout.bytes_per_block, self.device)
-        self.decode_kernel = self._load_decode_kernel(config, dtype)
+        self.decode_kernel = self._load_decode_kernel(config)
         self.kv_cache = kv_allocator(self.layout, self.num_blocks, self.device)
         self.formats = {"weights": self.model.weight_format, "kv_cache": self.layout.dtype}
         logger.info(
@@ -98,22 +98,22 @@ class TorchModelRunner:
             self.layout.bytes_per_token,
         )
 
-    def _load_decode_kernel(self, config: ClusterConfig, dtype: torch.dtype) -> Any:
-        kernel = None
-        if self.native and self.layout.dtype in ("float32", "int8"):
-            arch = self.model.arch
-            kernel = load_paged_decode(
-                config.paths.resolved_cache_dir,
-                torch.get_num_threads(),
-                arch.num_heads,
-                arch.num_kv_heads,
-                int8=self.layout.dtype == "int8",
-            )
-        if kernel is None and config.model.kernels == "native":
+    def _load_decode_kernel(self, config: ClusterConfig) -> DecodeKernel | None:
+        """The native paged decode attention (fp32 or int8 KV), or None: the torch gather."""
+        arch = self.model.arch
+        kernels = None
+        if (
+            self.native
+            and self.layout.dtype in ("float32", "int8")
+            and arch.num_heads // arch.num_kv_heads <= MAX_GROUP
+        ):
+            kernels = load_native(config.paths.resolved_cache_dir, torch.get_num_threads())
+        if kernels is None and config.model.kernels == "native":
             raise ValueError(
-                "model.kernels: native needs a C compiler (cc) and an fp32 or int8 KV cache"
+                "model.kernels: native needs the native library (a C compiler to build it), an "
+                f"fp32 or int8 KV cache and at most {MAX_GROUP} query heads per kv head"
             )
-        return kernel
+        return kernels.paged_decode if kernels is not None else None
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -136,85 +136,90 @@ class TorchModelRunner:
         return self.model.compute_logits(hidden[rows])
 
     def prepare(self, batch: ScheduledBatch) -> ForwardInputs:
-        bs = self.block_size
-        dev = self.device
         # A decode with drafts is 1 + k decode rows over its one table (row j sees its context
-        # up to itself): the same batched pass verifies them.
+        # up to itself): the same batched pass verifies them. Decode rows come first.
+        rows = _StepRows()
         decodes = [it for it in batch.items if it.num_new_tokens == 1 + len(it.draft_token_ids)]
-        prefills = [it for it in batch.items if it.num_new_tokens > 1 + len(it.draft_token_ids)]
-        ids: list[int] = []
-        positions: list[int] = []
-        sample_rows: list[int] = []
-        sampled: list[ScheduledRequest] = []
-        prompt: list[prompt_logprobs.PromptRows] = []
-        prompt_rows: list[int] = []
-        # Decode rows (a token each, its own context length), attended in one batched pass.
-        dec_tables: list[list[int]] = []
-        dec_lens: list[int] = []
         for it in decodes:
-            self._score_prompt(it, len(ids), prompt, prompt_rows)
-            for p, token in enumerate(it.input_token_ids(), it.request.num_computed_tokens):
-                ids.append(token)
-                positions.append(p)
-                dec_lens.append(p + 1)
-                dec_tables.append(it.block_ids[: p // bs + 1])
-                if it.samples:
-                    sample_rows.append(len(ids) - 1)
-            if it.samples:
-                sampled.append(it)
-        slot_blocks = [t[-1] for t in dec_tables]
-        slot_offsets = [p % bs for p in positions]
-        pref: list[PrefillSeq] = []
-        for it in prefills:
-            r = it.request
-            start, n = r.num_computed_tokens, it.num_new_tokens
-            end = start + n
-            ids.extend(it.input_token_ids())
-            row0 = len(positions)
-            self._score_prompt(it, row0, prompt, prompt_rows)
-            positions.extend(range(start, end))
-            table = it.block_ids[: -(-end // bs)]
-            slot_blocks.extend(table[p // bs] for p in range(start, end))
-            slot_offsets.extend(p % bs for p in range(start, end))
-            pref.append(PrefillSeq(row0, n, start, torch.tensor(table, device=dev)))
-            if it.samples:
-                sample_rows.append(row0 + n - 1)
-                sampled.append(it)
-        dec_rows = dec_mask = dec_table_t = dec_lens_t = None
-        if decodes:
-            width = max(len(t) for t in dec_tables)
-            dec_table_t = torch.tensor(
-                [t + [0] * (width - len(t)) for t in dec_tables], dtype=torch.long, device=dev
-            )
-            dec_lens_t = torch.tensor(dec_lens, dtype=torch.long, device=dev)
-        if decodes and self.decode_kernel is None:
-            assert dec_table_t is not None and dec_lens_t is not None
-            layout = self.layout
-            dec_rows = decode_row_index(dec_table_t, bs, layout.num_layers, layout.num_kv_heads)
-            lens = dec_lens_t
-            cols = torch.arange(width * bs, device=dev)
-            dec_mask = torch.zeros((len(dec_lens), width * bs), dtype=self.model.dtype, device=dev)
-            dec_mask.masked_fill_(cols[None, :] >= lens[:, None], float("-inf"))
-        meta = AttentionMetadata(
-            slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=dev),
-            slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=dev),
-            num_decodes=len(dec_lens),
-            decode_rows=dec_rows,
-            decode_mask=dec_mask,
-            prefills=pref,
-            decode_kernel=self.decode_kernel,
-            decode_block_tables=dec_table_t,
-            decode_ctx_lens=dec_lens_t,
-        )
+            self._add_decode(rows, it)
+        for it in batch.items:
+            if it.num_new_tokens > 1 + len(it.draft_token_ids):
+                self._add_prefill(rows, it)
+        dev = self.device
+
+        def long(values: list[int] | list[list[int]]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=dev)
+
         return ForwardInputs(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            meta=meta,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
-            sampled=sampled,
-            prompt_rows=torch.tensor(prompt_rows, dtype=torch.long, device=dev),
-            prompt=prompt,
+            input_ids=long(rows.ids),
+            positions=long(rows.positions),
+            meta=self._metadata(rows, long),
+            sample_rows=long(rows.sample_rows),
+            sampled=rows.sampled,
+            prompt_rows=long(rows.prompt_rows),
+            prompt=rows.prompt,
         )
+
+    def _add_decode(self, rows: _StepRows, it: ScheduledRequest) -> None:
+        """A decode's rows (its token and any drafts), each with its own context length."""
+        bs = self.block_size
+        self._score_prompt(it, len(rows.ids), rows.prompt, rows.prompt_rows)
+        for p, token in enumerate(it.input_token_ids(), it.request.num_computed_tokens):
+            rows.ids.append(token)
+            rows.positions.append(p)
+            rows.dec_lens.append(p + 1)
+            table = it.block_ids[: p // bs + 1]
+            rows.dec_tables.append(table)
+            rows.slot_blocks.append(table[-1])
+            rows.slot_offsets.append(p % bs)
+            if it.samples:
+                rows.sample_rows.append(len(rows.ids) - 1)
+        if it.samples:
+            rows.sampled.append(it)
+
+    def _add_prefill(self, rows: _StepRows, it: ScheduledRequest) -> None:
+        """A prefill chunk's rows, attended one sequence at a time."""
+        bs = self.block_size
+        start, n = it.request.num_computed_tokens, it.num_new_tokens
+        end = start + n
+        row0 = len(rows.positions)
+        rows.ids.extend(it.input_token_ids())
+        self._score_prompt(it, row0, rows.prompt, rows.prompt_rows)
+        rows.positions.extend(range(start, end))
+        table = it.block_ids[: -(-end // bs)]
+        rows.slot_blocks.extend(table[p // bs] for p in range(start, end))
+        rows.slot_offsets.extend(p % bs for p in range(start, end))
+        block_ids = torch.tensor(table, device=self.device)
+        rows.prefills.append(PrefillSeq(row0, n, start, block_ids))
+        if it.samples:
+            rows.sample_rows.append(row0 + n - 1)
+            rows.sampled.append(it)
+
+    def _metadata(
+        self, rows: _StepRows, long: Callable[[list[int] | list[list[int]]], torch.Tensor]
+    ) -> AttentionMetadata:
+        meta = AttentionMetadata(
+            slot_blocks=long(rows.slot_blocks),
+            slot_offsets=long(rows.slot_offsets),
+            num_decodes=len(rows.dec_lens),
+            decode_rows=None,
+            decode_mask=None,
+            prefills=rows.prefills,
+            decode_kernel=self.decode_kernel,
+        )
+        if not rows.dec_lens:
+            return meta
+        width = max(len(t) for t in rows.dec_tables)
+        tables = long([t + [0] * (width - len(t)) for t in rows.dec_tables])
+        lens = long(rows.dec_lens)
+        meta.decode_block_tables, meta.decode_ctx_lens = tables, lens
+        if self.decode_kernel is None:  # the torch gather: row indices and a padding mask
+            bs, layout = self.block_size, self.layout
+            meta.decode_rows = decode_row_index(tables, bs, layout.num_layers, layout.num_kv_heads)
+            cols = torch.arange(width * bs, device=self.device)
+            mask = torch.zeros((len(lens), width * bs), dtype=self.model.dtype, device=self.device)
+            meta.decode_mask = mask.masked_fill_(cols[None, :] >= lens[:, None], float("-inf"))
+        return meta
 
     @staticmethod
     def _score_prompt(
@@ -224,6 +229,26 @@ class TorchModelRunner:
         if scored is not None:
             out.append(scored)
             rows.extend(range(row0, row0 + len(scored.targets)))
+
+
+DecodeKernel = Callable[..., torch.Tensor]  # NativeKernels.paged_decode
+
+
+@dataclass(slots=True)
+class _StepRows:
+    """A step's rows as ``prepare`` collects them: decode rows first, then prefill chunks."""
+
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slot_blocks: list[int] = field(default_factory=list)
+    slot_offsets: list[int] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    sampled: list[ScheduledRequest] = field(default_factory=list)
+    prompt: list[prompt_logprobs.PromptRows] = field(default_factory=list)
+    prompt_rows: list[int] = field(default_factory=list)
+    dec_tables: list[list[int]] = field(default_factory=list)
+    dec_lens: list[int] = field(default_factory=list)
+    prefills: list[PrefillSeq] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -9,21 +9,14 @@
  *
  * At batch 1 the per-op path spends about as long in Python and torch dispatch between the
  * kernels as in them; here the only Python is the call. Every row is a decode row (one token,
- * its own context); the attention is the paged-decode kernel's function, passed in by pointer.
+ * its own context); the attention is paged_decode.c's routine.
  */
 #include <stdlib.h>
 #include <string.h>
 
-#include "quant_linear.h"
+#include "native.h"
 
 #define PD_MAX_SEGMENTS 4
-/* (row, kv head) items x context tokens from which the attention is split between the threads:
- * far lower than kernels/__init__'s 16384, whose Python pool costs far more per split than this
- * library's. At batch 1 of the default model (3 kv heads) that is from 64 tokens of context on,
- * where the attention takes about 5 us a layer on one thread (2026-12-05: the attention phase of
- * a 128-token decode, prefetched, 217-239 us a step split, 272-316 us on one thread). */
-#define PD_PARALLEL_MIN_WORK 192
-
 typedef struct {
     int64_t cols, num_segments;
     int64_t qtype[PD_MAX_SEGMENTS], rows[PD_MAX_SEGMENTS], row_bytes[PD_MAX_SEGMENTS];
@@ -43,12 +36,6 @@ typedef struct {
     const float *cos, *sin; /* [max_len, head_dim] */
 } pd_model;
 
-typedef int (*pd_attn_fn)(const float *q, const void *kv, const int64_t *tables,
-                          const int64_t *ctx_lens, float *out, int64_t num_heads,
-                          int64_t num_kv_heads, int64_t head_dim, int64_t max_blocks,
-                          int64_t block_size, int64_t num_layers, int64_t layer, float scale,
-                          int64_t item_begin, int64_t item_end);
-
 /* y[n, ldy] (+)= x W^T (+ bias), segment after segment (adjacent output columns); the calling
  * thread runs hook (if any) while the first segment's job starts */
 static int linear_hook(const pd_model *m, const pd_matrix *w, const float *x, int64_t n,
@@ -56,10 +43,10 @@ static int linear_hook(const pd_model *m, const pd_matrix *w, const float *x, in
                        pd_hook_fn hook, const void *hook_ctx) {
     int64_t r0 = 0;
     for (int64_t s = 0; s < w->num_segments; s++) {
-        const int rc = pd_quant_linear_hook((int)w->qtype[s], w->data[s], w->scales[s], w->rows[s],
-                                            w->cols, w->row_bytes[s], x, n, ldx, y + r0, ldy,
-                                            bias ? bias + r0 : NULL, accumulate,
-                                            (int)m->num_threads, s == 0 ? hook : NULL, hook_ctx);
+        const int rc = pd_linear_hook((int)w->qtype[s], w->data[s], w->scales[s], w->rows[s],
+                                      w->cols, w->row_bytes[s], x, n, ldx, y + r0, ldy,
+                                      bias ? bias + r0 : NULL, accumulate, (int)m->num_threads,
+                                      s == 0 ? hook : NULL, hook_ctx);
         if (rc != 0) return rc;
         r0 += w->rows[s];
     }
@@ -106,24 +93,6 @@ static void prefetch_kv(const void *arg) {
 }
 
 typedef struct {
-    pd_attn_fn fn;
-    const float *q;
-    const void *kv;
-    const int64_t *tables, *ctx_lens;
-    float *out;
-    int64_t hq, hkv, d, max_blocks, block_size, num_layers, layer;
-    float scale;
-    int rc;
-} attn_job;
-
-static void attn_task(const void *ctx, int64_t i0, int64_t i1) {
-    attn_job *j = (attn_job *)ctx;
-    const int rc = j->fn(j->q, j->kv, j->tables, j->ctx_lens, j->out, j->hq, j->hkv, j->d,
-                         j->max_blocks, j->block_size, j->num_layers, j->layer, j->scale, i0, i1);
-    if (rc != 0) j->rc = rc;
-}
-
-typedef struct {
     const float *gu;
     int64_t ld, inter;
     float *out;
@@ -157,20 +126,13 @@ static void swiglu_parallel(const float *gu, int64_t ld, int64_t n, int64_t inte
 int pdserve_decode_forward(const pd_model *m, float *h, int64_t n, const int64_t *positions,
                            void *kv, int64_t block_size, int kv_int8, const int64_t *tables,
                            int64_t max_blocks, const int64_t *ctx_lens,
-                           const int64_t *slot_blocks, const int64_t *slot_offsets,
-                           pd_attn_fn attn) {
+                           const int64_t *slot_blocks, const int64_t *slot_offsets) {
     const int64_t H = m->hidden, hq = m->num_heads, hkv = m->num_kv_heads, d = m->head_dim;
     const int64_t I = m->inter, qkv_w = (hq + 2 * hkv) * d;
     float *buf = malloc(sizeof(float) * (size_t)(n * (H + qkv_w + 2 * hq * d + 3 * I)));
     if (!buf) return -2;
     float *x = buf, *qkv = x + n * H, *q = qkv + n * qkv_w, *att = q + n * hq * d;
     float *gu = att + n * hq * d, *act = gu + n * 2 * I;
-    int64_t max_ctx = 0;
-    for (int64_t i = 0; i < n; i++) max_ctx = ctx_lens[i] > max_ctx ? ctx_lens[i] : max_ctx;
-    const int64_t items = n * hkv;
-    const int attn_threads = items * max_ctx >= PD_PARALLEL_MIN_WORK
-                                 ? (int)(m->num_threads < items ? m->num_threads : items)
-                                 : 1;
     const int64_t kv_row = hkv * (kv_int8 ? d + 4 : d * 4), kv_plane = block_size * kv_row;
     kv_prefetch pf = {kv, tables, ctx_lens, n, max_blocks, block_size, kv_row, kv_plane,
                       m->num_layers * 2 * kv_plane, 0};
@@ -185,10 +147,9 @@ int pdserve_decode_forward(const pd_model *m, float *h, int64_t n, const int64_t
         pdserve_write_kv(kv, qkv + hq * d, qkv + (hq + hkv) * d, qkv_w, n, slot_blocks,
                          slot_offsets, m->num_layers, l, block_size, hkv, d, kv_int8);
         for (int64_t i = 0; i < n; i++) memcpy(q + i * hq * d, qkv + i * qkv_w, sizeof(float) * hq * d);
-        attn_job job = {attn, q, kv, tables, ctx_lens, att, hq, hkv, d, max_blocks, block_size,
-                        m->num_layers, l, m->scale, 0};
-        pd_run_parallel(attn_task, &job, items, 1, attn_threads);
-        if (job.rc != 0) {
+        if (pdserve_paged_decode(q, kv, tables, ctx_lens, att, n, hq, hkv, d, max_blocks,
+                                 block_size, m->num_layers, l, m->scale, kv_int8,
+                                 (int)m->num_threads) != 0) {
             rc = -2;
             break;
         }

@@ -2,8 +2,8 @@
 
 ``DecodeForward`` holds, once per model, a C description of every layer (norm weights, and each
 matrix's packed segments: format, bytes, scales) pointing into the model's own tensors; a call
-runs all layers of a decode-only step over the residual stream ``h`` in place. The attention is
-the paged-decode kernel's C function, passed by address.
+runs all layers of a decode-only step over the residual stream ``h`` in place, through the
+library's linear kernel, per-layer ops and paged decode attention.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from cluster.engine.kernels.quant import PackedRows
 
 MAX_SEGMENTS = 4  # PD_MAX_SEGMENTS in decode_forward.c
 
@@ -61,32 +63,28 @@ class _Model(ctypes.Structure):
 
 
 @dataclass(frozen=True, slots=True)
-class Segment:
-    qtype: int
-    data: torch.Tensor  # [rows, row_bytes] uint8, planar (kernels/quant.py)
-    scales: torch.Tensor | None
+class LayerDescription:
+    """One decoder layer's weights as the call reads them."""
 
-
-@dataclass(frozen=True, slots=True)
-class Layer:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     qkv_bias: torch.Tensor | None
     # each matrix: its columns and its row segments, in output order
-    qkv: tuple[int, Sequence[Segment]]
-    o: tuple[int, Sequence[Segment]]
-    gate_up: tuple[int, Sequence[Segment]]
-    down: tuple[int, Sequence[Segment]]
+    qkv: tuple[int, Sequence[PackedRows]]
+    o: tuple[int, Sequence[PackedRows]]
+    gate_up: tuple[int, Sequence[PackedRows]]
+    down: tuple[int, Sequence[PackedRows]]
 
 
 def _ptr_of(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _matrix(cols: int, segments: Sequence[Segment]) -> _Matrix:
+def _matrix(cols: int, segments: Sequence[PackedRows]) -> _Matrix:
     m = _Matrix(cols=cols, num_segments=len(segments))
     for i, s in enumerate(segments):
-        m.qtype[i], m.rows[i], m.row_bytes[i] = s.qtype, s.data.shape[0], s.data.stride(0)
+        m.qtype[i], m.rows[i] = s.qtype, s.data.shape[0]
+        m.row_bytes[i] = s.data.stride(0) * s.data.element_size()
         m.data[i], m.scales[i] = s.data.data_ptr(), _ptr_of(s.scales)
     return m
 
@@ -97,7 +95,7 @@ class DecodeForward:
     def __init__(
         self,
         lib: ctypes.CDLL,
-        layers: Sequence[Layer],
+        layers: Sequence[LayerDescription],
         shape: tuple[int, int, int, int, int],  # hidden, heads, kv heads, head dim, inter
         eps: float,
         scale: float,
@@ -125,7 +123,7 @@ class DecodeForward:
         )  # fmt: skip
         fn = lib.pdserve_decode_forward
         fn.argtypes = [ctypes.POINTER(_Model), _ptr, _i64, _ptr, _ptr, _i64, ctypes.c_int]
-        fn.argtypes += [_ptr, _i64, _ptr, _ptr, _ptr, _ptr]
+        fn.argtypes += [_ptr, _i64, _ptr, _ptr, _ptr]
         fn.restype = ctypes.c_int
         self._fn = fn
 
@@ -138,7 +136,6 @@ class DecodeForward:
         ctx_lens: torch.Tensor,  # [n] int64
         slot_blocks: torch.Tensor,  # [n] int64
         slot_offsets: torch.Tensor,  # [n] int64
-        attention: int,  # the address of pdserve_paged_decode_f32 / _i8
     ) -> None:
         rc = self._fn(
             ctypes.byref(self._model),
@@ -153,7 +150,6 @@ class DecodeForward:
             ctx_lens.data_ptr(),
             slot_blocks.data_ptr(),
             slot_offsets.data_ptr(),
-            attention,
         )
         if rc == -1:
             raise ValueError("decode_forward: a weight format the linear kernel does not know")

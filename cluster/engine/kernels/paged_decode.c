@@ -1,119 +1,32 @@
-/* Paged decode attention on the CPU, reading K and V straight from the block-major KV cache.
+/* Paged decode attention on the CPU, reading K and V straight from the block-major KV cache:
+ * one routine for fp32 and int8 KV rows.
  *
- * kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] (fp32, contiguous)
+ * kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, width]: fp32 rows (width =
+ *           head_dim floats) or int8 rows (head_dim int8 values, then their fp32 scale: the
+ *           encoding of kv_codec.Int8KV), de-quantized as they are read: q.k = s_k sum q_i k_i,
+ *           out += p s_v v
  * q, out:   [batch, num_heads, head_dim]
  * tables:   [batch, max_blocks] block ids; ctx_lens: [batch] tokens of context per request
  *
  * One work item is one (request, kv head): its G = num_heads / num_kv_heads query heads share
  * every K and V row it loads, so the cache is read exactly once (no gather copy), and the
- * scores of an item stay in a small scratch buffer. Items [item_begin, item_end) let the caller
- * split the batch across threads (the call runs without the GIL).
+ * scores of an item stay in a scratch buffer. The items split between the pool's threads
+ * (pool.c). Per item, three passes: scores, softmax, the weighted sum of V; an AVX2 variant
+ * (head_dim % 8 == 0) and a portable one, chosen at run time (pd_isa).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#include "native.h"
 #include "vec_exp.h"
-#define PD_ATTN_AVX2 1
-#else
-#define PD_ATTN_AVX2 0
-#endif
 
-#define LANES 8
-
-static inline float dot(const float *a, const float *b, int64_t n) {
-    float acc[LANES] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] += a[i + l] * b[i + l];
-    float s = 0.0f;
-    for (int l = 0; l < LANES; l++) s += acc[l];
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
-static inline void axpy(float *y, float a, const float *x, int64_t n) {
-    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
-}
-
-static int paged_decode_f32_portable(
-    const float *q, const float *kv, const int64_t *tables, const int64_t *ctx_lens,
-    float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t max_blocks,
-    int64_t block_size, int64_t num_layers, int64_t layer, float scale,
-    int64_t item_begin, int64_t item_end) {
-    const int64_t g = num_heads / num_kv_heads;
-    const int64_t row = num_kv_heads * head_dim;            /* one token of one k/v plane */
-    const int64_t plane = block_size * row;                 /* one block of one k/v plane */
-    const int64_t block_stride = num_layers * 2 * plane;    /* one whole block */
-    const int64_t layer_off = layer * 2 * plane;
-    int64_t max_ctx = 0;
-    for (int64_t it = item_begin; it < item_end; it++) {
-        int64_t c = ctx_lens[it / num_kv_heads];
-        if (c > max_ctx) max_ctx = c;
-    }
-    float *scores = malloc(sizeof(float) * (size_t)(g * (max_ctx > 0 ? max_ctx : 1)));
-    if (!scores) return -1;
-    for (int64_t it = item_begin; it < item_end; it++) {
-        const int64_t b = it / num_kv_heads, h = it % num_kv_heads;
-        const int64_t ctx = ctx_lens[b];
-        const int64_t *table = tables + b * max_blocks;
-        const float *qb = q + (b * num_heads + h * g) * head_dim;
-        float *ob = out + (b * num_heads + h * g) * head_dim;
-        float mx[64], sum[64];
-        for (int64_t j = 0; j < g; j++) mx[j] = -INFINITY;
-        for (int64_t t = 0; t < ctx; t++) {
-            const float *k = kv + table[t / block_size] * block_stride + layer_off
-                             + (t % block_size) * row + h * head_dim;
-            for (int64_t j = 0; j < g; j++) {
-                float s = dot(qb + j * head_dim, k, head_dim) * scale;
-                scores[j * ctx + t] = s;
-                if (s > mx[j]) mx[j] = s;
-            }
-        }
-        for (int64_t j = 0; j < g; j++) {
-            float acc = 0.0f;
-            float *sj = scores + j * ctx;
-            for (int64_t t = 0; t < ctx; t++) {
-                sj[t] = expf(sj[t] - mx[j]);
-                acc += sj[t];
-            }
-            sum[j] = acc;
-            for (int64_t d = 0; d < head_dim; d++) ob[j * head_dim + d] = 0.0f;
-        }
-        for (int64_t t = 0; t < ctx; t++) {
-            const float *v = kv + table[t / block_size] * block_stride + layer_off + plane
-                             + (t % block_size) * row + h * head_dim;
-            for (int64_t j = 0; j < g; j++) axpy(ob + j * head_dim, scores[j * ctx + t], v, head_dim);
-        }
-        for (int64_t j = 0; j < g; j++) {
-            const float inv = 1.0f / sum[j];
-            for (int64_t d = 0; d < head_dim; d++) ob[j * head_dim + d] *= inv;
-        }
-    }
-    free(scores);
-    return 0;
-}
-
-/* The same over an int8 KV cache: each (token, kv head) row is head_dim int8 values followed by
- * their fp32 scale (kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim + 4]
- * bytes), de-quantized here as it is read: q.k = s_k * sum q_i k_i; out += p * s_v * v. */
-static inline float dot_i8(const float *a, const int8_t *b, int64_t n) {
-    float acc[LANES] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] += a[i + l] * (float)b[i + l];
-    float s = 0.0f;
-    for (int l = 0; l < LANES; l++) s += acc[l];
-    for (; i < n; i++) s += a[i] * (float)b[i];
-    return s;
-}
-
-static inline void axpy_i8(float *y, float a, const int8_t *x, int64_t n) {
-    for (int64_t i = 0; i < n; i++) y[i] += a * (float)x[i];
-}
+#define PD_MAX_GROUP 64 /* query heads per kv head (the items' stack buffers) */
+/* (row, kv head) items x context tokens from which the items are split between the threads: at
+ * batch 1 of the default model (3 kv heads) from 64 tokens of context on, where the attention
+ * takes about 5 us a layer on one thread */
+#define PD_PARALLEL_MIN_WORK 192
 
 static inline float row_scale(const uint8_t *row, int64_t head_dim) {
     float s;
@@ -121,72 +34,72 @@ static inline float row_scale(const uint8_t *row, int64_t head_dim) {
     return s;
 }
 
-static int paged_decode_i8_portable(
-    const float *q, const uint8_t *kv, const int64_t *tables, const int64_t *ctx_lens,
-    float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t max_blocks,
-    int64_t block_size, int64_t num_layers, int64_t layer, float scale,
-    int64_t item_begin, int64_t item_end) {
-    const int64_t g = num_heads / num_kv_heads;
-    const int64_t width = head_dim + 4;                     /* bytes of one (token, head) row */
-    const int64_t row = num_kv_heads * width;               /* one token of one k/v plane */
-    const int64_t plane = block_size * row;
-    const int64_t block_stride = num_layers * 2 * plane;
-    const int64_t layer_off = layer * 2 * plane;
-    int64_t max_ctx = 0;
-    for (int64_t it = item_begin; it < item_end; it++) {
-        int64_t c = ctx_lens[it / num_kv_heads];
-        if (c > max_ctx) max_ctx = c;
-    }
-    float *scores = malloc(sizeof(float) * (size_t)(g * (max_ctx > 0 ? max_ctx : 1)));
-    if (!scores) return -1;
-    for (int64_t it = item_begin; it < item_end; it++) {
-        const int64_t b = it / num_kv_heads, h = it % num_kv_heads;
-        const int64_t ctx = ctx_lens[b];
-        const int64_t *table = tables + b * max_blocks;
-        const float *qb = q + (b * num_heads + h * g) * head_dim;
-        float *ob = out + (b * num_heads + h * g) * head_dim;
-        float mx[64], sum[64];
-        for (int64_t j = 0; j < g; j++) mx[j] = -INFINITY;
-        for (int64_t t = 0; t < ctx; t++) {
-            const uint8_t *k = kv + table[t / block_size] * block_stride + layer_off
-                               + (t % block_size) * row + h * width;
-            const float ks = row_scale(k, head_dim) * scale;
-            for (int64_t j = 0; j < g; j++) {
-                float s = dot_i8(qb + j * head_dim, (const int8_t *)k, head_dim) * ks;
-                scores[j * ctx + t] = s;
-                if (s > mx[j]) mx[j] = s;
-            }
-        }
-        for (int64_t j = 0; j < g; j++) {
-            float acc = 0.0f;
-            float *sj = scores + j * ctx;
-            for (int64_t t = 0; t < ctx; t++) {
-                sj[t] = expf(sj[t] - mx[j]);
-                acc += sj[t];
-            }
-            sum[j] = acc;
-            for (int64_t d = 0; d < head_dim; d++) ob[j * head_dim + d] = 0.0f;
-        }
-        for (int64_t t = 0; t < ctx; t++) {
-            const uint8_t *v = kv + table[t / block_size] * block_stride + layer_off + plane
-                               + (t % block_size) * row + h * width;
-            const float vs = row_scale(v, head_dim);
-            for (int64_t j = 0; j < g; j++)
-                axpy_i8(ob + j * head_dim, scores[j * ctx + t] * vs, (const int8_t *)v, head_dim);
-        }
-        for (int64_t j = 0; j < g; j++) {
-            const float inv = 1.0f / sum[j];
-            for (int64_t d = 0; d < head_dim; d++) ob[j * head_dim + d] *= inv;
-        }
-    }
-    free(scores);
-    return 0;
+/* -- portable -------------------------------------------------------------------------------
+ * A row's values as floats: fp32 as they are, int8 converted (the scale is the caller's). */
+
+#define LANES 8
+
+static inline float dot_row(const float *a, const uint8_t *row, int64_t n, int i8) {
+    float acc[LANES] = {0};
+    const float *f = (const float *)row;
+    const int8_t *q = (const int8_t *)row;
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += a[i + l] * (i8 ? (float)q[i + l] : f[i + l]);
+    float s = 0.0f;
+    for (int l = 0; l < LANES; l++) s += acc[l];
+    for (; i < n; i++) s += a[i] * (i8 ? (float)q[i] : f[i]);
+    return s;
 }
 
-/* -- AVX2 + FMA (this file is built with -march=native, so the compiler says what the CPU has) --
+static inline void axpy_row(float *y, float a, const uint8_t *row, int64_t n, int i8) {
+    const float *f = (const float *)row;
+    const int8_t *q = (const int8_t *)row;
+    for (int64_t i = 0; i < n; i++) y[i] += a * (i8 ? (float)q[i] : f[i]);
+}
+
+/* One item (see attend_item_avx2 for the arguments): scores, softmax with expf, then the output
+ * token by token. scores: g x pad floats. */
+static void attend_item_portable(const float *qb, float *ob, int64_t g, int64_t head_dim,
+                                 const uint8_t *kbase, const uint8_t *vbase,
+                                 const int64_t *offs, int64_t ctx, int64_t pad, float scale,
+                                 int i8, float *scores) {
+    float mx[PD_MAX_GROUP], sum[PD_MAX_GROUP];
+    for (int64_t j = 0; j < g; j++) mx[j] = -INFINITY;
+    for (int64_t t = 0; t < ctx; t++) {
+        const uint8_t *k = kbase + offs[t];
+        const float ks = i8 ? row_scale(k, head_dim) * scale : scale;
+        for (int64_t j = 0; j < g; j++) {
+            const float s = dot_row(qb + j * head_dim, k, head_dim, i8) * ks;
+            scores[j * pad + t] = s;
+            if (s > mx[j]) mx[j] = s;
+        }
+    }
+    for (int64_t j = 0; j < g; j++) {
+        float acc = 0.0f;
+        float *sj = scores + j * pad;
+        for (int64_t t = 0; t < ctx; t++) {
+            sj[t] = expf(sj[t] - mx[j]);
+            acc += sj[t];
+        }
+        sum[j] = acc;
+        memset(ob + j * head_dim, 0, sizeof(float) * (size_t)head_dim);
+    }
+    for (int64_t t = 0; t < ctx; t++) {
+        const uint8_t *v = vbase + offs[t];
+        const float vs = i8 ? row_scale(v, head_dim) : 1.0f;
+        for (int64_t j = 0; j < g; j++)
+            axpy_row(ob + j * head_dim, scores[j * pad + t] * vs, v, head_dim, i8);
+    }
+    for (int64_t j = 0; j < g; j++) {
+        const float inv = 1.0f / sum[j];
+        for (int64_t d = 0; d < head_dim; d++) ob[j * head_dim + d] *= inv;
+    }
+}
+
+/* -- AVX2 + FMA -------------------------------------------------------------------------------
  *
- * The same three passes per (request, kv head) item, laid out for the vector units and the
- * caches:
+ * The same three passes per item, laid out for the vector units and the caches:
  *   scores:  eight tokens at a time, one accumulator per token over the head's vectors, the eight
  *            reduced together into one vector of eight scores (a token's arithmetic does not
  *            depend on its place in the tile: the tail repeats the tile's first token and drops
@@ -199,12 +112,12 @@ static int paged_decode_i8_portable(
  * At batch 1 this is several times faster than the portable loops (whose per-token dot ends in a
  * serial reduction, whose axpy reloads the output for every token, and whose expf is a call per
  * score). Needs head_dim % 8 == 0. */
-#if PD_ATTN_AVX2
+#if PD_X86
 #define PD_TILE 8
 #define PD_PV_CHUNK 32
 
 /* lane i of the result = the sum of a_i's eight lanes */
-static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
+PD_AVX2 static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
                            __m256 a6, __m256 a7) {
     const __m256 s01 = _mm256_hadd_ps(a0, a1), s23 = _mm256_hadd_ps(a2, a3);
     const __m256 s45 = _mm256_hadd_ps(a4, a5), s67 = _mm256_hadd_ps(a6, a7);
@@ -220,7 +133,7 @@ static inline void tile_rows(const uint8_t *base, const int64_t *offs, int64_t t
 }
 
 /* ask for the rows of tokens [t0, t1) (`bytes` each) */
-static inline void prefetch_rows(const uint8_t *base, const int64_t *offs, int64_t t0,
+PD_AVX2 static inline void prefetch_rows(const uint8_t *base, const int64_t *offs, int64_t t0,
                                  int64_t t1, int64_t bytes) {
     for (int64_t t = t0; t < t1; t++)
         for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)base + offs[t] + b,
@@ -230,13 +143,13 @@ static inline void prefetch_rows(const uint8_t *base, const int64_t *offs, int64
 /* bytes of 8 values of a row: fp32, or int8 */
 static inline int64_t vec_bytes(int i8) { return i8 ? 8 : 32; }
 
-static inline __m256 load_k(const uint8_t *p, int i8) {
+PD_AVX2 static inline __m256 load_k(const uint8_t *p, int i8) {
     if (!i8) return _mm256_loadu_ps((const float *)p);
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
 /* dot(q, k) over nv vectors for eight tokens' rows at once (fp32 rows, or int8 rows) */
-static inline __m256 dots8(const float *q, const uint8_t *const r[PD_TILE], int64_t nv, int i8) {
+PD_AVX2 static inline __m256 dots8(const float *q, const uint8_t *const r[PD_TILE], int64_t nv, int i8) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     const int64_t es = vec_bytes(i8);
     for (int64_t v = 0; v < nv; v++) {
@@ -254,7 +167,7 @@ static inline __m256 dots8(const float *q, const uint8_t *const r[PD_TILE], int6
 }
 
 /* o[0..64) (+)= sum_{t in [t0, t1)} p[t] v_t[v0 * 8 ..] (first: start from 0) */
-static inline void pv64(float *o, const float *p, const uint8_t *vbase, const int64_t *offs,
+PD_AVX2 static inline void pv64(float *o, const float *p, const uint8_t *vbase, const int64_t *offs,
                         int64_t t0, int64_t t1, int64_t v0, int i8, int first) {
     const int64_t es = vec_bytes(i8);
     __m256 a0, a1, a2, a3, a4, a5, a6, a7;
@@ -283,7 +196,7 @@ static inline void pv64(float *o, const float *p, const uint8_t *vbase, const in
 }
 
 /* o[0..8) (+)= sum_{t in [t0, t1)} p[t] v_t[v * 8 ..]: what head_dim % 64 leaves */
-static inline void pv8(float *o, const float *p, const uint8_t *vbase, const int64_t *offs,
+PD_AVX2 static inline void pv8(float *o, const float *p, const uint8_t *vbase, const int64_t *offs,
                        int64_t t0, int64_t t1, int64_t v, int i8, int first) {
     const int64_t es = vec_bytes(i8);
     __m256 a = first ? _mm256_setzero_ps() : _mm256_loadu_ps(o);
@@ -295,7 +208,7 @@ static inline void pv8(float *o, const float *p, const uint8_t *vbase, const int
 /* One item: g query heads (qb, ob: [g, head_dim]) against kv head rows at kbase / vbase (the
  * item's head in its layer's K and V planes) + offs[t] for token t (`width` bytes: head_dim
  * floats, or head_dim int8 and their fp32 scale). scores: g x (ctx rounded up to 8) floats. */
-static void attend_item_avx2(const float *qb, float *ob, int64_t g, int64_t head_dim,
+PD_AVX2 static void attend_item_avx2(const float *qb, float *ob, int64_t g, int64_t head_dim,
                              int64_t width, const uint8_t *kbase, const uint8_t *vbase,
                              const int64_t *offs, int64_t ctx, float scale, int i8,
                              float *scores) {
@@ -373,74 +286,87 @@ static void attend_item_avx2(const float *qb, float *ob, int64_t g, int64_t head
     }
 }
 
-static int paged_decode_avx2(const float *q, const uint8_t *kv, const int64_t *tables,
-                             const int64_t *ctx_lens, float *out, int64_t num_heads,
-                             int64_t num_kv_heads, int64_t head_dim, int64_t max_blocks,
-                             int64_t block_size, int64_t num_layers, int64_t layer, float scale,
-                             int64_t item_begin, int64_t item_end, int i8) {
-    const int64_t g = num_heads / num_kv_heads;
-    const int64_t width = i8 ? head_dim + 4 : head_dim * 4; /* bytes of one (token, head) row */
-    const int64_t row = num_kv_heads * width, plane = block_size * row;
-    const int64_t block_stride = num_layers * 2 * plane, layer_off = layer * 2 * plane;
+#endif /* PD_X86 */
+
+/* -- the routine --------------------------------------------------------------------------- */
+
+typedef struct {
+    const float *q;
+    const uint8_t *kv;
+    const int64_t *tables, *ctx_lens;
+    float *out;
+    int64_t hq, hkv, d, max_blocks, block_size, num_layers, layer;
+    float scale;
+    int i8;
+    _Atomic int failed;
+} attn_job;
+
+/* Items [i0, i1): each request's token offsets once for all its kv heads, then every item
+ * through the variant this CPU runs. */
+static void attn_items(const void *ctx, int64_t i0, int64_t i1) {
+    attn_job *j = (attn_job *)ctx;
+    const int64_t hkv = j->hkv, d = j->d, g = j->hq / hkv;
+    const int64_t width = j->i8 ? d + 4 : d * 4; /* bytes of one (token, head) row */
+    const int64_t row = hkv * width, plane = j->block_size * row;
+    const int64_t block_stride = j->num_layers * 2 * plane, layer_off = j->layer * 2 * plane;
     int64_t max_ctx = 0;
-    for (int64_t it = item_begin; it < item_end; it++) {
-        const int64_t c = ctx_lens[it / num_kv_heads];
+    for (int64_t it = i0; it < i1; it++) {
+        const int64_t c = j->ctx_lens[it / hkv];
         if (c > max_ctx) max_ctx = c;
     }
-    const int64_t pad = (max_ctx + PD_TILE) / PD_TILE * PD_TILE;
+    const int64_t pad = (max_ctx + 8) / 8 * 8;
     /* scores [g, pad], then the byte offset of each token's row from its head's plane [pad] */
     float *scores = malloc((sizeof(float) * (size_t)g + sizeof(int64_t)) * (size_t)pad);
-    if (!scores) return -1;
+    if (!scores) {
+        j->failed = 1;
+        return;
+    }
     int64_t *offs = (int64_t *)(scores + g * pad), offs_of = -1;
-    for (int64_t it = item_begin; it < item_end; it++) {
-        const int64_t b = it / num_kv_heads, h = it % num_kv_heads, ctx = ctx_lens[b];
-        if (offs_of != b) { /* a request's token offsets, once for all its kv heads */
-            const int64_t *table = tables + b * max_blocks;
-            for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-                const int64_t base = table[t0 / block_size] * block_stride;
-                for (int64_t t = t0; t < ctx && t < t0 + block_size; t++)
+#if PD_X86
+    const int vector = pd_isa() >= PD_ISA_AVX2 && d % 8 == 0;
+#endif
+    for (int64_t it = i0; it < i1; it++) {
+        const int64_t b = it / hkv, h = it % hkv, ctx = j->ctx_lens[b];
+        if (offs_of != b) {
+            const int64_t *table = j->tables + b * j->max_blocks;
+            for (int64_t t0 = 0; t0 < ctx; t0 += j->block_size) {
+                const int64_t base = table[t0 / j->block_size] * block_stride;
+                for (int64_t t = t0; t < ctx && t < t0 + j->block_size; t++)
                     offs[t] = base + (t - t0) * row;
             }
             offs_of = b;
         }
-        const uint8_t *kbase = kv + layer_off + h * width;
-        attend_item_avx2(q + (b * num_heads + h * g) * head_dim,
-                         out + (b * num_heads + h * g) * head_dim, g, head_dim, width, kbase,
-                         kbase + plane, offs, ctx, scale, i8, scores);
+        const uint8_t *kbase = j->kv + layer_off + h * width;
+        const float *qb = j->q + (b * j->hq + h * g) * d;
+        float *ob = j->out + (b * j->hq + h * g) * d;
+#if PD_X86
+        if (vector) {
+            attend_item_avx2(qb, ob, g, d, width, kbase, kbase + plane, offs, ctx, j->scale, j->i8,
+                             scores);
+            continue;
+        }
+#endif
+        attend_item_portable(qb, ob, g, d, kbase, kbase + plane, offs, ctx, pad, j->scale, j->i8,
+                             scores);
     }
     free(scores);
-    return 0;
-}
-#endif
-
-int pdserve_paged_decode_f32(
-    const float *q, const float *kv, const int64_t *tables, const int64_t *ctx_lens,
-    float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t max_blocks,
-    int64_t block_size, int64_t num_layers, int64_t layer, float scale,
-    int64_t item_begin, int64_t item_end) {
-#if PD_ATTN_AVX2
-    if (head_dim % 8 == 0)
-        return paged_decode_avx2(q, (const uint8_t *)kv, tables, ctx_lens, out, num_heads,
-                                 num_kv_heads, head_dim, max_blocks, block_size, num_layers,
-                                 layer, scale, item_begin, item_end, 0);
-#endif
-    return paged_decode_f32_portable(q, kv, tables, ctx_lens, out, num_heads, num_kv_heads,
-                                     head_dim, max_blocks, block_size, num_layers, layer, scale,
-                                     item_begin, item_end);
 }
 
-int pdserve_paged_decode_i8(
-    const float *q, const uint8_t *kv, const int64_t *tables, const int64_t *ctx_lens,
-    float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t max_blocks,
-    int64_t block_size, int64_t num_layers, int64_t layer, float scale,
-    int64_t item_begin, int64_t item_end) {
-#if PD_ATTN_AVX2
-    if (head_dim % 8 == 0)
-        return paged_decode_avx2(q, kv, tables, ctx_lens, out, num_heads, num_kv_heads,
-                                 head_dim, max_blocks, block_size, num_layers, layer, scale,
-                                 item_begin, item_end, 1);
-#endif
-    return paged_decode_i8_portable(q, kv, tables, ctx_lens, out, num_heads, num_kv_heads,
-                                    head_dim, max_blocks, block_size, num_layers, layer, scale,
-                                    item_begin, item_end);
+/* 0; -1: no memory for the scratch; -2: more query heads per kv head than PD_MAX_GROUP */
+int pdserve_paged_decode(const float *q, const void *kv, const int64_t *tables,
+                         const int64_t *ctx_lens, float *out, int64_t batch, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t head_dim, int64_t max_blocks,
+                         int64_t block_size, int64_t num_layers, int64_t layer, float scale,
+                         int kv_int8, int num_threads) {
+    if (num_heads / num_kv_heads > PD_MAX_GROUP) return -2;
+    attn_job job = {q, kv, tables, ctx_lens, out, num_heads, num_kv_heads, head_dim, max_blocks,
+                    block_size, num_layers, layer, scale, kv_int8, 0};
+    const int64_t items = batch * num_kv_heads;
+    int64_t max_ctx = 0;
+    for (int64_t i = 0; i < batch; i++) max_ctx = ctx_lens[i] > max_ctx ? ctx_lens[i] : max_ctx;
+    const int threads = items * max_ctx >= PD_PARALLEL_MIN_WORK
+                            ? (int)(num_threads < items ? num_threads : items)
+                            : 1;
+    pd_run_parallel(attn_items, &job, items, 1, threads);
+    return job.failed ? -1 : 0;
 }

@@ -1,5 +1,5 @@
 /* exp(x) for eight floats at a time (AVX2 + FMA): the attention's softmax (paged_decode.c) and
- * the SwiGLU of the linear kernels' library (quant_linear.c) both use it.
+ * SwiGLU (ops.c) both use it.
  *
  * Within 2 ulp of expf over [-87.3, 88], to which x is clamped (0 below: under the smallest
  * normal float; 2^127 e^r above); NaN stays NaN. x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two

@@ -4,7 +4,7 @@
 
 - ``TorchOps``: plain torch ops over any ``linear`` (dense tensors, or packed weights through
   ``PackedLinear``'s fallbacks), on any device. Numerics follow transformers.
-- ``NativeOps``: CPU fp32 models with packed weights and the native kernel. RMSNorm, RoPE,
+- ``NativeOps``: CPU fp32 models with packed weights and the native library. RMSNorm, RoPE,
   the KV write (int8 quantization included) and SwiGLU are one C call each instead of 5-15
   torch ops, and the residual adds accumulate inside the linear kernel: at batch 1 the per-op
   dispatch cost of torch is larger than the arithmetic of a 135M model's layer.
@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from cluster.engine.attention import AttentionMetadata, write_kv
-from cluster.engine.kernels.decode_forward import MAX_SEGMENTS, DecodeForward, Layer, Segment
-from cluster.engine.kernels.quant import QuantKernels
+from cluster.engine.kernels.decode_forward import MAX_SEGMENTS, DecodeForward, LayerDescription
+from cluster.engine.kernels.native import NativeKernels
+from cluster.engine.kernels.quant import PackedRows
 from cluster.engine.kv_codec import KVCodec
 from cluster.engine.models.packed import PackedLinear, PackedWeight, Weight
 
@@ -152,7 +153,7 @@ class TorchOps:
 class NativeOps(TorchOps):
     """CPU fp32 with the native kernel: the same expressions, one C call each."""
 
-    def __init__(self, linear: PackedLinear, kernels: QuantKernels) -> None:
+    def __init__(self, linear: PackedLinear, kernels: NativeKernels) -> None:
         super().__init__(linear, linear.embed)
         self.packed = linear
         self.kernels = kernels
@@ -164,9 +165,8 @@ class NativeOps(TorchOps):
     ) -> bool:  # fmt: skip
         """A decode-only step of up to ``kernel_max_rows`` rows: all layers in one C call
         (``kernels/decode_forward.py``), the same kernels in the same order as the loop."""
-        attention = getattr(meta.decode_kernel, "address", None)
         if (
-            attention is None
+            meta.decode_kernel is None
             or meta.prefills
             or meta.num_decodes != h.shape[0]
             or h.shape[0] > self.packed.kernel_max_rows
@@ -188,7 +188,6 @@ class NativeOps(TorchOps):
             meta.decode_ctx_lens.contiguous(),
             meta.slot_blocks.contiguous(),
             meta.slot_offsets.contiguous(),
-            attention,
         )
         return True
 
@@ -232,13 +231,13 @@ class NativeOps(TorchOps):
         return self.linear_add(h, self.kernels.swiglu(gu, inter), down)
 
 
-def _described(w: Weight) -> tuple[int, list[Segment]] | None:
+def _described(w: Weight) -> tuple[int, tuple[PackedRows, ...]] | None:
     if not isinstance(w, PackedWeight) or not 0 < len(w.segments) <= MAX_SEGMENTS:
         return None
-    return w.cols, [Segment(s.qtype, s.data, s.scales) for s in w.segments]
+    return w.cols, w.segments
 
 
-def whole_forward(model: Any, kernels: QuantKernels) -> DecodeForward | None:
+def whole_forward(model: Any, kernels: NativeKernels) -> DecodeForward | None:
     """The C description of ``model``'s layers, or None where one is not packed (or has more
     segments than the call takes)."""
     a = model.arch
@@ -251,7 +250,7 @@ def whole_forward(model: Any, kernels: QuantKernels) -> DecodeForward | None:
         assert qkv and o and gate_up and down
         bias = lw.qkv_bias.contiguous() if lw.qkv_bias is not None else None
         norms = lw.input_norm.contiguous(), lw.post_norm.contiguous()
-        layers.append(Layer(*norms, bias, qkv, o, gate_up, down))
+        layers.append(LayerDescription(*norms, bias, qkv, o, gate_up, down))
     shape = (a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, a.intermediate_size)
     return DecodeForward(
         kernels.lib,

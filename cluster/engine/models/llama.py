@@ -8,7 +8,6 @@ greedy outputs match a transformers run token for token (fp32).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -55,68 +54,6 @@ class LayerWeights:
 
 # (x [N, in], weight [out, in], bias) -> [N, out]; PackedLinear also takes PackedWeight
 Linear = Callable[[torch.Tensor, Any, torch.Tensor | None], torch.Tensor]
-
-
-@functools.cache
-def onednn_linear() -> Linear | None:
-    """oneDNN's linear on CPU where it is faster than ``F.linear`` on this machine.
-
-    A private torch op: probed against ``F.linear`` once for equal results, then timed against it
-    at decode batch 1 and at batch 32, since which one wins depends on the CPU, torch's build and
-    the batch (on one Xeon oneDNN was 1.3-2x faster at batch 1; on a Sapphire Rapids it was
-    slower at batch 1 and ~20% faster from batch 16 on). Returns oneDNN for the batch sizes where
-    it won, ``F.linear`` below or above, or ``None`` when the op is missing, wrong or never faster.
-    """
-    op = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
-    if op is None:
-        return None
-
-    def onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        return op(x, w, b, "none", [], "")
-
-    try:
-        g = torch.Generator().manual_seed(0)
-        x, w, b = torch.randn(3, 64, generator=g), torch.randn(48, 64, generator=g), None
-        if not torch.allclose(onednn(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-4):
-            return None
-        small, large = _faster(onednn, F.linear, 1), _faster(onednn, F.linear, 32)
-    except RuntimeError:
-        return None
-    if small and large:
-        return onednn
-    if not small and not large:
-        return None
-    split = SMALL_BATCH_ROWS
-
-    def mixed(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        return (onednn if (rows > split) == large else F.linear)(x, w, b)
-
-    return mixed
-
-
-SMALL_BATCH_ROWS = 8  # up to this many rows a matmul counts as "batch 1" for the choice above
-
-
-def _faster(candidate: Linear, baseline: Linear, rows: int, rounds: int = 9) -> bool:
-    """Whether ``candidate`` beats ``baseline`` by >= 5% on [rows, 1536] x [1536, 576] (an MLP
-    down projection; median of interleaved rounds, so a busy neighbour slows both alike)."""
-    import time
-
-    g = torch.Generator().manual_seed(1)
-    x, w = torch.randn(rows, 1536, generator=g), torch.randn(576, 1536, generator=g)
-    ratios = []
-    for _ in range(rounds):
-        times = []
-        for f in (candidate, baseline):
-            f(x, w, None)  # warm
-            t0 = time.perf_counter()
-            for _ in range(10):
-                f(x, w, None)
-            times.append(time.perf_counter() - t0)
-        ratios.append(times[0] / times[1])
-    ratios.sort()
-    return ratios[len(ratios) // 2] < 0.95
 
 
 class LlamaModel:

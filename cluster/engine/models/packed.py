@@ -1,63 +1,50 @@
-"""Weights kept packed (quantized), and the linear function that runs on them.
+"""Weights kept packed (quantized), and the linear function that runs on them and on dense ones.
 
-A ``PackedWeight`` is a [rows, cols] matrix stored as one or more row segments, each in one
-format (``kernels/quant.py``: Q4_0, Q4_1, Q8_0 blocks from a GGUF file, int8 groups of 32 with
-an fp16 scale and minimum each, or int8 rows with fp32 scales). Fusing q/k/v (or gate/up)
-concatenates rows; parts of different formats stay separate segments that write adjacent
-output columns.
+A ``PackedWeight`` is a [rows, cols] matrix stored as one or more row segments (``PackedRows``),
+each in one format (``kernels/quant.py``: Q4_0, Q4_1, Q8_0 blocks from a GGUF file, int8 groups
+of 32 with an fp16 scale and minimum each, or int8 rows with fp32 scales). Fusing q/k/v (or
+gate/up) concatenates rows; parts of different formats stay separate segments that write
+adjacent output columns.
 
-``PackedLinear`` is the model's ``linear``: dense weights go to the dense linear as before;
-packed weights, on a CPU fp32 model with the native kernel, go
+``PackedLinear`` is the model's ``linear``, over dense and packed weights alike. It has three
+paths, and nothing else multiplies a weight:
 
-    rows of x <= kernel_max_rows:  the native kernel (weights stream once, never expanded)
-    more rows:                     de-quantized tiles in a reused fp32 scratch, then the dense
-                                   linear (BLAS) on each tile: batching stays compute-bound
+    reference  torch: ``F.linear`` on the dense weight or on ``PackedWeight.dequantize()``.
+               Any device and dtype; the path wherever the native library is absent.
+    kernel     the native linear (``kernels/native.py``) for every format, F32 included, on a
+               CPU fp32 model: weights stream once and are never expanded; a row's output does
+               not depend on its batch. Up to ``kernel_max_rows`` activation rows.
+    tiles      more rows (prefill chunks): packed rows de-quantized into a reused fp32 scratch a
+               tile at a time, then ``F.linear`` (BLAS) on each tile; a dense F32 weight is its
+               own tile. Batching stays compute-bound.
 
-(``probe_kernel_max_rows`` measures where the kernel stops winning on this CPU at start-up).
-Without the kernel (no compiler, another device or dtype) packed weights are de-quantized in
-torch per call: correct everywhere, fast nowhere.
+The choice between kernel and tiles is ``kernel_max_rows`` (a rule by instruction set, from
+measurements; no timing at start-up).
 """
 
 from __future__ import annotations
 
-import itertools
-import logging
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from cluster.engine.kernels.native import NativeKernels
 from cluster.engine.kernels.quant import (
-    Q4_1,
+    F32,
     QUANT_NAMES,
-    QuantKernels,
+    PackedRows,
     dequantize,
     row_bytes,
     to_planar,
 )
 
-logger = logging.getLogger(__name__)
-
-DenseLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 _SCRATCH_FLOATS = 1 << 21  # 8 MiB of fp32 tiles: a layer's largest matrix in one piece
 
 
 @dataclass(eq=False, slots=True)
-class Segment:
-    qtype: int
-    data: torch.Tensor  # [rows, row_bytes] uint8
-    scales: torch.Tensor | None  # [rows] fp32 (int8 rows only)
-
-    @property
-    def rows(self) -> int:
-        return int(self.data.shape[0])
-
-
-@dataclass(eq=False, slots=True)
 class PackedWeight:
-    segments: tuple[Segment, ...]
+    segments: tuple[PackedRows, ...]
     cols: int
 
     @classmethod
@@ -70,7 +57,7 @@ class PackedWeight:
                 f"packed {QUANT_NAMES.get(qtype, qtype)} weight: {tuple(data.shape)} "
                 f"{data.dtype} is not [rows, {row_bytes(qtype, cols)}] uint8 for {cols} columns"
             )
-        return cls((Segment(qtype, to_planar(qtype, data), scales),), cols)
+        return cls((PackedRows(qtype, to_planar(qtype, data), scales),), cols)
 
     @property
     def rows(self) -> int:
@@ -95,14 +82,14 @@ class PackedWeight:
         assert len(self.segments) == 1
         s = self.segments[0]
         scales = s.scales[perm].contiguous() if s.scales is not None else None
-        return PackedWeight((Segment(s.qtype, s.data[perm].contiguous(), scales),), self.cols)
+        return PackedWeight((PackedRows(s.qtype, s.data[perm].contiguous(), scales),), self.cols)
 
     @staticmethod
     def cat(parts: list[PackedWeight]) -> PackedWeight:
         """Rows of ``parts`` one after another; equal formats share one segment."""
         cols = parts[0].cols
         assert all(p.cols == cols for p in parts)
-        merged: list[list[Segment]] = []
+        merged: list[list[PackedRows]] = []
         for seg in (s for p in parts for s in p.segments):
             if merged and merged[-1][0].qtype == seg.qtype:
                 merged[-1].append(seg)
@@ -115,7 +102,7 @@ class PackedWeight:
                 continue
             data = torch.cat([g.data for g in group])
             scales = [g.scales for g in group if g.scales is not None]
-            out.append(Segment(group[0].qtype, data, torch.cat(scales) if scales else None))
+            out.append(PackedRows(group[0].qtype, data, torch.cat(scales) if scales else None))
         return PackedWeight(tuple(out), cols)
 
 
@@ -133,70 +120,121 @@ def weight_format(weights: list[Weight]) -> str:
     return " + ".join(formats)
 
 
-class PackedLinear:
-    """The linear function of a model whose weights may be packed (see the module docstring)."""
+# The most activation rows the native kernel takes before tiles + BLAS win, by the instruction
+# set its variants use and by dense (F32) or packed weights. Measured as kernel / tiles time
+# over 24-48 [1536, 576] matrices (more than the L3 holds, so weights come from memory as in a
+# step), 2 threads, a 2-core AMD EPYC with AVX-512, each variant forced with set_isa:
+#   avx512    F32 16: 0.76  32: 0.88  48: 0.95  64: 1.05   Q4_1 32: 0.83   Q8_0 32: 0.38
+#   avx2      F32 16: 0.78  32: 0.92  48: 0.97  64: 1.04   Q4_1 32: 0.65   Q8_0 32: 0.29
+#   portable  F32 1: 0.66  4: 0.80  8: 1.12               Q4_1 1: 1.01 2: 1.68   Q8_0 1: 1.70
+# and on a 2-core AVX2 EPYC, Q4_1 at 32 rows 0.84-0.96, a batch-32 decode step of the default
+# model 128-141 ms on the kernel against 211-229 ms on tiles. 32 stays below the crossing and
+# keeps every decode step of up to 32 rows on the batch-invariant kernel.
+KERNEL_MAX_ROWS = {
+    "avx512": {"dense": 32, "packed": 32},
+    "avx2": {"dense": 32, "packed": 32},
+    "portable": {"dense": 4, "packed": 1},
+}
 
-    def __init__(
-        self,
-        dense: DenseLinear,
-        kernels: QuantKernels | None,
-        kernel_max_rows: int = 0,
-    ) -> None:
-        self.dense = dense
+
+def kernel_max_rows(isa: str, packed: bool) -> int:
+    """The rule between the kernel and tiles + BLAS (``KERNEL_MAX_ROWS``)."""
+    return KERNEL_MAX_ROWS[isa]["packed" if packed else "dense"]
+
+
+def reference_linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None) -> torch.Tensor:
+    """The torch path: ``F.linear`` on the dense or de-quantized weight (any device, dtype)."""
+    if isinstance(w, PackedWeight):
+        w = w.dequantize().to(device=x.device, dtype=x.dtype)
+    return F.linear(x, w, b)
+
+
+class PackedLinear:
+    """The linear function of a model, dense or packed (see the module docstring)."""
+
+    def __init__(self, kernels: NativeKernels | None) -> None:
         self.kernels = kernels
-        self.kernel_max_rows = kernel_max_rows
         self._scratch: torch.Tensor | None = None
+        self._max_rows: int | None = None  # a test's override of the rule
+
+    @property
+    def kernel_max_rows(self) -> int:
+        """Steps of up to this many rows run on the kernel with packed weights (the one-call
+        decode step's limit too); 0 without the native library."""
+        return self.max_rows(packed=True)
+
+    @kernel_max_rows.setter
+    def kernel_max_rows(self, rows: int | None) -> None:
+        """Override the rule (tests put a step on one path or the other); None: the rule."""
+        self._max_rows = rows
+
+    def max_rows(self, packed: bool) -> int:
+        """The rule for dense or packed weights on this library's instruction set."""
+        if self.kernels is None:
+            return 0
+        if self._max_rows is not None:
+            return self._max_rows
+        return kernel_max_rows(self.kernels.isa, packed)
+
+    def native(self, x: torch.Tensor, w: Weight) -> bool:
+        """Whether this call takes a native path (kernel or tiles): CPU fp32 throughout."""
+        return (
+            self.kernels is not None
+            and x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and (isinstance(w, PackedWeight) or w.dtype == torch.float32)
+        )
 
     def __call__(self, x: torch.Tensor, w: Weight, b: torch.Tensor | None) -> torch.Tensor:
-        if not isinstance(w, PackedWeight):
-            return self.dense(x, w, b)
-        k = self.kernels
-        if k is None or x.dtype != torch.float32 or x.device.type != "cpu":
-            return self.dense(x, w.dequantize().to(device=x.device, dtype=x.dtype), b)
-        x = x.contiguous()
-        n = x.shape[0]
-        if n <= self.kernel_max_rows:
-            out = torch.empty((n, w.rows), dtype=torch.float32)
-            r0 = 0
-            for s in w.segments:
-                bias = b[r0 : r0 + s.rows] if b is not None else None
-                k.linear(s.qtype, s.data, s.scales, w.cols, x, out[:, r0:], bias)
-                r0 += s.rows
-            return out
-        return self._tiled(x, w, b)
+        if not self.native(x, w) or x.numel() == 0:
+            return reference_linear(x, w, b)
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()  # leading dims are rows
+        if x2.shape[0] <= self.max_rows(isinstance(w, PackedWeight)):
+            out = self._kernel(x2, w, b)
+        else:
+            out = self._tiled(x2, w, b)
+        return out.view(*x.shape[:-1], out.shape[-1])
 
-    def accumulate(self, h: torch.Tensor, x: torch.Tensor, w: PackedWeight) -> bool:
+    def accumulate(self, h: torch.Tensor, x: torch.Tensor, w: Weight) -> bool:
         """h += x @ w.T inside the kernel (no temporary), when the kernel path applies."""
-        k = self.kernels
-        n = x.shape[0]
-        if (
-            k is None
-            or n > self.kernel_max_rows
-            or not h.is_contiguous()
-            or x.dtype != torch.float32
-        ):
+        packed = isinstance(w, PackedWeight)
+        if not self.native(x, w) or x.shape[0] > self.max_rows(packed) or not h.is_contiguous():
             return False
-        x = x.contiguous()
-        r0 = 0
-        for s in w.segments:
-            k.linear(s.qtype, s.data, s.scales, w.cols, x, h[:, r0:], None, accumulate=True)
-            r0 += s.rows
+        self._kernel(x.contiguous(), w, None, h)
         return True
 
-    def _tiled(self, x: torch.Tensor, w: PackedWeight, b: torch.Tensor | None) -> torch.Tensor:
-        """De-quantize row tiles into the scratch and run the dense linear on each."""
-        assert self.kernels is not None
+    def _kernel(
+        self, x: torch.Tensor, w: Weight, b: torch.Tensor | None, acc: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x @ w.T (+ b) on the native kernel, segment by segment; into ``acc`` (added) if given."""
+        k = self.kernels
+        assert k is not None
+        cols, add = x.shape[1], acc is not None
+        out = acc if acc is not None else torch.empty((x.shape[0], _rows(w)), dtype=torch.float32)
+        if not isinstance(w, PackedWeight):
+            return k.linear(F32, w.contiguous(), None, cols, x, out, b, add)
+        r0 = 0
+        for s in w.segments:
+            bias = b[r0 : r0 + s.rows] if b is not None else None
+            k.linear(s.qtype, s.data, s.scales, cols, x, out[:, r0:], bias, add)
+            r0 += s.rows
+        return out
+
+    def _tiled(self, x: torch.Tensor, w: Weight, b: torch.Tensor | None) -> torch.Tensor:
+        """De-quantize row tiles into the scratch and run ``F.linear`` on each (a dense weight
+        is its own tile)."""
+        if not isinstance(w, PackedWeight):
+            return F.linear(x, w, b)
         tile_rows = max(1, _SCRATCH_FLOATS // w.cols)
         if self._scratch is None:
             self._scratch = torch.empty(_SCRATCH_FLOATS, dtype=torch.float32)
         if w.rows <= tile_rows:
-            tile = self._dequant_rows(w, 0, w.rows)
-            return self.dense(x, tile, b)
+            return F.linear(x, self._dequant_rows(w, 0, w.rows), b)
         out = torch.empty((x.shape[0], w.rows), dtype=torch.float32)
         for r0 in range(0, w.rows, tile_rows):
             r1 = min(w.rows, r0 + tile_rows)
             bias = b[r0:r1] if b is not None else None
-            out[:, r0:r1] = self.dense(x, self._dequant_rows(w, r0, r1), bias)
+            out[:, r0:r1] = F.linear(x, self._dequant_rows(w, r0, r1), bias)
         return out
 
     def _dequant_rows(self, w: PackedWeight, r0: int, r1: int) -> torch.Tensor:
@@ -207,9 +245,11 @@ class PackedLinear:
         for s in w.segments:
             lo, hi = max(r0, base), min(r1, base + s.rows)
             if lo < hi:
-                self.kernels.dequant(
-                    s.qtype, s.data, s.scales, w.cols, tile[lo - r0 : hi - r0], row0=lo - base
-                )
+                dst = tile[lo - r0 : hi - r0]
+                if s.qtype == F32:
+                    dst.copy_(dequantize(F32, s.data[lo - base : hi - base], None))
+                else:
+                    self.kernels.dequant(s.qtype, s.data, s.scales, w.cols, dst, row0=lo - base)
             base += s.rows
         return tile
 
@@ -217,77 +257,19 @@ class PackedLinear:
         """Rows ``ids`` of an embedding table: [N] -> [N, cols]."""
         if not isinstance(w, PackedWeight):
             return F.embedding(ids, w)
-        if self.kernels is None or ids.device.type != "cpu" or len(w.segments) != 1:
-            return F.embedding(ids, w.dequantize().to(ids.device))
         s = w.segments[0]
+        if (
+            self.kernels is None
+            or ids.device.type != "cpu"
+            or len(w.segments) != 1
+            or s.qtype == F32
+        ):
+            return F.embedding(ids, w.dequantize().to(ids.device))
         out = torch.empty((ids.shape[0], w.cols), dtype=torch.float32)
-        ids = ids.contiguous()
-        return self.kernels.dequant(s.qtype, s.data, s.scales, w.cols, out, row_ids=ids)
+        return self.kernels.dequant(
+            s.qtype, s.data, s.scales, w.cols, out, row_ids=ids.contiguous()
+        )
 
 
-_PROBED: dict[tuple[int, DenseLinear], int] = {}
-# How much slower than tiles the kernel may be on the probe's matrices and still keep a row
-# count: the probe does not see all that the kernel path saves in a step (decode steps of up to
-# kernel_max_rows rows run every layer in one native call, no scratch is written and re-read).
-KERNEL_MARGIN = 1.15
-_PROBE_POOL_BYTES = 48 << 20  # more than a server CPU's last-level cache slice
-
-
-def probe_kernel_max_rows(kernels: QuantKernels, dense: DenseLinear) -> int:
-    """Measured once per (thread count, dense linear) in a process: see ``_probe``."""
-    key = (kernels.num_threads, dense)
-    if key not in _PROBED:
-        _PROBED[key] = _probe(kernels, dense)
-    return _PROBED[key]
-
-
-def _probe(kernels: QuantKernels, dense: DenseLinear) -> int:
-    """The most activation rows at which the native kernel still beats de-quantize + BLAS.
-
-    Timed on random Q4_1 [1536, 576] matrices (an MLP projection of the default model) at
-    1, 2, 4, 8, 16, 32 rows, interleaved (each first in turn), median of 9 rounds; the kernel
-    keeps every row count up to the first it loses by ``KERNEL_MARGIN`` (it always keeps 1:
-    there it never expands the weights). Each call takes the next of ``_PROBE_POOL_BYTES`` of
-    copies, so the weights come from memory as a model's do in a step. Timed on one matrix held
-    in cache, the probe chose tiles at 32 rows in some runs on a 2-core AVX2 EPYC, where a bs32
-    decode step of the default model then took 211-229 ms against 128-141 ms on the kernel path.
-    """
-    g = torch.Generator().manual_seed(0)
-    rows, cols = 1536, 576
-    data = torch.randint(0, 256, (rows, row_bytes(Q4_1, cols)), dtype=torch.uint8, generator=g)
-    blocks = data.view(rows, -1, 20)
-    blocks[..., 0:2] = torch.tensor([0x66, 0x20], dtype=torch.uint8)  # d ~ 0.008 (fp16)
-    blocks[..., 2:4] = torch.tensor([0x66, 0xA0], dtype=torch.uint8)  # m ~ -0.008
-    one = PackedWeight.of(Q4_1, data, cols).segments[0].data
-    copies = max(2, _PROBE_POOL_BYTES // one.numel())
-    pool = one.repeat(copies, 1)  # distinct memory, the same values
-    weights = [
-        PackedWeight((Segment(Q4_1, pool[i * rows : (i + 1) * rows], None),), cols)
-        for i in range(copies)
-    ]
-    turn = itertools.count()
-
-    def call(f: PackedLinear, x: torch.Tensor) -> None:
-        f(x, weights[next(turn) % copies], None)
-
-    kernel = PackedLinear(dense, kernels, kernel_max_rows=1 << 30)
-    tiled = PackedLinear(dense, kernels, kernel_max_rows=0)
-    best = 1
-    for n in (2, 4, 8, 16, 32):
-        x = torch.randn(n, cols, generator=g)
-        ratios = []
-        for r in range(9):
-            times = {}
-            for f in (kernel, tiled) if r % 2 else (tiled, kernel):  # either goes first
-                call(f, x)  # warm
-                t0 = time.perf_counter()
-                for _ in range(3):
-                    call(f, x)
-                times[f] = time.perf_counter() - t0
-            ratios.append(times[kernel] / times[tiled])
-        ratios.sort()
-        if ratios[len(ratios) // 2] >= KERNEL_MARGIN:
-            break
-        best = n
-    logger.info("packed linear: native kernel up to %d rows, then de-quantized tiles + BLAS", best)
-    return best
+def _rows(w: Weight) -> int:
+    return w.rows if isinstance(w, PackedWeight) else int(w.shape[0])

@@ -5,8 +5,9 @@
     int8   the dense weights quantized at load to int8 per output channel (the tied
            embedding / lm_head included), weight-only: activations stay fp32
 
-Packed formats run through ``PackedLinear``: the native kernel on a CPU fp32 model where it
-compiles (``model.kernels: native`` requires it), torch de-quantization elsewhere.
+Every format runs through ``PackedLinear`` (its three paths: torch reference, native kernel,
+de-quantized tiles + BLAS): natively on a CPU fp32 model where the native library loads
+(``model.kernels: native`` requires it), the torch reference elsewhere.
 """
 
 from __future__ import annotations
@@ -17,22 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from cluster.config import ClusterConfig
-from cluster.engine.kernels.quant import QuantKernels, load_quant_kernels
-from cluster.engine.kernels.rows import rows_linear
+from cluster.engine.kernels.native import NativeKernels, load_native
 from cluster.engine.models.default_model import ModelSource
 from cluster.engine.models.gguf_loader import load_gguf_llama
 from cluster.engine.models.int8 import quantize_int8_groups, quantize_int8_rows
 from cluster.engine.models.layer_ops import LayerOps, NativeOps, TorchOps
-from cluster.engine.models.llama import LlamaModel, onednn_linear
+from cluster.engine.models.llama import LlamaModel
 from cluster.engine.models.loader import load_llama
-from cluster.engine.models.packed import (
-    PackedLinear,
-    PackedWeight,
-    probe_kernel_max_rows,
-)
+from cluster.engine.models.packed import PackedLinear, PackedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -48,33 +43,40 @@ class LoadSpec:
     require_native: bool  # model.kernels: native
 
 
+def native_kernels(spec: LoadSpec) -> NativeKernels | None:
+    """The native library where the model may use it (CPU fp32), or None; ``model.kernels:
+    native`` without it is an error naming why."""
+    if not spec.native:
+        return None
+    kernels = load_native(spec.cache_dir, torch.get_num_threads())
+    if kernels is None and spec.require_native:
+        raise ValueError(
+            "model.kernels: native, but the native library is unavailable (see the log: "
+            "usually no C compiler); use auto or torch"
+        )
+    return kernels
+
+
 def _dense(spec: LoadSpec) -> LlamaModel:
-    linear = (onednn_linear() if spec.native else None) or F.linear
-    if spec.native:  # steps of 1-32 rows: the rows kernel (one summation order per output)
-        linear = rows_linear(spec.cache_dir, torch.get_num_threads(), linear) or linear
+    # Dense weights keep the per-layer torch ops; their linears run on the native kernel (F32)
+    # up to kernel_max_rows rows and on BLAS beyond.
     model, _ = load_llama(
-        spec.source.model_dir, spec.dtype, spec.device, spec.max_model_len, linear
+        spec.source.model_dir,
+        spec.dtype,
+        spec.device,
+        spec.max_model_len,
+        PackedLinear(native_kernels(spec)),
     )
     return model
 
 
 def packed_ops(spec: LoadSpec) -> LayerOps:
-    """The layer ops for packed weights: native where the kernel loaded, torch otherwise."""
-    lin = packed_linear(spec)
-    return NativeOps(lin, lin.kernels) if lin.kernels is not None else TorchOps(lin, lin.embed)
-
-
-def packed_linear(spec: LoadSpec) -> PackedLinear:
-    dense = (onednn_linear() if spec.native else None) or F.linear
-    kernels: QuantKernels | None = None
-    if spec.native:
-        kernels = load_quant_kernels(spec.cache_dir, torch.get_num_threads())
-    if kernels is None and spec.require_native:
-        raise ValueError("model.kernels: native needs a C compiler (cc) for packed weights")
-    if kernels is None:
-        logger.warning("packed weights without the native kernel: de-quantized per call (slow)")
-        return PackedLinear(dense, None)
-    return PackedLinear(dense, kernels, probe_kernel_max_rows(kernels, dense))
+    """The layer ops for packed weights: native where the library loaded, torch otherwise."""
+    lin = PackedLinear(native_kernels(spec))
+    if lin.kernels is None:
+        logger.warning("packed weights without the native library: de-quantized per call (slow)")
+        return TorchOps(lin, lin.embed)
+    return NativeOps(lin, lin.kernels)
 
 
 def _gguf(spec: LoadSpec) -> LlamaModel:

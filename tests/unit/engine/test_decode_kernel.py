@@ -1,28 +1,33 @@
-"""The native paged decode kernel equals the torch gather path, and the engine agrees with it."""
+"""The native paged decode attention (one routine for fp32 and int8 KV) equals the torch gather
+path on every instruction-set variant this CPU runs, and the engine agrees with it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from cluster.engine.attention import _decode_attention
-from cluster.engine.engine import LLMEngine
-from cluster.engine.kernels import PagedDecodeKernel, compile_kernel, load_paged_decode
+from cluster.engine.engine import EngineRequest, LLMEngine
+from cluster.engine.kernels.native import ISA_NAMES, NativeKernels, load_native
 from cluster.engine.kv_codec import FLOAT_KV, Int8KV
+from cluster.engine.models.packed import PackedLinear
 from tests.helpers import decode_only_meta, greedy, make_config, run_until_done
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    k = load_paged_decode(tmp_path_factory.mktemp("cache"), 2, num_heads=6, num_kv_heads=2)
+def native(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NativeKernels]:
+    k = load_native(tmp_path_factory.mktemp("cache"), 2)
     if k is None:
-        pytest.skip("no C compiler: the engine uses the torch path")
-    return k
+        pytest.skip("no native library (no C compiler): the engine uses the torch path")
+    yield k
+    k.set_isa(None)
 
 
-def test_kernel_equals_torch_gather(kernel) -> None:  # type: ignore[no-untyped-def]
+def test_kernel_equals_torch_gather(native: NativeKernels) -> None:
     g = torch.Generator().manual_seed(0)
     nb, layers, bs, hkv, d, hq = 40, 3, 4, 2, 16, 6
     kv = torch.randn(nb, layers, 2, bs, hkv, d, generator=g)
@@ -34,31 +39,17 @@ def test_kernel_equals_torch_gather(kernel) -> None:  # type: ignore[no-untyped-
     meta = decode_only_meta(tables, lens, bs, layers, hkv)
     for layer in range(layers):
         ref = _decode_attention(q, kv, layer, meta, 0.25)
-        got = kernel(q, kv, tables, lens, layer, 0.25)
+        got = native.paged_decode(q, kv, tables, lens, layer, 0.25)
         assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5)
-
-
-def _builds(tmp_path: Path) -> dict[str, Path]:
-    """The kernel as the engine builds it (-march=native: the AVX2 passes where the CPU has
-    them) and a baseline build without them (the portable loops)."""
-    import cluster.engine.kernels as kernels_mod
-
-    src = Path(kernels_mod.__file__).with_name("paged_decode.c")
-    builds = {}
-    for name, flags in (("native", ("-O3", "-march=native")), ("portable", ("-O2",))):
-        path = compile_kernel(src, tmp_path, flags)
-        if path is None:
-            pytest.skip("no C compiler")
-        builds[name] = path
-    return builds
 
 
 @pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(6, 2, 16), (9, 3, 64), (4, 4, 72), (8, 1, 12)])
-def test_both_builds_equal_the_torch_path(
-    tmp_path: Path, int8: bool, hq: int, hkv: int, d: int
+def test_every_variant_equals_the_torch_path(
+    native: NativeKernels, int8: bool, hq: int, hkv: int, d: int
 ) -> None:
-    """Both builds against the torch gather path: contexts from 1 token to past two 32-token
+    """Every variant this CPU runs (portable loops; AVX2 passes where head_dim % 8 == 0)
+    against the torch gather path: contexts from 1 token to past two 32-token
     output chunks, tails of every length in the 8-token score tiles, head sizes with a part
     beyond 64 dimensions (72) and one the vector passes leave to the loops (12), and scores far
     apart (large q) so that most of a row's exponentials underflow to 0."""
@@ -74,10 +65,12 @@ def test_both_builds_equal_the_torch_path(
     q = torch.randn(len(lens), hq, d, generator=g)
     q[::2] *= 12.0  # every other request: peaked softmax rows
     meta = decode_only_meta(tables, lens, bs, layers, hkv)
+    native.set_isa(None)
     outs = {}
-    for name, path in _builds(tmp_path).items():
-        kernel = PagedDecodeKernel(path, 2, int8)
-        outs[name] = [kernel(q, kv, tables, lens, layer, d**-0.5) for layer in range(layers)]
+    for isa in ISA_NAMES[: ISA_NAMES.index(native.isa) + 1]:
+        native.set_isa(isa)
+        outs[isa] = [native.paged_decode(q, kv, tables, lens, ly, d**-0.5) for ly in range(layers)]
+    native.set_isa(None)
     for layer in range(layers):
         ref = _decode_attention(q, kv, layer, meta, d**-0.5, codec)
         for name in outs:
@@ -101,21 +94,17 @@ def test_engine_backends_agree(tiny_model_dir: Path) -> None:
         except ValueError:
             pytest.skip("native backend unavailable here")
         for i in range(5):
-            eng.add(f"r{i}", [3 + i * 7 + j for j in range(5 + 11 * i)], greedy(20))
+            eng.add(EngineRequest(f"r{i}", [3 + i * 7 + j for j in range(5 + 11 * i)], greedy(20)))
         outs[backend] = run_until_done(eng)
         eng.check_integrity()
     assert outs["native"] == outs["torch"]
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 32, 200])
-def test_the_chosen_linear_equals_f_linear_at_every_batch(rows: int) -> None:
-    import torch.nn.functional as F
-
-    from cluster.engine.models.llama import onednn_linear
-
-    linear = onednn_linear()  # oneDNN, a per-batch mix, or None (F.linear), by this machine
-    if linear is None:
-        pytest.skip("oneDNN is missing or never faster here: the engine uses F.linear")
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 32, 33, 200])
+def test_the_dense_linear_equals_f_linear_at_every_batch(native: NativeKernels, rows: int) -> None:
+    """The model's linear on dense fp32 weights: the native kernel up to kernel_max_rows rows,
+    BLAS beyond; both F.linear's values up to fp32 rounding."""
+    linear = PackedLinear(native)
     g = torch.Generator().manual_seed(rows)
     x, w, b = torch.randn(rows, 96, generator=g), torch.randn(40, 96, generator=g), None
     torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-4)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cluster.config.model_paths import COMPLETE_MARKER, gguf_model_dir
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import EngineRequest, LLMEngine
 from cluster.engine.models.llama import LlamaModel
 from cluster.engine.models.packed import PackedWeight
 from tests.gguf_tiny import convert_tiny_gguf, write_tiny_gguf
@@ -39,7 +39,9 @@ def tiny_gguf(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 def _run(eng: LLMEngine, n: int = 6, max_tokens: int = 24) -> dict[str, list[int]]:
     for i in range(n):
-        eng.add(f"r{i}", [3 + i * 7 + j for j in range(3 + 9 * i)], greedy(max_tokens))
+        eng.add(
+            EngineRequest(f"r{i}", [3 + i * 7 + j for j in range(3 + 9 * i)], greedy(max_tokens))
+        )
     out = run_until_done(eng)
     eng.check_integrity()
     return out
@@ -100,7 +102,7 @@ def test_a_wide_one_call_decode_step_splits_its_small_ops_bit_for_bit(
 
 def _whole_equals_loop(cfg: Any, n: int, kernel_max_rows: int | None = None) -> None:
     whole, loop = LLMEngine(cfg), LLMEngine(cfg)
-    if kernel_max_rows is not None:  # both on the kernel path at this width, whatever the probe
+    if kernel_max_rows is not None:  # both on the kernel path at this width, whatever the rule
         for e in (whole, loop):
             e.runner.model.ops.packed.kernel_max_rows = kernel_max_rows  # type: ignore[attr-defined]
     loop.runner.model.ops._whole = False  # type: ignore[attr-defined]  # never the one call

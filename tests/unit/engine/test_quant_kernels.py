@@ -14,41 +14,35 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cluster.engine.attention import _decode_attention
-from cluster.engine.kernels import compile_kernel, load_paged_decode
+from cluster.engine.kernels.native import ISA_NAMES, NativeKernels, load_native
 from cluster.engine.kernels.quant import (
     INT8_G32,
     INT8_ROW,
-    ISA_NAMES,
     Q4_0,
     Q4_1,
     Q8_0,
-    QuantKernels,
     dequantize,
-    load_quant_kernels,
     to_blocks,
     to_planar,
 )
 from cluster.engine.kv_codec import Int8KV
 from cluster.engine.models.int8 import quantize_int8_groups, quantize_int8_rows
-from cluster.engine.models.layer_ops import apply_rope, rms_norm
 from cluster.engine.models.packed import PackedLinear, PackedWeight
-from tests.helpers import decode_only_meta
 
 GGUF_TYPES = (Q4_0, Q4_1, Q8_0)
 ALL_TYPES = (*GGUF_TYPES, INT8_ROW, INT8_G32)
 
 
 @pytest.fixture(scope="module")
-def kernels(tmp_path_factory: pytest.TempPathFactory) -> Iterator[QuantKernels]:
-    k = load_quant_kernels(tmp_path_factory.mktemp("quant-cache"), 2)
+def kernels(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NativeKernels]:
+    k = load_native(tmp_path_factory.mktemp("quant-cache"), 2)
     if k is None:
         pytest.skip("no C compiler: packed weights use the torch fallback")
     yield k
     k.set_isa(None)
 
 
-def _isas(k: QuantKernels) -> list[str]:
+def _isas(k: NativeKernels) -> list[str]:
     k.set_isa(None)
     return list(ISA_NAMES[: ISA_NAMES.index(k.isa) + 1])
 
@@ -81,7 +75,7 @@ def test_torch_dequantize_is_the_gguf_reference(qtype: int) -> None:
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES)
-def test_native_dequant_equals_torch_on_every_isa(kernels: QuantKernels, qtype: int) -> None:
+def test_native_dequant_equals_torch_on_every_isa(kernels: NativeKernels, qtype: int) -> None:
     w = packed(qtype, 37, 128, seed=1)
     seg = w.segments[0]
     ref = dequantize(qtype, seg.data, seg.scales)
@@ -99,7 +93,7 @@ def test_native_dequant_equals_torch_on_every_isa(kernels: QuantKernels, qtype: 
 @pytest.mark.parametrize("n", [1, 3, 8, 19])
 @pytest.mark.parametrize("cols", [192, 576])  # 6 and 18 blocks: a row's scales 8 at a time
 def test_native_linear_matches_the_dequantized_reference(
-    kernels: QuantKernels, qtype: int, n: int, cols: int
+    kernels: NativeKernels, qtype: int, n: int, cols: int
 ) -> None:
     rows = 70  # not a multiple of the 4-row groups or the thread split
     w = packed(qtype, rows, cols, seed=n)
@@ -121,8 +115,8 @@ def test_native_linear_matches_the_dequantized_reference(
 
 
 def test_the_thread_split_does_not_change_a_bit(tmp_path: Path) -> None:
-    one = load_quant_kernels(tmp_path, 1)
-    two = load_quant_kernels(tmp_path, 2)
+    one = load_native(tmp_path, 1)
+    two = load_native(tmp_path, 2)
     if one is None or two is None:
         pytest.skip("no C compiler")
     w = packed(Q4_1, 1000, 256).segments[0]
@@ -135,7 +129,7 @@ def test_the_thread_split_does_not_change_a_bit(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES)
-def test_a_rows_output_does_not_depend_on_its_batch(kernels: QuantKernels, qtype: int) -> None:
+def test_a_rows_output_does_not_depend_on_its_batch(kernels: NativeKernels, qtype: int) -> None:
     """Speculative verification runs k+1 rows of a request in one call; plain decode runs one.
     Each row must come out bit for bit as it would alone, on every ISA and batch size (the
     multi-row AVX-512 kernel groups 8, 4, 2 and 1 rows)."""
@@ -153,7 +147,7 @@ def test_a_rows_output_does_not_depend_on_its_batch(kernels: QuantKernels, qtype
             assert torch.equal(out, alone[:n]), (isa, n)
 
 
-def test_packed_linear_mixed_segments_kernel_and_tiles(kernels: QuantKernels) -> None:
+def test_packed_linear_mixed_segments_kernel_and_tiles(kernels: NativeKernels) -> None:
     parts = [packed(Q4_1, 24, 64, 1), packed(Q4_1, 8, 64, 2), packed(Q8_0, 8, 64, 3)]
     w = PackedWeight.cat(parts)
     assert [s.qtype for s in w.segments] == [Q4_1, Q8_0] and w.rows == 40
@@ -161,14 +155,16 @@ def test_packed_linear_mixed_segments_kernel_and_tiles(kernels: QuantKernels) ->
     assert torch.equal(dense, torch.cat([p.dequantize() for p in parts]))
     x, bias = torch.randn(6, 64), torch.randn(40)
     ref = F.linear(x, dense, bias)
-    kernel = PackedLinear(F.linear, kernels, kernel_max_rows=64)
+    kernel = PackedLinear(kernels)
+    kernel.kernel_max_rows = 64
     torch.testing.assert_close(kernel(x, w, bias), ref, atol=1e-5, rtol=1e-5)
     h = torch.randn(6, 40)
     h_acc = h.clone()
     assert kernel.accumulate(h_acc, x, w)
     torch.testing.assert_close(h_acc, h + F.linear(x, dense), atol=1e-5, rtol=1e-5)
     # Many rows: de-quantized tiles + the dense linear, on exactly the reference values.
-    tiles = PackedLinear(F.linear, kernels, kernel_max_rows=0)
+    tiles = PackedLinear(kernels)
+    tiles.kernel_max_rows = 0
     assert torch.equal(tiles(x, w, bias), ref)
     big = packed(Q8_0, 40_000, 64, 4)  # more rows than one 8 MiB scratch tile holds
     assert torch.equal(tiles(x, big, None), F.linear(x, big.dequantize()))
@@ -180,45 +176,8 @@ def test_packed_linear_mixed_segments_kernel_and_tiles(kernels: QuantKernels) ->
         kernel.embed(single, torch.tensor([8]))  # never a read outside the table
 
 
-def test_native_layer_ops_compute_what_torch_computes(kernels: QuantKernels) -> None:
-    g = torch.Generator().manual_seed(7)
-    n, hq, hkv, d = 5, 4, 2, 16
-    h = torch.randn(n, 64, generator=g)
-    norm = torch.rand(64, generator=g) + 0.5
-    torch.testing.assert_close(
-        kernels.rms_norm(h, norm, 1e-5), rms_norm(h, norm, 1e-5), atol=1e-6, rtol=1e-6
-    )
-    cos_t, sin_t = torch.randn(50, d, generator=g), torch.randn(50, d, generator=g)
-    positions = torch.tensor([0, 7, 7, 31, 49])
-    qkv = torch.randn(n, (hq + 2 * hkv) * d, generator=g)
-    q_ref = apply_rope(
-        qkv[:, : hq * d].view(n, hq, d), cos_t[positions][:, None], sin_t[positions][:, None]
-    )
-    k_ref = apply_rope(
-        qkv[:, hq * d : (hq + hkv) * d].view(n, hkv, d),
-        cos_t[positions][:, None],
-        sin_t[positions][:, None],
-    )
-    v_ref = qkv[:, (hq + hkv) * d :].clone()
-    rotated = qkv.clone()
-    kernels.rope(rotated, hq + hkv, d, cos_t, sin_t, positions)
-    assert torch.equal(rotated[:, : hq * d].view(n, hq, d), q_ref)  # same ops, same order
-    assert torch.equal(rotated[:, hq * d : (hq + hkv) * d].view(n, hkv, d), k_ref)
-    assert torch.equal(rotated[:, (hq + hkv) * d :], v_ref)
-    gu = torch.randn(n, 2 * 48, generator=g)
-    torch.testing.assert_close(
-        kernels.swiglu(gu, 48), F.silu(gu[:, :48]) * gu[:, 48:], atol=1e-6, rtol=1e-5
-    )
-    # 45 columns (a tail of 5 past the vector width), gates far into both of exp's tails
-    gu = torch.randn(n, 2 * 45, generator=g) * 30
-    gu[:, :4] = torch.tensor([-100.0, 100.0, -88.5, 0.0])
-    torch.testing.assert_close(
-        kernels.swiglu(gu, 45), F.silu(gu[:, :45]) * gu[:, 45:], atol=1e-6, rtol=1e-5
-    )
-
-
 @pytest.mark.parametrize("int8", [False, True])
-def test_native_kv_write_stores_the_codecs_bytes(kernels: QuantKernels, int8: bool) -> None:
+def test_native_kv_write_stores_the_codecs_bytes(kernels: NativeKernels, int8: bool) -> None:
     g = torch.Generator().manual_seed(3)
     nb, layers, bs, hkv, d = 6, 3, 4, 2, 16
     width = d + 4 if int8 else d
@@ -247,41 +206,6 @@ def test_int8_codec_round_trip_error_is_bounded() -> None:
     bound = x.abs().amax(-1, keepdim=True) / 127 / 2 * (1 + 1e-5)  # half a step per row
     assert bool(((back - x).abs() <= bound).all())
     assert torch.equal(codec.roundtrip(x), back)
-
-
-def test_int8_paged_decode_kernel_equals_the_torch_path(tmp_path: Path) -> None:
-    nb, layers, bs, hkv, d, hq = 40, 3, 4, 2, 16, 6
-    kernel = load_paged_decode(tmp_path, 2, num_heads=hq, num_kv_heads=hkv, int8=True)
-    if kernel is None:
-        pytest.skip("no C compiler")
-    g = torch.Generator().manual_seed(0)
-    codec = Int8KV(d)
-    kv = codec.encode(torch.randn(nb, layers, 2, bs, hkv, d, generator=g))
-    lens = torch.tensor([1, 5, 16, 23, 9])
-    width = 6
-    tables = torch.randperm(nb, generator=g)[: len(lens) * width].view(len(lens), width)
-    tables = tables.contiguous()
-    q = torch.randn(len(lens), hq, d, generator=g)
-    meta = decode_only_meta(tables, lens, bs, layers, hkv)
-    for layer in range(layers):
-        ref = _decode_attention(q, kv, layer, meta, 0.25, codec)
-        got = kernel(q, kv, tables, lens, layer, 0.25)
-        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
-
-
-def test_a_kernel_cache_is_keyed_by_the_cpu(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import cluster.engine.kernels as kernels_mod
-
-    src = Path(kernels_mod.__file__).with_name("quant_linear.c")
-    first = compile_kernel(src, tmp_path, ("-O1",))
-    if first is None:
-        pytest.skip("no C compiler")
-    monkeypatch.setattr(kernels_mod, "cpu_fingerprint", lambda: "another-cpu")
-    second = compile_kernel(src, tmp_path, ("-O1",))
-    assert second is not None and second != first  # never the other CPU's binary
-    assert compile_kernel(src, tmp_path, ("-O2",)) not in (first, second)  # flags count too
 
 
 def test_int8_groups_round_trip_within_half_a_step_of_each_group() -> None:

@@ -1,6 +1,7 @@
-/* Linear layers on quantized weights: fp32 activations times packed weight rows, on the CPU.
+/* Linear layers on the CPU: fp32 activations times weight rows in any of pdserve's formats.
  *
  * Weight formats (one row = one output feature, `row_bytes` bytes):
+ *   F32 (ggml type 0):   `cols` fp32 values (a dense fp32 matrix, as it is)
  *   Q4_0 (ggml type 2):  blocks of 32 values, 18 bytes: fp16 d, 16 bytes of nibbles; w = d * (q - 8)
  *   Q4_1 (ggml type 3):  blocks of 32 values, 20 bytes: fp16 d, fp16 m, 16 bytes; w = d * q + m
  *   Q8_0 (ggml type 8):  blocks of 32 values, 34 bytes: fp16 d, 32 int8;            w = d * q
@@ -19,48 +20,26 @@
  * (AVX-512, AVX2) decode each weight block once and dot it with up to 8 activation rows, with
  * the very operations and order of that ISA's one-row kernel, so a row's output does not depend
  * on the batch it ran in (speculative verification rows equal plain decode rows bit for bit);
- * the portable path and int8 rows run every activation row through the one-row kernel. Many
- * rows are the caller's business (de-quantize tiles with pdserve_dequant_rows and use BLAS;
- * models/packed.py's start-up probe finds where that starts to win).
+ * the portable path and int8 rows run every activation row through the one-row kernel. F32 rows
+ * are summed in one fixed order per output whatever the batch (f32_rows). Many rows are the
+ * caller's business (de-quantize tiles with pdserve_dequant_rows and use BLAS: models/packed.py
+ * says from how many rows).
  *
- * Code paths: AVX-512 (F, BW, VL), AVX2+FMA+F16C, portable C, chosen at run time from cpuid
- * (__builtin_cpu_supports), so one binary runs on any x86-64 (and the portable path anywhere).
- *
- * Threads: a small pool owned by this library (the caller counts as one thread). A job is split
- * into chunks that the threads claim as they go (see pd_run_parallel). Workers spin briefly
- * after a job (decode issues one linear after another) and then sleep on a condition variable.
- * A call that finds the pool busy (another engine thread in the process) runs inline.
+ * Variants: AVX-512, AVX2 and portable per function, chosen at run time (pd_isa, pool.c).
  */
-#define _GNU_SOURCE
 #include <math.h>
-#include <pthread.h>
-#include <sched.h>
-#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
-#include <unistd.h>
 
-#include "quant_linear.h"
-#include "vec_exp.h"
+#include "native.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define PD_X86 1
-#else
-#define PD_X86 0
-#endif
-
-enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8, QT_I8_ROW = 1000, QT_I8_G32 = 1001 };
+enum { QT_F32 = 0, QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8, QT_I8_ROW = 1000, QT_I8_G32 = 1001 };
 /* the block types whose blocks carry a minimum m after d (w = d q + m: sum w x = d sum q x + m sum x) */
 #define HAS_MIN(qt) ((qt) == QT_Q4_1 || (qt) == QT_I8_G32)
-enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 
 #define QK 32
 #define MAX_BLOCKS 8192 /* cols up to 262144 */
-
-static int g_isa = -1;
 
 /* -- fp16 -> fp32 (portable, exact) -------------------------------------------------------- */
 
@@ -193,37 +172,35 @@ static inline void prefetch_ahead(const uint8_t *w, int64_t step, int64_t b) {
 
 /* -- AVX2 + FMA + F16C ------------------------------------------------------------------- */
 #if PD_X86
-#define AVX2 __attribute__((target("avx2,fma,f16c")))
-#define INLINE inline __attribute__((always_inline))
 
-AVX2 static inline float hsum256(__m256 v) {
+PD_AVX2 static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
 
-AVX2 static inline __m256 u8lo_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
-AVX2 static inline __m256 u8hi_ps(__m128i v) {
+PD_AVX2 static inline __m256 u8lo_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+PD_AVX2 static inline __m256 u8hi_ps(__m128i v) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
 }
-AVX2 static inline __m256 i8lo_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
-AVX2 static inline __m256 i8hi_ps(__m128i v) {
+PD_AVX2 static inline __m256 i8lo_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+PD_AVX2 static inline __m256 i8hi_ps(__m128i v) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
 }
 
 /* 8 bytes from memory, zero-extended to 8 int32 lanes (one load+shuffle uop) */
-AVX2 static INLINE __m256i u8x8(const uint8_t *p) {
+PD_AVX2 static PD_INLINE __m256i u8x8(const uint8_t *p) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
 }
-AVX2 static INLINE __m256 i8x8_ps(const uint8_t *p) {
+PD_AVX2 static PD_INLINE __m256 i8x8_ps(const uint8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
 /* One block's 32 values as floats (before its scale) in w[0..3], 8 each. A 4-bit block is
  * widened byte -> int32 first and split into nibbles there (and / shift), so each 8 values
  * cost one shuffle, one integer op and one conversion. */
-AVX2 static INLINE void decode_block_avx2(int qt, const uint8_t *qs, __m256 w[4]) {
+PD_AVX2 static PD_INLINE void decode_block_avx2(int qt, const uint8_t *qs, __m256 w[4]) {
     if (qt == QT_Q8_0 || qt == QT_I8_ROW) {
         w[0] = i8x8_ps(qs), w[1] = i8x8_ps(qs + 8), w[2] = i8x8_ps(qs + 16);
         w[3] = i8x8_ps(qs + 24);
@@ -242,13 +219,13 @@ AVX2 static INLINE void decode_block_avx2(int qt, const uint8_t *qs, __m256 w[4]
 
 /* sum_j q_j x_j over one decoded block (Q4_0's -8 goes through xsum), x in x0..x3: two
  * independent halves, then their sum (a shorter dependency chain than four in a row). */
-AVX2 static INLINE __m256 blocksum_avx2(const __m256 w[4], __m256 x0, __m256 x1, __m256 x2,
+PD_AVX2 static PD_INLINE __m256 blocksum_avx2(const __m256 w[4], __m256 x0, __m256 x1, __m256 x2,
                                         __m256 x3) {
     return _mm256_add_ps(_mm256_fmadd_ps(w[1], x1, _mm256_mul_ps(w[0], x0)),
                          _mm256_fmadd_ps(w[3], x3, _mm256_mul_ps(w[2], x2)));
 }
 
-AVX2 static INLINE __m256 blockdot_avx2(int qt, const uint8_t *qs, __m256 x0, __m256 x1,
+PD_AVX2 static PD_INLINE __m256 blockdot_avx2(int qt, const uint8_t *qs, __m256 x0, __m256 x1,
                                         __m256 x2, __m256 x3) {
     __m256 w[4];
     decode_block_avx2(qt, qs, w);
@@ -256,7 +233,7 @@ AVX2 static INLINE __m256 blockdot_avx2(int qt, const uint8_t *qs, __m256 x0, __
 }
 
 /* the fp16 at p as a float in all 8 lanes (a block's scale) */
-AVX2 static INLINE __m256 f16_bcast_avx2(const uint8_t *p) {
+PD_AVX2 static PD_INLINE __m256 f16_bcast_avx2(const uint8_t *p) {
     return _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(load_u16(p))));
 }
 
@@ -264,7 +241,7 @@ AVX2 static INLINE __m256 f16_bcast_avx2(const uint8_t *p) {
  * (Q4_0: -8 sum_b d_b xsum_b; nothing for the types without a minimum or offset), eight blocks'
  * scales at a time, then one reduction. The one-row and the multi-row kernels both end a row
  * with it, so their results agree bit for bit. */
-AVX2 static INLINE float row_out_avx2(int qt, __m256 acc, const uint8_t *wr, int64_t nb,
+PD_AVX2 static PD_INLINE float row_out_avx2(int qt, __m256 acc, const uint8_t *wr, int64_t nb,
                                       const float *xsum) {
     if (qt != QT_Q4_0 && !HAS_MIN(qt)) return hsum256(acc);
     const uint8_t *src = qt == QT_Q4_0 ? row_d(qt, wr, nb) : row_m(qt, wr, nb);
@@ -293,7 +270,7 @@ AVX2 static INLINE float row_out_avx2(int qt, __m256 acc, const uint8_t *wr, int
 /* y[r] for rows r0 .. r0 + NR - 1 (NR <= 4) of a block type, one activation row x. The four
  * accumulators are named variables (an indexed array kept them on the stack: a store and a
  * reload in every block's dependency chain). */
-AVX2 static INLINE void dot_rows_avx2(int qt, const uint8_t *w, int64_t row_bytes, int nr,
+PD_AVX2 static PD_INLINE void dot_rows_avx2(int qt, const uint8_t *w, int64_t row_bytes, int nr,
                                       int64_t nb, const float *x, const float *xsum,
                                       float *out) {
     const int qb = quant_bytes(qt);
@@ -331,17 +308,17 @@ typedef void (*dot_rows_fn)(const uint8_t *w, int64_t rb, int nr, int64_t nb, co
         if (nr == 4) body_fn(qt, w, rb, 4, nb, x, xs, o);                                        \
         else body_fn(qt, w, rb, nr, nb, x, xs, o);                                               \
     }
-DOT_ROWS(dot_rows_avx2_q4_0, dot_rows_avx2, AVX2, QT_Q4_0)
-DOT_ROWS(dot_rows_avx2_q4_1, dot_rows_avx2, AVX2, QT_Q4_1)
-DOT_ROWS(dot_rows_avx2_q8_0, dot_rows_avx2, AVX2, QT_Q8_0)
-DOT_ROWS(dot_rows_avx2_i8_g32, dot_rows_avx2, AVX2, QT_I8_G32)
+DOT_ROWS(dot_rows_avx2_q4_0, dot_rows_avx2, PD_AVX2, QT_Q4_0)
+DOT_ROWS(dot_rows_avx2_q4_1, dot_rows_avx2, PD_AVX2, QT_Q4_1)
+DOT_ROWS(dot_rows_avx2_q8_0, dot_rows_avx2, PD_AVX2, QT_Q8_0)
+DOT_ROWS(dot_rows_avx2_i8_g32, dot_rows_avx2, PD_AVX2, QT_I8_G32)
 
 /* One weight row against NX activation rows (NX <= 8): each block is decoded once and dotted
  * with every activation row, each output in exactly the order of dot_rows_avx2 (per block
  * s = (w0 x0 + w1 x1) + (w2 x2 + w3 x3), acc += d s; then the row's minimum part and one
  * reduction), so a row's result is the same bits whatever the batch. Batches stream the weights
  * once per eight activation rows from L1 instead of decoding them for every row. */
-AVX2 static INLINE void dot_xrows_avx2(int qt, const uint8_t *w, int64_t nb, int nx,
+PD_AVX2 static PD_INLINE void dot_xrows_avx2(int qt, const uint8_t *w, int64_t nb, int nx,
                                        const float *x, int64_t ldx, const float *xsum,
                                        float *out) {
     const int qb = quant_bytes(qt);
@@ -383,12 +360,12 @@ typedef void (*dot_xrows_fn)(const uint8_t *w, int64_t nb, int nx, const float *
         default: body_fn(qt, w, nb, 1, x, ldx, xs, o); break;                                   \
         }                                                                                       \
     }
-DOT_XROWS(dot_xrows_avx2_q4_0, dot_xrows_avx2, AVX2, QT_Q4_0)
-DOT_XROWS(dot_xrows_avx2_q4_1, dot_xrows_avx2, AVX2, QT_Q4_1)
-DOT_XROWS(dot_xrows_avx2_q8_0, dot_xrows_avx2, AVX2, QT_Q8_0)
-DOT_XROWS(dot_xrows_avx2_i8_g32, dot_xrows_avx2, AVX2, QT_I8_G32)
+DOT_XROWS(dot_xrows_avx2_q4_0, dot_xrows_avx2, PD_AVX2, QT_Q4_0)
+DOT_XROWS(dot_xrows_avx2_q4_1, dot_xrows_avx2, PD_AVX2, QT_Q4_1)
+DOT_XROWS(dot_xrows_avx2_q8_0, dot_xrows_avx2, PD_AVX2, QT_Q8_0)
+DOT_XROWS(dot_xrows_avx2_i8_g32, dot_xrows_avx2, PD_AVX2, QT_I8_G32)
 
-AVX2 static float dot_i8row_avx2(const int8_t *q, float scale, int64_t cols, const float *x) {
+PD_AVX2 static float dot_i8row_avx2(const int8_t *q, float scale, int64_t cols, const float *x) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + QK <= cols; k += QK) {
@@ -404,7 +381,7 @@ AVX2 static float dot_i8row_avx2(const int8_t *q, float scale, int64_t cols, con
     return s * scale;
 }
 
-AVX2 static void dequant_row_avx2(int qt, const uint8_t *w, float scale, int64_t cols,
+PD_AVX2 static void dequant_row_avx2(int qt, const uint8_t *w, float scale, int64_t cols,
                                   float *out) {
     if (qt == QT_I8_ROW) {
         const int8_t *q = (const int8_t *)w;
@@ -465,10 +442,9 @@ AVX2 static void dequant_row_avx2(int qt, const uint8_t *w, float scale, int64_t
 }
 
 /* -- AVX-512 (F, BW, VL) ----------------------------------------------------------------- */
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 
 /* One block's 32 values as floats (values 0-15 in w01, 16-31 in w23), before its scale. */
-AVX512 static INLINE void decode_avx512(int qt, const uint8_t *qs, __m512 nibble_values,
+PD_AVX512 static PD_INLINE void decode_avx512(int qt, const uint8_t *qs, __m512 nibble_values,
                                         __m512 *w01, __m512 *w23) {
     if (qt == QT_Q8_0 || qt == QT_I8_ROW) {
         *w01 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs)));
@@ -488,7 +464,7 @@ AVX512 static INLINE void decode_avx512(int qt, const uint8_t *qs, __m512 nibble
 }
 
 /* 16 fp16 values from p (n of them, the rest 0) as floats */
-AVX512 static INLINE __m512 load_f16x16(const uint8_t *p, int n) {
+PD_AVX512 static PD_INLINE __m512 load_f16x16(const uint8_t *p, int n) {
     return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1u), p));
 }
 
@@ -496,7 +472,7 @@ AVX512 static INLINE __m512 load_f16x16(const uint8_t *p, int n) {
  * rows' d (and m) come in one load each, converted into a small buffer that the block loop's
  * multiply-adds broadcast from memory (no shuffle); the minimum's part sum_b m_b xsum_b is one
  * multiply-add per sixteen blocks. */
-AVX512 static INLINE void dot_rows_avx512(int qt, const uint8_t *w, int64_t row_bytes, int nr,
+PD_AVX512 static PD_INLINE void dot_rows_avx512(int qt, const uint8_t *w, int64_t row_bytes, int nr,
                                           int64_t nb, const float *x, const float *xsum,
                                           float *out) {
     const int qb = quant_bytes(qt);
@@ -537,16 +513,16 @@ AVX512 static INLINE void dot_rows_avx512(int qt, const uint8_t *w, int64_t row_
     for (int r = 0; r < nr; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], macc[r]));
 }
 
-DOT_ROWS(dot_rows_avx512_q4_0, dot_rows_avx512, AVX512, QT_Q4_0)
-DOT_ROWS(dot_rows_avx512_q4_1, dot_rows_avx512, AVX512, QT_Q4_1)
-DOT_ROWS(dot_rows_avx512_q8_0, dot_rows_avx512, AVX512, QT_Q8_0)
-DOT_ROWS(dot_rows_avx512_i8_g32, dot_rows_avx512, AVX512, QT_I8_G32)
+DOT_ROWS(dot_rows_avx512_q4_0, dot_rows_avx512, PD_AVX512, QT_Q4_0)
+DOT_ROWS(dot_rows_avx512_q4_1, dot_rows_avx512, PD_AVX512, QT_Q4_1)
+DOT_ROWS(dot_rows_avx512_q8_0, dot_rows_avx512, PD_AVX512, QT_Q8_0)
+DOT_ROWS(dot_rows_avx512_i8_g32, dot_rows_avx512, PD_AVX512, QT_I8_G32)
 
 /* One weight row against NX activation rows (NX <= 8), each output computed in exactly the
  * order dot_rows_avx512 computes it (per block: acc += (q d) x over values 0-15, then 16-31;
  * per sixteen blocks the minimum's part; then one reduction), so a row's result is the same bits whatever
  * the batch: only the block's decode is shared between the activation rows. */
-AVX512 static INLINE void dot_xrows_avx512(int qt, const uint8_t *w, int64_t nb, int nx,
+PD_AVX512 static PD_INLINE void dot_xrows_avx512(int qt, const uint8_t *w, int64_t nb, int nx,
                                            const float *x, int64_t ldx, const float *xsum,
                                            float *out) {
     const int qb = quant_bytes(qt);
@@ -586,12 +562,12 @@ AVX512 static INLINE void dot_xrows_avx512(int qt, const uint8_t *w, int64_t nb,
     for (int i = 0; i < nx; i++) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i], macc[i]));
 }
 
-DOT_XROWS(dot_xrows_avx512_q4_0, dot_xrows_avx512, AVX512, QT_Q4_0)
-DOT_XROWS(dot_xrows_avx512_q4_1, dot_xrows_avx512, AVX512, QT_Q4_1)
-DOT_XROWS(dot_xrows_avx512_q8_0, dot_xrows_avx512, AVX512, QT_Q8_0)
-DOT_XROWS(dot_xrows_avx512_i8_g32, dot_xrows_avx512, AVX512, QT_I8_G32)
+DOT_XROWS(dot_xrows_avx512_q4_0, dot_xrows_avx512, PD_AVX512, QT_Q4_0)
+DOT_XROWS(dot_xrows_avx512_q4_1, dot_xrows_avx512, PD_AVX512, QT_Q4_1)
+DOT_XROWS(dot_xrows_avx512_q8_0, dot_xrows_avx512, PD_AVX512, QT_Q8_0)
+DOT_XROWS(dot_xrows_avx512_i8_g32, dot_xrows_avx512, PD_AVX512, QT_I8_G32)
 
-AVX512 static float dot_i8row_avx512(const int8_t *q, float scale, int64_t cols,
+PD_AVX512 static float dot_i8row_avx512(const int8_t *q, float scale, int64_t cols,
                                      const float *x) {
     __m512 acc = _mm512_setzero_ps();
     int64_t k = 0;
@@ -608,37 +584,9 @@ AVX512 static float dot_i8row_avx512(const int8_t *q, float scale, int64_t cols,
 
 /* -- dispatch ----------------------------------------------------------------------------- */
 
-static int detect_isa(void) {
-#if PD_X86
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2") &&
-        __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-        return ISA_AVX512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-        __builtin_cpu_supports("f16c"))
-        return ISA_AVX2;
-#endif
-    return ISA_PORTABLE;
-}
-
-static inline int isa(void) {
-    if (g_isa < 0) g_isa = detect_isa();
-    return g_isa;
-}
-
-/* The best path this CPU has; pdserve_quant_set_isa caps it (tests run every path). */
-int pdserve_quant_isa(void) { return isa(); }
-
-int pdserve_quant_set_isa(int level) {
-    const int best = detect_isa();
-    g_isa = level < 0 || level > best ? best : level;
-    return g_isa;
-}
-
 static void dequant_row(int qt, const uint8_t *w, float scale, int64_t cols, float *out) {
 #if PD_X86
-    if (isa() >= ISA_AVX2) {
+    if (pd_isa() >= PD_ISA_AVX2) {
         dequant_row_avx2(qt, w, scale, cols, out);
         return;
     }
@@ -650,16 +598,16 @@ static void dequant_row(int qt, const uint8_t *w, float scale, int64_t cols, flo
 static void matvec_rows(int qt, const uint8_t *w, const float *scales, int64_t row_bytes,
                         int64_t cols, const float *x, const float *xsum, int64_t r0, int64_t r1,
                         float *out) {
-    const int level = isa();
+    const int level = pd_isa();
     if (qt == QT_I8_ROW) {
         for (int64_t r = r0; r < r1; r++) {
             const int8_t *q = (const int8_t *)(w + r * row_bytes);
 #if PD_X86
-            if (level == ISA_AVX512) {
+            if (level == PD_ISA_AVX512) {
                 out[r - r0] = dot_i8row_avx512(q, scales[r], cols, x);
                 continue;
             }
-            if (level == ISA_AVX2) {
+            if (level == PD_ISA_AVX2) {
                 out[r - r0] = dot_i8row_avx2(q, scales[r], cols, x);
                 continue;
             }
@@ -671,12 +619,12 @@ static void matvec_rows(int qt, const uint8_t *w, const float *scales, int64_t r
     const int64_t nb = cols / QK;
     dot_rows_fn fn = NULL;
 #if PD_X86
-    if (level == ISA_AVX512)
+    if (level == PD_ISA_AVX512)
         fn = qt == QT_Q4_0   ? dot_rows_avx512_q4_0
              : qt == QT_Q4_1 ? dot_rows_avx512_q4_1
              : qt == QT_I8_G32 ? dot_rows_avx512_i8_g32
                                : dot_rows_avx512_q8_0;
-    else if (level == ISA_AVX2)
+    else if (level == PD_ISA_AVX2)
         fn = qt == QT_Q4_0   ? dot_rows_avx2_q4_0
              : qt == QT_Q4_1 ? dot_rows_avx2_q4_1
              : qt == QT_I8_G32 ? dot_rows_avx2_i8_g32
@@ -692,162 +640,6 @@ static void matvec_rows(int qt, const uint8_t *w, const float *scales, int64_t r
         }
         for (int i = 0; i < nr; i++) o[i] = dot_row_portable(qt, wr + i * row_bytes, 1.0f, cols, x);
     }
-}
-
-/* -- the thread pool ---------------------------------------------------------------------- */
-
-#define MAX_THREADS 256
-#define SPIN_NS 100000 /* how long an idle worker spins before it sleeps */
-
-typedef pd_task_fn task_fn;
-
-/* A job is split into chunks that the caller and the workers claim one at a time, so a worker
- * that the OS has not scheduled (another process, or torch's OpenMP threads spinning on the
- * other core after their own work) leaves its share to whoever is running instead of making the
- * caller wait for it. Each output row is computed by one thread whatever the split, so results
- * do not depend on who took which chunk. */
-#define CHUNKS_PER_THREAD 4
-
-static struct {
-    pthread_mutex_t run_mu; /* one job at a time; a caller that finds it taken runs inline */
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    int num_workers; /* started workers (the caller is thread 0) */
-    pid_t pid;
-    pthread_t threads[MAX_THREADS];
-    uint64_t start_gen[MAX_THREADS]; /* the generation before a worker's first job */
-    _Atomic uint64_t gen;            /* bumped to wake the workers for a job */
-    _Atomic uint64_t claim;          /* (job id << 32) | the next unclaimed chunk */
-    _Atomic int64_t done;            /* chunks of the current job finished */
-    _Atomic int sleepers;
-    task_fn fn;
-    const void *ctx;
-    int64_t total, chunk_size, num_chunks;
-    int job_threads;
-} P = {.run_mu = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER,
-       .cv = PTHREAD_COND_INITIALIZER};
-
-static inline void cpu_relax(void) {
-#if PD_X86
-    _mm_pause();
-#endif
-}
-
-static inline int64_t now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
-
-/* Claim and run chunks of job `job` until none is left (or another job is current). The job's
- * fields are read between the load of `claim` and the compare-exchange that claims a chunk:
- * while that chunk is unclaimed the job cannot finish, so no other job can have replaced them. */
-static void work_on(uint32_t job) {
-    for (;;) {
-        uint64_t c = atomic_load_explicit(&P.claim, memory_order_acquire);
-        if ((uint32_t)(c >> 32) != job) return;
-        const int64_t k = (int64_t)(uint32_t)c;
-        if (k >= P.num_chunks) return;
-        const task_fn fn = P.fn;
-        const void *ctx = P.ctx;
-        const int64_t size = P.chunk_size, total = P.total;
-        if (!atomic_compare_exchange_weak_explicit(&P.claim, &c, c + 1, memory_order_acq_rel,
-                                                   memory_order_relaxed))
-            continue;
-        const int64_t b = k * size, e = b + size < total ? b + size : total;
-        fn(ctx, b, e);
-        atomic_fetch_add_explicit(&P.done, 1, memory_order_release);
-    }
-}
-
-static void *worker_main(void *arg) {
-    const int idx = (int)(intptr_t)arg;
-    uint64_t seen = P.start_gen[idx];
-    for (;;) {
-        uint64_t g;
-        const int64_t t0 = now_ns();
-        int spins = 0;
-        while ((g = atomic_load_explicit(&P.gen, memory_order_acquire)) == seen) {
-            cpu_relax();
-            if (++spins % 64 == 0 && now_ns() - t0 > SPIN_NS) {
-                pthread_mutex_lock(&P.mu);
-                atomic_fetch_add(&P.sleepers, 1);
-                while ((g = atomic_load(&P.gen)) == seen) pthread_cond_wait(&P.cv, &P.mu);
-                atomic_fetch_sub(&P.sleepers, 1);
-                pthread_mutex_unlock(&P.mu);
-                break;
-            }
-        }
-        seen = g;
-        if (idx < P.job_threads) work_on((uint32_t)g); /* the generation is the job id */
-    }
-    return NULL;
-}
-
-/* Make sure `n - 1` workers run (the pool only grows; a forked child starts afresh). */
-static int ensure_workers(int n) {
-    if (P.pid != getpid()) { /* after fork(): the parent's workers do not exist here */
-        P.num_workers = 0;
-        P.pid = getpid();
-        atomic_store(&P.sleepers, 0);
-    }
-    if (n > MAX_THREADS) n = MAX_THREADS;
-    while (P.num_workers < n - 1) {
-        pthread_attr_t attr;
-        pthread_attr_init(&attr);
-        pthread_attr_setstacksize(&attr, 1 << 20);
-        const int idx = P.num_workers + 1;
-        P.start_gen[idx] = atomic_load(&P.gen);
-        const int rc = pthread_create(&P.threads[idx], &attr, worker_main, (void *)(intptr_t)idx);
-        pthread_attr_destroy(&attr);
-        if (rc != 0) break;
-        pthread_detach(P.threads[idx]);
-        P.num_workers++;
-    }
-    return P.num_workers + 1;
-}
-
-void pd_run_parallel(task_fn fn, const void *ctx, int64_t total, int64_t align, int n) {
-    pd_run_parallel_hook(fn, ctx, total, align, n, NULL, NULL);
-}
-
-void pd_run_parallel_hook(task_fn fn, const void *ctx, int64_t total, int64_t align, int n,
-                          pd_hook_fn hook, const void *hook_ctx) {
-    if (n <= 1 || total <= align || pthread_mutex_trylock(&P.run_mu) != 0) {
-        if (hook) hook(hook_ctx);
-        fn(ctx, 0, total);
-        return;
-    }
-    const int available = ensure_workers(n);
-    if (available < n) n = available;
-    const int64_t units = (total + align - 1) / align;
-    if (units < n) n = (int)units;
-    if (n <= 1) {
-        pthread_mutex_unlock(&P.run_mu);
-        if (hook) hook(hook_ctx);
-        fn(ctx, 0, total);
-        return;
-    }
-    int64_t per = (units + (int64_t)n * CHUNKS_PER_THREAD - 1) / ((int64_t)n * CHUNKS_PER_THREAD);
-    P.fn = fn, P.ctx = ctx, P.total = total, P.chunk_size = per * align;
-    P.num_chunks = (total + P.chunk_size - 1) / P.chunk_size, P.job_threads = n;
-    atomic_store_explicit(&P.done, 0, memory_order_relaxed);
-    const uint32_t job = (uint32_t)(atomic_load(&P.gen) + 1);
-    atomic_store_explicit(&P.claim, (uint64_t)job << 32, memory_order_release);
-    atomic_fetch_add(&P.gen, 1); /* wakes the workers (seq_cst) */
-    if (atomic_load(&P.sleepers) > 0) {
-        pthread_mutex_lock(&P.mu);
-        pthread_cond_broadcast(&P.cv);
-        pthread_mutex_unlock(&P.mu);
-    }
-    if (hook) hook(hook_ctx); /* while the workers have started on the chunks */
-    work_on(job);
-    int spins = 0;
-    while (atomic_load_explicit(&P.done, memory_order_acquire) < P.num_chunks) {
-        cpu_relax();
-        if (++spins % 4096 == 0) sched_yield(); /* a worker inside a chunk: let it run */
-    }
-    pthread_mutex_unlock(&P.run_mu);
 }
 
 /* -- the entry points --------------------------------------------------------------------- */
@@ -871,18 +663,88 @@ static inline void store(const linear_job *j, float *yr, int64_t r, float v) {
     yr[r] = j->accumulate ? yr[r] + v : v;
 }
 
+/* -- F32 rows: f32_rows.h once per variant ------------------------------------------------ */
+
+/* portable: GCC's vectors of 8 floats, no fused multiply-add (-ffp-contract=off) */
+typedef float vec8 __attribute__((vector_size(32)));
+#define vec vec8
+#define F32_ATTR
+#define F32_ROWS f32_rows_portable
+#define F32_FINISH f32_finish_portable
+/* macros, not functions: a function passing 32-byte vectors without AVX warns of its ABI */
+#define VZERO() ((vec8){0})
+#define VLOAD(p)                                                                                \
+    ({                                                                                          \
+        vec8 v_;                                                                                \
+        memcpy(&v_, (p), sizeof v_);                                                            \
+        v_;                                                                                     \
+    })
+#define VFMA(a, b, c) ((c) + (a) * (b))
+#define vsum(t)                                                                                 \
+    ({                                                                                          \
+        const vec8 t_ = (t);                                                                    \
+        ((t_[0] + t_[1]) + (t_[2] + t_[3])) + ((t_[4] + t_[5]) + (t_[6] + t_[7]));              \
+    })
+#include "f32_rows.h"
+#undef vec
+#undef F32_ATTR
+#undef F32_ROWS
+#undef F32_FINISH
+#undef VZERO
+#undef VLOAD
+#undef VFMA
+#undef vsum
+
+#if PD_X86
+/* AVX2: the same order with every multiply-add fused */
+#define vec __m256
+#define F32_ATTR PD_AVX2
+#define F32_ROWS f32_rows_avx2
+#define F32_FINISH f32_finish_avx2
+#define VZERO() _mm256_setzero_ps()
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define vsum vsum_avx2
+PD_AVX2 static inline float vsum_avx2(__m256 v) {
+    float t[8];
+    _mm256_storeu_ps(t, v);
+    return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+}
+#include "f32_rows.h"
+#undef vec
+#undef F32_ATTR
+#undef F32_ROWS
+#undef F32_FINISH
+#undef VZERO
+#undef VLOAD
+#undef VFMA
+#undef vsum
+#endif
+
+static void f32_task(const void *ctx, int64_t r0, int64_t r1) {
+#if PD_X86
+    if (pd_isa() >= PD_ISA_AVX2) {
+        f32_rows_avx2(ctx, r0, r1);
+        return;
+    }
+#endif
+    f32_rows_portable(ctx, r0, r1);
+}
+
+/* -- the block formats and int8 rows -------------------------------------------------------- */
+
 #define ROW_CHUNK 256
 /* weight rows per tile of the multi-row path: their activation rows are read from L1 */
 #define XROW_TILE 16
 
 static dot_xrows_fn xrows_fn(int qt) {
 #if PD_X86
-    if (isa() == ISA_AVX512 && qt != QT_I8_ROW)
+    if (pd_isa() == PD_ISA_AVX512 && qt != QT_I8_ROW)
         return qt == QT_Q4_0   ? dot_xrows_avx512_q4_0
                : qt == QT_Q4_1 ? dot_xrows_avx512_q4_1
                : qt == QT_I8_G32 ? dot_xrows_avx512_i8_g32
                                  : dot_xrows_avx512_q8_0;
-    if (isa() == ISA_AVX2 && qt != QT_I8_ROW)
+    if (pd_isa() == PD_ISA_AVX2 && qt != QT_I8_ROW)
         return qt == QT_Q4_0   ? dot_xrows_avx2_q4_0
                : qt == QT_Q4_1 ? dot_xrows_avx2_q4_1
                : qt == QT_I8_G32 ? dot_xrows_avx2_i8_g32
@@ -941,19 +803,31 @@ static inline float block_sum(const float *x) {
     return (a[0] + a[2]) + (a[1] + a[3]);
 }
 
-/* y[n, ldy] (+)= x[n, ldx] @ W^T + bias, W: `rows` rows of `row_bytes` bytes. 0 or an error. */
-int pdserve_quant_linear(int qt, const uint8_t *w, const float *scales, int64_t rows,
-                         int64_t cols, int64_t row_bytes, const float *x, int64_t n, int64_t ldx,
-                         float *y, int64_t ldy, const float *bias, int accumulate,
-                         int num_threads) {
-    return pd_quant_linear_hook(qt, w, scales, rows, cols, row_bytes, x, n, ldx, y, ldy, bias,
-                                accumulate, num_threads, NULL, NULL);
+/* F32 matrices below this many weights run on the calling thread alone: waking the pool costs
+ * more than it saves on a small matrix (the block formats always split: their rows cost more) */
+#define F32_PARALLEL_MIN_WEIGHTS (1 << 18)
+
+/* y[n, ldy] (+)= x[n, ldx] @ W^T + bias, W: `rows` rows of `row_bytes` bytes. 0, -1 (a format or
+ * shape the kernel does not take) or -2 (no memory). */
+int pdserve_linear(int qt, const uint8_t *w, const float *scales, int64_t rows, int64_t cols,
+                   int64_t row_bytes, const float *x, int64_t n, int64_t ldx, float *y,
+                   int64_t ldy, const float *bias, int accumulate, int num_threads) {
+    return pd_linear_hook(qt, w, scales, rows, cols, row_bytes, x, n, ldx, y, ldy, bias,
+                          accumulate, num_threads, NULL, NULL);
 }
 
-int pd_quant_linear_hook(int qt, const uint8_t *w, const float *scales, int64_t rows,
-                         int64_t cols, int64_t row_bytes, const float *x, int64_t n, int64_t ldx,
-                         float *y, int64_t ldy, const float *bias, int accumulate,
-                         int num_threads, pd_hook_fn hook, const void *hook_ctx) {
+int pd_linear_hook(int qt, const uint8_t *w, const float *scales, int64_t rows, int64_t cols,
+                   int64_t row_bytes, const float *x, int64_t n, int64_t ldx, float *y,
+                   int64_t ldy, const float *bias, int accumulate, int num_threads,
+                   pd_hook_fn hook, const void *hook_ctx) {
+    if (qt == QT_F32) {
+        if (row_bytes < cols * (int64_t)sizeof(float) || row_bytes % sizeof(float)) return -1;
+        const linear_job job = {qt, w, scales, row_bytes, cols, x, n, ldx, y, ldy, bias,
+                                accumulate, NULL};
+        const int threads = rows * cols >= F32_PARALLEL_MIN_WEIGHTS ? num_threads : 1;
+        pd_run_parallel_hook(f32_task, &job, rows, 16, threads, hook, hook_ctx);
+        return 0;
+    }
     if (qt != QT_I8_ROW && (block_bytes(qt) == 0 || cols % QK || cols / QK > MAX_BLOCKS))
         return -1;
     if (qt == QT_I8_ROW && !scales) return -1;
@@ -1010,144 +884,3 @@ int pdserve_dequant_rows(int qt, const uint8_t *w, const float *scales, int64_t 
     return 0;
 }
 
-/* -- the small per-layer ops around the linears (CPU fp32 models with packed weights) -------
- * Each replaces several torch ops (and their per-op dispatch cost, which at batch 1 exceeds the
- * arithmetic) with one call, computing the same expressions in the same order: products and sums
- * round as torch's separate ops do (-ffp-contract=off). */
-
-typedef struct {
-    const float *x;
-    int64_t ldx;
-    const float *w;
-    float *out;
-    int64_t ldo, h;
-    float eps;
-} norm_job;
-
-static void norm_task(const void *ctx, int64_t i0, int64_t i1) {
-    const norm_job *j = ctx;
-    for (int64_t i = i0; i < i1; i++) {
-        const float *x = j->x + i * j->ldx;
-        float *o = j->out + i * j->ldo;
-        float acc[8] = {0};
-        int64_t k = 0;
-        for (; k + 8 <= j->h; k += 8)
-            for (int l = 0; l < 8; l++) acc[l] += x[k + l] * x[k + l];
-        float ss = 0.0f;
-        for (int l = 0; l < 8; l++) ss += acc[l];
-        for (; k < j->h; k++) ss += x[k] * x[k];
-        const float r = 1.0f / sqrtf(ss / (float)j->h + j->eps);
-        for (k = 0; k < j->h; k++) o[k] = j->w[k] * (x[k] * r);
-    }
-}
-
-/* out[i] = w * (x[i] * rsqrt(mean(x[i]^2) + eps)), rows of h values */
-int pdserve_rms_norm(const float *x, int64_t ldx, const float *w, float *out, int64_t ldo,
-                     int64_t n, int64_t h, float eps, int num_threads) {
-    const norm_job job = {x, ldx, w, out, ldo, h, eps};
-    pd_run_parallel(norm_task, &job, n, 1, n >= 64 ? num_threads : 1);
-    return 0;
-}
-
-/* RoPE in place on the first num_heads heads of each row of x (the q heads then the k heads of
- * a fused qkv row): v[j] = v[j] cos[j] - v[j + D/2] sin[j]; v[j + D/2] = v[j + D/2] cos + v[j] sin
- * with cos, sin: [positions, head_dim] tables. */
-int pdserve_rope(float *x, int64_t ldx, int64_t n, int64_t num_heads, int64_t head_dim,
-                 const float *cos_t, const float *sin_t, const int64_t *positions) {
-    const int64_t half = head_dim / 2;
-    for (int64_t i = 0; i < n; i++) {
-        const float *c = cos_t + positions[i] * head_dim, *s = sin_t + positions[i] * head_dim;
-        for (int64_t hd = 0; hd < num_heads; hd++) {
-            float *v = x + i * ldx + hd * head_dim;
-            for (int64_t k = 0; k < half; k++) {
-                const float a = v[k], b = v[k + half];
-                v[k] = a * c[k] + (-b) * s[k];
-                v[k + half] = b * c[k + half] + a * s[k + half];
-            }
-        }
-    }
-    return 0;
-}
-
-#if PD_X86
-AVX2 static INLINE __m256 swiglu8_avx2(__m256 g, __m256 u) {
-    const __m256 e = pd_exp8(_mm256_xor_ps(g, _mm256_set1_ps(-0.0f))); /* e^-g */
-    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
-}
-
-/* Eight at a time; the last count % 8 through a padded copy, so every element is computed by
- * the same formula wherever a split puts it (the decode step splits the rows between threads). */
-AVX2 static void swiglu_span_avx2(const float *g, const float *u, float *o, int64_t count) {
-    int64_t k = 0;
-    for (; k + 8 <= count; k += 8)
-        _mm256_storeu_ps(o + k, swiglu8_avx2(_mm256_loadu_ps(g + k), _mm256_loadu_ps(u + k)));
-    if (k < count) {
-        float gt[8] = {0}, ut[8] = {0}, ot[8];
-        memcpy(gt, g + k, sizeof(float) * (size_t)(count - k));
-        memcpy(ut, u + k, sizeof(float) * (size_t)(count - k));
-        _mm256_storeu_ps(ot, swiglu8_avx2(_mm256_loadu_ps(gt), _mm256_loadu_ps(ut)));
-        memcpy(o + k, ot, sizeof(float) * (size_t)(count - k));
-    }
-}
-#endif
-
-/* out[i, k] = silu(gu[i, k]) * gu[i, inter + k]: g / (1 + e^-g) * u (AVX2: vec_exp.h's e^-g; an
- * expf call per element took about 2 ns: 3% of a batch-32 decode step of the default model) */
-void pd_swiglu_span(const float *g, const float *u, float *o, int64_t count) {
-#if PD_X86
-    if (isa() >= ISA_AVX2) {
-        swiglu_span_avx2(g, u, o, count);
-        return;
-    }
-#endif
-    for (int64_t k = 0; k < count; k++) o[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
-}
-
-int pdserve_swiglu(const float *gu, int64_t ld, int64_t n, int64_t inter, float *out,
-                   int64_t ldo) {
-    for (int64_t i = 0; i < n; i++)
-        pd_swiglu_span(gu + i * ld, gu + i * ld + inter, out + i * ldo, inter);
-    return 0;
-}
-
-/* Write this step's K and V rows (from the fused qkv rows) into their cache slots of `layer`.
- * kv: [num_blocks, num_layers, 2, block_size, num_kv_heads, width] of fp32 (int8 = 0, width =
- * head_dim) or bytes (int8 = 1, width = head_dim + 4: int8 values q = round(x / s), s = max|x| /
- * 127, then s), the encoding of kv_codec.Int8KV. */
-int pdserve_write_kv(void *kv, const float *k, const float *v, int64_t ld, int64_t n,
-                     const int64_t *slot_blocks, const int64_t *slot_offsets, int64_t num_layers,
-                     int64_t layer, int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
-                     int int8) {
-    const int64_t width = int8 ? head_dim + 4 : head_dim;
-    const int64_t esize = int8 ? 1 : 4;
-    const int64_t row = num_kv_heads * width * esize; /* bytes of one token's heads */
-    const int64_t plane = block_size * row;
-    const int64_t block_stride = num_layers * 2 * plane;
-    for (int64_t i = 0; i < n; i++) {
-        uint8_t *base = (uint8_t *)kv + slot_blocks[i] * block_stride + layer * 2 * plane +
-                        slot_offsets[i] * row;
-        for (int kv_i = 0; kv_i < 2; kv_i++) {
-            const float *src = (kv_i ? v : k) + i * ld;
-            uint8_t *dst = base + kv_i * plane;
-            for (int64_t hd = 0; hd < num_kv_heads; hd++) {
-                const float *x = src + hd * head_dim;
-                uint8_t *r = dst + hd * width * esize;
-                if (!int8) {
-                    memcpy(r, x, sizeof(float) * (size_t)head_dim);
-                    continue;
-                }
-                float amax = 0.0f;
-                for (int64_t d = 0; d < head_dim; d++) amax = fmaxf(amax, fabsf(x[d]));
-                const float scale = amax / 127.0f;
-                const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-                for (int64_t d = 0; d < head_dim; d++) {
-                    float q = nearbyintf(x[d] * inv);
-                    q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
-                    r[d] = (uint8_t)(int8_t)q;
-                }
-                memcpy(r + head_dim, &scale, sizeof scale);
-            }
-        }
-    }
-    return 0;
-}
