@@ -43,6 +43,7 @@ from benchmarks.workloads import (
     run_pair,
     warm_up,
 )
+from cluster.engine.request import EngineRequest
 from cluster.engine.runner import ModelRunner
 
 
@@ -84,7 +85,7 @@ def run_arm(
     t0 = time.perf_counter()
     for i, prompt in enumerate(decode_prompts):
         rid = f"decode-{i}"
-        engine.add(rid, prompt, exact_tokens(shape.decode_output_len))
+        engine.add(EngineRequest(rid, prompt, exact_tokens(shape.decode_output_len)))
         decodes[rid] = Timeline(send=t0)
     longs: dict[str, Timeline] = {}
     timelines: dict[str, Timeline] = dict(decodes)
@@ -97,7 +98,7 @@ def run_arm(
         arriving = arrivals.get(step)
         if arriving is not None:
             rid = f"long-{len(longs)}"
-            engine.add(rid, arriving, exact_tokens(shape.long_output_len))
+            engine.add(EngineRequest(rid, arriving, exact_tokens(shape.long_output_len)))
             longs[rid] = timelines[rid] = Timeline(send=time.perf_counter())
         record(engine.step(), timelines, time.perf_counter())
     drain(engine, timelines)

@@ -41,6 +41,7 @@ from benchmarks.workloads import (
     run_pair,
     warm_up,
 )
+from cluster.engine.request import EngineRequest
 from cluster.engine.runner import ModelRunner
 
 
@@ -75,7 +76,7 @@ def run_ours(ctx: BenchContext, runner: ModelRunner, w: PromptBatch) -> ArmRun:
     timelines = {}
     for i, (prompt, n) in enumerate(zip(w.prompts, w.output_lens)):
         rid = f"req-{i}"
-        engine.add(rid, prompt, exact_tokens(n), arrival_time=arrival)
+        engine.add(EngineRequest(rid, prompt, exact_tokens(n), arrival_time=arrival))
         timelines[rid] = Timeline(send=t0)
     drain(engine, timelines)
     engine.check_integrity()

@@ -260,7 +260,7 @@ def _handoff(ctx: BenchContext, cfg: Any) -> dict[str, Any]:
     )
     sender = SenderProcess(
         {
-            "layout": layout.to_dict(),
+            "layout": dataclasses.asdict(layout),
             "num_blocks": n_max,
             "device": "cuda",
             "transfer": {"transports": ["cuda_ipc"], "lease_s": 50.0, "heartbeat_s": 5.0},

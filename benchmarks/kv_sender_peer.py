@@ -42,6 +42,7 @@ from cluster.config import config_from_dict
 from cluster.kv_transfer import KVPool, KVSender, KVTransferParams
 from cluster.kv_transfer.framing import WireFaults
 from cluster.kv_transfer.pool import TORCH_DTYPES
+from cluster.kv_transfer.protocol import decode_params, from_plain, to_plain
 from cluster.serving.cpu_binding import bind_process
 
 _LEN = struct.Struct(">I")
@@ -93,7 +94,7 @@ def serve(
         bind_process(spec["cpus"])
     torch.set_num_threads(1)
     cfg = config_from_dict({"transfer": spec.get("transfer", {})})
-    layout = KVLayout(**spec["layout"])
+    layout = from_plain(KVLayout, spec["layout"])
     pool = KVPool.allocate(
         layout,
         spec["num_blocks"],
@@ -130,7 +131,7 @@ def serve(
         op = cmd.get("op")
         if op == "register":
             p = sender.register(cmd["request_id"], cmd["block_ids"], num_tokens=cmd["num_tokens"])
-            write_message(out, {"params": p.to_dict()})
+            write_message(out, {"params": to_plain(p)})
         elif op == "abort":
             write_message(out, {"ok": sender.abort(cmd["request_id"])})
         elif op == "stats":
@@ -222,7 +223,7 @@ class SenderProcess:
                 "num_tokens": num_tokens,
             }
         )
-        return KVTransferParams.from_dict(reply["params"])
+        return decode_params(reply["params"])
 
     def stats(self) -> dict[str, Any]:
         reply: dict[str, Any] = self.call({"op": "stats"})

@@ -166,7 +166,7 @@ class _Peers:
         self.senders = {
             lay.dtype: SenderProcess(
                 {
-                    "layout": lay.to_dict(),
+                    "layout": dataclasses.asdict(lay),
                     "num_blocks": shape.pool_blocks,
                     "shared": True,
                     "transfer": shape.transfer_spec,
@@ -333,8 +333,8 @@ def _report(
         "int8_transfer_ms_ratio_512": med[("int8_zmq_ipc", 512)] / med[("zmq_ipc", 512)],
     }
     details: dict[str, Any] = {
-        "layout": shape.layout.to_dict(),
-        "int8_layout": q_layout.to_dict(),
+        "layout": dataclasses.asdict(shape.layout),
+        "int8_layout": dataclasses.asdict(q_layout),
         "int8_bytes_ratio": q_layout.bytes_per_block / bpb,
         "int8_shm_ms_ratio_512": med[("int8_shm", 512)] / med[("shm", 512)],
         "reps": reps,

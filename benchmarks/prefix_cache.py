@@ -38,13 +38,13 @@ from benchmarks.workloads import (
     random_prompt,
     warm_up,
 )
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import EngineRequest, LLMEngine
 
 
 def send_one(engine: LLMEngine, rid: str, prompt: list[int], num_tokens: int) -> tuple[float, int]:
     """Run one request alone to completion; returns (TTFT seconds, prompt tokens from cache)."""
     t0 = time.perf_counter()
-    engine.add(rid, prompt, exact_tokens(num_tokens))
+    engine.add(EngineRequest(rid, prompt, exact_tokens(num_tokens)))
     while True:
         outputs = engine.step()
         now = time.perf_counter()

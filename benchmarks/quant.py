@@ -40,7 +40,7 @@ from cluster.common.kv_layout import SCHEMES, KVLayout
 from cluster.config import ClusterConfig
 from cluster.config.model import is_gguf_source
 from cluster.config.model_paths import COMPLETE_MARKER, gguf_model_dir
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import EngineRequest, LLMEngine
 from cluster.engine.runner import num_kv_blocks
 from cluster.planner.measure.engine import tiny_model_dir
 
@@ -80,7 +80,7 @@ def _engine(config: ClusterConfig, threads: int, num_blocks: int, **overrides: A
 
 
 def _b1_ours(engine: LLMEngine, prompt: list[int], num_tokens: int) -> float:
-    engine.add("b1", prompt, exact_tokens(num_tokens))
+    engine.add(EngineRequest("b1", prompt, exact_tokens(num_tokens)))
     times: list[float] = []
     while engine.has_unfinished_requests():
         if engine.step():
@@ -92,7 +92,9 @@ def _b1_ours(engine: LLMEngine, prompt: list[int], num_tokens: int) -> float:
 def _b32_ours(engine: LLMEngine, rng: random.Random, batch: int, num_tokens: int) -> float:
     rids = [f"b{batch}-{i}" for i in range(batch)]
     for rid in rids:
-        engine.add(rid, random_prompt(rng, 64, engine.vocab_size), exact_tokens(num_tokens))
+        engine.add(
+            EngineRequest(rid, random_prompt(rng, 64, engine.vocab_size), exact_tokens(num_tokens))
+        )
     steps: list[float] = []
     while engine.has_unfinished_requests():
         reqs = [engine.requests.get(rid) for rid in rids]

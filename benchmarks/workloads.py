@@ -20,7 +20,7 @@ import torch
 from benchmarks.harness import ArmRun, BenchContext
 from cluster.common.sampling_params import SamplingParams
 from cluster.config import ClusterConfig, cpu_count
-from cluster.engine.engine import LLMEngine, RequestOutput
+from cluster.engine.engine import EngineRequest, LLMEngine, RequestOutput
 from cluster.engine.runner import ModelRunner
 from cluster.engine.runner_registry import create_runner
 from cluster.planner.measure.engine import exact_tokens, model_dir, random_prompt
@@ -73,7 +73,9 @@ def make_engine(
 def warm_up(engine: LLMEngine, rng: random.Random, prompt_len: int, num_tokens: int) -> None:
     """One request end to end: first-call allocations and lazy inits happen outside the clock."""
     engine.add(
-        "warm-up", random_prompt(rng, prompt_len, engine.vocab_size), exact_tokens(num_tokens)
+        EngineRequest(
+            "warm-up", random_prompt(rng, prompt_len, engine.vocab_size), exact_tokens(num_tokens)
+        )
     )
     drain(engine, {})
 
@@ -203,7 +205,7 @@ def _run_group(
     spec0 = engine.speculator.stats()
     t0 = time.perf_counter()
     for rid, p in prompts.items():
-        engine.add(rid, p, params)
+        engine.add(EngineRequest(rid, p, params))
     first: float | None = None  # the group's first token (batch 1: the request's)
     last = t0
     while engine.has_unfinished_requests():

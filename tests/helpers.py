@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from cluster.common.protocol import FirstToken
 from cluster.common.sampling_params import SamplingParams
 from cluster.config import ClusterConfig, config_from_dict, load_config
+from cluster.engine.request import EngineRequest
 
 
 def make_config(**overrides: Any) -> ClusterConfig:
@@ -63,20 +65,39 @@ def tiny_config(model_dir: Any, **overrides: Any) -> ClusterConfig:
     return make_config(**defaults)
 
 
+def prefilled(pre: Any, request: EngineRequest) -> tuple[Any, tuple[FirstToken, ...]]:
+    """Run ``request`` on a prefill-role engine to its first tokens: (sample 0's output, which
+    holds the blocks unless its token ended it; every sample's first token as a
+    ``PrefillReply`` carries them)."""
+    from cluster.engine.parallel import sample_ids  # (this module stays torch-free to import)
+    from cluster.prefill_worker.worker import first_token
+
+    ids = sample_ids(request.request_id, request.n)
+    pre.add(request)
+    lead, samples = None, []
+    while lead is None:
+        for o in pre.step():
+            if o.request_id in ids and o.new_token_ids:
+                if o.index == 0:
+                    lead = o
+                else:
+                    samples.append(o)
+    samples.sort(key=lambda o: o.index)
+    return lead, tuple(first_token(o) for o in (lead, *samples))
+
+
 def remote_prefill(pre: Any, dec: Any, rid: str, prompt: list[int], params: Any, seed: int) -> Any:
     """Drive one request through a prefill-role and a decode-role engine by hand, as the pools
-    do (prefill, reserve, copy the KV, release, first token, arrival); returns the prefill
+    do (prefill, reserve, copy the KV, release, first token and arrival); returns the prefill
     replica's output, its first token included. ``dec`` then decodes the rest."""
-    pre.add(rid, prompt, params, seed=seed)
-    (first,) = [o for o in pre.step() + pre.step() + pre.step() if o.request_id == rid]
+    first, first_tokens = prefilled(pre, EngineRequest(rid, prompt, params, seed=seed))
     assert first.held_block_ids is not None
-    dec.add(rid, prompt, params, prefill="remote", seed=seed)
+    dec.add(EngineRequest(rid, prompt, params, prefill="remote", seed=seed))
     dec.step()
     (res,) = dec.take_reservations()
     dec.runner.kv_cache[res.block_ids] = pre.runner.kv_cache[first.held_block_ids]
     assert pre.release(rid)
-    dec.accept_first_token(rid, first.new_token_ids[0])
-    dec.kv_arrived(rid)
+    assert dec.kv_arrived(rid, first_tokens) == []
     return first
 
 

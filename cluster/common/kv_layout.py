@@ -12,7 +12,7 @@ and receives whole blocks in place, with no gather or scatter. A row is one (tok
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 # the quantization scheme of each KV dtype: int8 has one fp32 absmax scale per (token, KV head)
@@ -56,13 +56,11 @@ class KVLayout:
     def bytes_per_block(self) -> int:
         return self.bytes_per_token * self.block_size
 
-    def to_dict(self) -> dict[str, object]:
-        return asdict(self)
-
     def mismatch(self, other: KVLayout) -> str | None:
         """The first difference, naming both whole layouts; None when they are equal."""
-        for key, mine in self.to_dict().items():
-            if mine != getattr(other, key):
-                theirs = getattr(other, key)
+        for f in fields(self):
+            key = f.name
+            mine, theirs = getattr(self, key), getattr(other, key)
+            if mine != theirs:
                 return f"{key}: {mine!r} here, {theirs!r} at the peer (here: {self}; peer: {other})"
         return None

@@ -1,7 +1,10 @@
 """Messages between the pools (router -> decode -> prefill), torch-free.
 
 They ride on Ray Serve's handles, Ray's internal plane (Ray's token auth, network policy), never
-on pdserve's KV sockets. Plain dataclasses: every role builds and reads them without the others.
+on pdserve's KV sockets. Frozen dataclasses with typed fields (a KV handle is a
+``KVTransferParams``, a layout a ``KVLayout``): Ray serializes the objects themselves, once, at
+the boundary, and every role reads them back as these types, never as dicts. A changed copy is
+``dataclasses.replace``.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.common.kv_layout import KVLayout
+from cluster.common.kv_params import KVTransferParams
 from cluster.common.sampling_params import SamplingParams
 
 PHASES = (
@@ -22,7 +27,7 @@ PHASES = (
 )
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class GenerateCall:
     """Router -> decode replica: a validated, tokenized request."""
 
@@ -40,7 +45,7 @@ class GenerateCall:
         return None if self.deadline is None else self.deadline - time.time()
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class PrefillCall:
     """Decode replica -> prefill replica: compute the prompt's KV and the first token."""
 
@@ -49,10 +54,10 @@ class PrefillCall:
     block_hashes: list[int]
     params: SamplingParams
     seed: int  # the decode side's seed, so both sides sample the same tokens
+    kv_layout: KVLayout  # the caller's pool: the prefill replica refuses the call unless equal
     decode_endpoint: str = ""  # who will pull (logging, affinity)
     deadline: float | None = None
     exclude_replicas: tuple[str, ...] = ()  # replicas that failed this request already
-    kv_layout: dict[str, object] | None = None  # the caller's KVLayout: refused unless equal
     n: int = 1  # samples: with a full last block the reply has 1..n-1's first tokens (parallel)
 
 
@@ -63,32 +68,53 @@ class Accepted:
     replica_id: str
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class PrefillProgress:
     """Prefill replica -> decode replica, while a streamed prompt prefills: its lease so far."""
 
     request_id: str
-    kv: dict[str, Any]  # KVTransferParams.to_dict(): every full block computed to date
+    kv: KVTransferParams  # every full block computed to date
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    """One sample's first token as the prefill replica's engine produced it: the one source of
+    what the client gets for it (the decode replica streams it as is) and of what the decode
+    engine takes in (``kv_arrived``), so both stay what a single engine would have made."""
+
+    token_id: int
+    # Its text as an engine hands it out: held back while it may start a stop string, all of it
+    # (up to a matched stop string) when the token ends the sample.
+    text: str
+    logprob: float | None = None  # set when the call asked for logprobs
+    top_logprobs: tuple[tuple[int, float], ...] | None = None  # (with logprob) the top k
+    finish_reason: str | None = None  # set when the token ends its sample ("stop" | "length")
+
+
+@dataclass(frozen=True, slots=True)
 class PrefillReply:
     """Prefill replica -> decode replica, as soon as prefill is done."""
 
     request_id: str
-    first_token_id: int
-    first_logprob: float | None
-    first_top_logprobs: list[tuple[int, float]] | None
-    kv: dict[str, Any] | None  # KVTransferParams.to_dict(); None when nothing is to be pulled
-    finish_reason: str | None  # set when the first token already ends the request
+    # Sample 0's first token, then (PrefillCall.n > 1 and a prompt that fills its last block:
+    # the samples share every prompt block) samples 1..n-1's, in sample order.
+    first_tokens: tuple[FirstToken, ...]
+    kv: KVTransferParams | None  # None: nothing to pull (the first token ended the request)
     num_cached_tokens: int  # the prefill replica's own prefix-cache hit
     prefill_queue_ms: float
     prefill_ms: float
-    sample_first_tokens: list[tuple[int, Any, Any]] = field(default_factory=list)  # PrefillCall.n
-    first_text: str | None = None  # its text as a decode engine holds it back (None: ask one)
+
+    def __post_init__(self) -> None:
+        if not self.first_tokens:
+            raise ValueError("first_tokens: a prefill reply carries at least sample 0's")
+
+    @property
+    def first(self) -> FirstToken:
+        """Sample 0's first token."""
+        return self.first_tokens[0]
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -100,7 +126,7 @@ class Usage:
     accepted_draft_tokens: int = 0
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class StreamChunk:
     """Decode replica -> router: what one or more steps produced for a request."""
 

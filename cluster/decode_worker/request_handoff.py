@@ -2,10 +2,13 @@
 
 ``stream()`` is the whole life of the request here (see ``worker`` for the numbered lifecycle):
 add it to the engine (which says local or remote), run the remote hand-off if needed (block
-reservation, prefill call, first token, pull, ``kv_arrived``), then relay the engine's outputs as
-``StreamChunk``s until it finishes. Whatever way the stream ends, ``finally`` leaves nothing
-behind: the reservation, the pull (and with it the prefill side's lease), the prefill call and
-the request in the engine.
+reservation, prefill call, first tokens, pull, ``kv_arrived``), then relay the engine's outputs
+as ``StreamChunk``s until it finishes. A remote request enters the engine thread twice: ``add``,
+then ``kv_arrived`` with the prefill reply's first tokens (``kv_failed`` instead when the call or
+the pull fails). The first tokens have one source, the reply: their chunks go to the client as
+soon as it arrives, before any KV moves and before the engine takes them in. Whatever way the
+stream ends, ``finally`` leaves nothing behind: the reservation, the pull (and with it the
+prefill side's lease), the prefill call and the request in the engine.
 """
 
 from __future__ import annotations
@@ -15,13 +18,15 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from cluster.common.errors import ErrorCode, PDServeError
 from cluster.common.faults import FaultPoints
 from cluster.common.protocol import (
+    PHASES,
+    FirstToken,
     GenerateCall,
     PrefillCall,
     PrefillProgress,
@@ -32,11 +37,9 @@ from cluster.common.protocol import (
 from cluster.config import ClusterConfig
 from cluster.decode_worker.kv_pull import KVPull
 from cluster.engine.client import Added, EngineClient
-from cluster.engine.engine import RequestOutput
-from cluster.engine.handoff import KVReservation
-from cluster.engine.parallel import sample_ids
+from cluster.engine.engine import EngineRequest, RequestOutput
 from cluster.engine.step_loop import EngineDeadError
-from cluster.kv_transfer import KVReceiver, KVTransferError, KVTransferParams
+from cluster.kv_transfer import KVReceiver, KVTransferError
 from cluster.serving.calls import within_deadline
 from cluster.serving.signals import RecentWindow
 
@@ -45,11 +48,13 @@ logger = logging.getLogger(__name__)
 # reads the ack in about a millisecond; it is usually done before the decode is).
 CALL_END_WAIT_S = 0.5
 
+PrefillStream = AsyncIterator[PrefillProgress | PrefillReply]
+
 
 class PrefillClient(Protocol):
     """How a decode replica reaches the prefill pool (Ray Serve handle, or a test harness)."""
 
-    def prefill(self, call: PrefillCall) -> AsyncIterator[PrefillProgress | PrefillReply]: ...
+    def prefill(self, call: PrefillCall) -> PrefillStream: ...
 
 
 @dataclass
@@ -76,12 +81,18 @@ class RequestHandoff:
         self.rid = call.request_id
         self.arrival = time.monotonic()
         self.outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self.usage = Usage(prefill_mode="local")
-        self.usage.phases["router_queue_ms"] = call.router_queue_ms
+        self.prefill_mode = "local"  # "remote" once the engine says so; "local" on a recompute
+        self.phases = dict.fromkeys(PHASES, 0.0)  # milliseconds, for the final chunk's usage
+        self.phases["router_queue_ms"] = call.router_queue_ms
         self.first_token_at: float | None = None
         self.finished = False  # every sample ended (or the request failed)
         self.ended: dict[int, RequestOutput] = {}  # each finished sample's last output
-        self.in_engine = False
+        self.added: Added | None = None  # in the engine (its reservation, if remote)
+        # The client has first tokens from the prefill reply that the engine has not taken in
+        # yet (``kv_arrived`` / ``kv_failed`` still to come): the engine still holds the request
+        # even when those tokens ended every sample.
+        self.first_tokens_pending = False
+        self.prefill_stream: PrefillStream | None = None
         self.pull: KVPull | None = None  # the prompt's KV, pulled into its reservation
         self.remote_cached_tokens: int | None = None
         self.failure: str | None = None  # why the hand-off failed the request, in client words
@@ -90,39 +101,21 @@ class RequestHandoff:
         self.stage = "adding"  # adding, blocks, prefill, first_token, pull, decode, ending
 
     async def stream(self) -> AsyncGenerator[StreamChunk, None]:
-        ctx = self.ctx
-        aloop = asyncio.get_running_loop()
-        prefill_stream: AsyncIterator[PrefillProgress | PrefillReply] | None = None
-        added: Added | None = None
-        ctx.live.add(self)
+        self.ctx.live.add(self)
         try:
-            added = await self._add(aloop)
-            if added.remote:
-                self.usage.prefill_mode = "remote"
-                ctx.counters["remote_prefills"] += 1
-                assert ctx.prefill_client is not None and added.reservation is not None
-                self.pull = KVPull(ctx.receiver, added.reservation)
-                self.stage = "blocks"
-                # Blocks here first, then the prefill: a prefill replica's pool then only ever
-                # holds KV that has somewhere to go. (Prefilling while waiting for blocks here
-                # deadlocks two full pools: these blocks reserved for prompts that cannot
-                # prefill, that pool full of prompts waiting for blocks here.)
-                await self._before_deadline(asyncio.shield(added.reservation))
-                self.stage = "prefill"
-                prefill_stream = ctx.prefill_client.prefill(self._prefill_call())
-                async with contextlib.aclosing(
-                    self._remote_handoff(prefill_stream, added.reservation)
-                ) as chunks:
+            self.added = await self._add()
+            if self.added.remote:
+                async with contextlib.aclosing(self._remote(self.added)) as chunks:
                     async for chunk in chunks:
                         yield chunk
             else:
-                ctx.counters["local_prefills"] += 1
+                self.ctx.counters["local_prefills"] += 1
             if not self.finished:  # a remote first token may already have ended it
                 self.stage = "decode"
                 async with contextlib.aclosing(self._decode()) as chunks:
                     async for chunk in chunks:
                         yield chunk
-        except EngineDeadError:  # a step failed (entry 2 or 3): the router retries or aborts
+        except EngineDeadError:  # a step failed (entry 2): the router retries or aborts
             raise PDServeError(
                 ErrorCode.UNAVAILABLE, "the decode replica is unavailable", self.rid
             ) from None
@@ -130,44 +123,40 @@ class RequestHandoff:
             # In a task of its own: a cancellation that lands on one of its awaits (a client
             # gone while the stream was already closing) must not skip the engine's abort.
             self.stage = "ending"
-            await asyncio.shield(asyncio.ensure_future(self._end(added, prefill_stream)))
+            await asyncio.shield(asyncio.ensure_future(self._end()))
 
-    async def _end(
-        self,
-        added: Added | None,
-        prefill_stream: AsyncIterator[PrefillProgress | PrefillReply] | None,
-    ) -> None:
+    async def _end(self) -> None:
         """Leave nothing behind: the reservation, the pull (and with it the prefill side's
         lease), the request in the engine, the prefill call."""
         try:
-            if added is not None and added.reservation is not None:
-                added.reservation.cancel()
+            if self.added is not None and self.added.reservation is not None:
+                self.added.reservation.cancel()
             if self.pull is not None:  # tells the prefill side to free its blocks, and waits
                 await self.pull.cancel()  # until no pull writes the reserved ones any more
             # Before the prefill call closes: however that ends, the engine's blocks go.
-            if self.in_engine and not self.finished:
+            if self.added is not None and (not self.finished or self.first_tokens_pending):
                 self.ctx.engine.abort(self.rid)
-            if prefill_stream is not None:
+            if self.prefill_stream is not None:
                 if self.pull is not None and self.pull.finished:
-                    await _let_end(prefill_stream)
+                    await _let_end(self.prefill_stream)
                 else:
-                    await _aclose(prefill_stream)
+                    await _aclose(self.prefill_stream)
         finally:
             self.ctx.live.discard(self)
 
-    async def _add(self, aloop: asyncio.AbstractEventLoop) -> Added:
+    async def _add(self) -> Added:
         ctx = self.ctx
+        request = EngineRequest(
+            self.rid,
+            self.call.prompt_token_ids,
+            self.call.params,
+            prefill="auto" if ctx.prefill_client is not None else "local",
+            seed=self.seed,
+            arrival_time=self.arrival,
+            n=self.call.n,
+        )
         try:
-            added = await ctx.engine.add(
-                self.rid,
-                self.call.prompt_token_ids,
-                self.call.params,
-                self._sink(aloop),
-                prefill="auto" if ctx.prefill_client is not None else "local",
-                seed=self.seed,
-                arrival_time=self.arrival,
-                n=self.call.n,
-            )
+            return await ctx.engine.add(request, self._sink(asyncio.get_running_loop()))
         except ValueError as e:
             code = ErrorCode.ALREADY_EXISTS if "already exists" in str(e) else None
             raise PDServeError(code or ErrorCode.INVALID_ARGUMENT, str(e), self.rid) from None
@@ -175,8 +164,6 @@ class RequestHandoff:
             raise PDServeError(
                 ErrorCode.UNAVAILABLE, "the decode replica is unavailable", self.rid
             ) from None
-        self.in_engine = True
-        return added
 
     def _sink(self, aloop: asyncio.AbstractEventLoop) -> Callable[[RequestOutput], None]:
         """Engine thread -> this request's queue on its event loop (never blocks)."""
@@ -186,6 +173,42 @@ class RequestHandoff:
 
         return sink
 
+    # -- the remote hand-off ------------------------------------------------------------------
+
+    async def _remote(self, added: Added) -> AsyncGenerator[StreamChunk, None]:
+        """Blocks here, the prefill call, its first tokens to the client, the pull, then the
+        engine's second entry: ``kv_arrived`` (``kv_failed`` when the call or the pull fails)."""
+        ctx = self.ctx
+        self.prefill_mode = "remote"
+        ctx.counters["remote_prefills"] += 1
+        assert ctx.prefill_client is not None and added.reservation is not None
+        pull = self.pull = KVPull(ctx.receiver, added.reservation)
+        self.stage = "blocks"
+        # Blocks here first, then the prefill: a prefill replica's pool then only ever holds
+        # KV that has somewhere to go. (Prefilling while waiting for blocks here deadlocks two
+        # full pools: these blocks reserved for prompts that cannot prefill, that pool full of
+        # prompts waiting for blocks here.)
+        await self._before_deadline(asyncio.shield(added.reservation))
+        self.stage = "prefill"
+        self.prefill_stream = ctx.prefill_client.prefill(self._prefill_call())
+        reply = await self._reply(self.prefill_stream, pull)
+        if reply is None:  # failed: prefilling here now, or failed with a reason
+            return
+        self.phases["prefill_queue_ms"] = reply.prefill_queue_ms
+        self.phases["prefill_ms"] = reply.prefill_ms
+        self.remote_cached_tokens = reply.num_cached_tokens
+        if reply.kv is None:
+            await pull.cancel()  # nothing (more) to pull: stop streamed parts before any free
+        self.first_tokens_pending = True
+        self.stage = "first_token"
+        # The first tokens now, not once this engine's step is over nor after the KV moved.
+        for index, token in enumerate(reply.first_tokens):
+            yield self._chunk(self._first_output(index, token))
+        if reply.kv is not None and not await self._pull(reply):
+            return
+        await ctx.engine.kv_arrived(self.rid, reply.first_tokens)
+        self.first_tokens_pending = False
+
     def _prefill_call(self) -> PrefillCall:
         return PrefillCall(
             request_id=self.rid,
@@ -193,121 +216,59 @@ class RequestHandoff:
             block_hashes=self.call.block_hashes,
             params=self.call.params,
             seed=self.seed,
+            kv_layout=self.ctx.receiver.pool.layout,
             decode_endpoint=self.ctx.receiver.instance_id,
             deadline=self.call.deadline,
-            kv_layout=self.ctx.receiver.pool.layout.to_dict(),
             n=self.call.n,
         )
 
-    async def _remote_handoff(
-        self,
-        prefill_stream: AsyncIterator[PrefillProgress | PrefillReply],
-        reservation: asyncio.Future[KVReservation],
-    ) -> AsyncGenerator[StreamChunk, None]:
-        ctx = self.ctx
-        pull = self.pull
-        assert pull is not None
+    async def _reply(self, prefill_stream: PrefillStream, pull: KVPull) -> PrefillReply | None:
+        """The prefill call's reply (a streamed prompt's announced blocks start moving first);
+        None when the call failed and the request was handed to ``_fail_or_recompute``."""
         try:
-            reply = await self._prefill_reply(prefill_stream, pull)
+            while True:
+                item = await self._before_deadline(prefill_stream.__anext__())
+                if not isinstance(item, PrefillProgress):
+                    return item
+                pull.offer(item.kv)
         except PDServeError as e:
             await pull.cancel()  # a streamed part may be landing in the reserved blocks
             if e.code in (ErrorCode.INVALID_ARGUMENT, ErrorCode.DEADLINE_EXCEEDED):
                 raise
             # a PDServeError's message is written for clients (a KV layout mismatch names both)
             await self._fail_or_recompute(e.message, f"{e.code.value}: {e.message}")
-            return
         except (StopAsyncIteration, Exception) as e:  # a dead or unreachable prefill replica
             await pull.cancel()
-            ctx.counters["prefill_call_failures"] += 1
+            self.ctx.counters["prefill_call_failures"] += 1
             await self._fail_or_recompute("prefill call failed", f"{type(e).__name__}: {e}")
-            return
-        self.usage.phases["prefill_queue_ms"] = reply.prefill_queue_ms
-        self.usage.phases["prefill_ms"] = reply.prefill_ms
-        self.remote_cached_tokens = reply.num_cached_tokens
-        if reply.kv is None:
-            await pull.cancel()  # nothing (more) to pull: stop streamed parts before any free
-        self.stage = "first_token"
-        early = self._early_first(reply)
-        if early is not None:  # the first token now, not once this engine's step is over
-            yield self._chunk(early)
-        first = await ctx.engine.accept_first_token(
-            self.rid, reply.first_token_id, reply.first_logprob, reply.first_top_logprobs
-        )
-        if early is None:
-            yield self._chunk(first)  # the first token, before any (more) KV moves
-        else:
-            rest = self._after_early(early, first)
-            if rest is not None:
-                yield self._chunk(rest)
-        # The samples' first tokens (a full last block): they then share every prompt block.
-        for sid, (token, lp, top) in zip(
-            sample_ids(self.rid, self.call.n)[1:], reply.sample_first_tokens, strict=False
-        ):
-            yield self._chunk(await ctx.engine.accept_first_token(sid, token, lp, top))
-        if first.finished or reply.kv is None:
-            return
-        await self._pull(KVTransferParams.from_dict(reply.kv), reservation, pull)
+        return None
 
-    def _early_first(self, reply: PrefillReply) -> RequestOutput | None:
-        """The first token's output as this engine will compute it, from the prefill
-        replica's reply (which carries its text): it goes to the client while this engine is
-        still busy with a step. None when the token ends the request (the engine ends it)."""
-        if reply.first_text is None or reply.finish_reason is not None:
-            return None
-        with_logprobs = reply.first_logprob is not None and self.call.params.logprobs is not None
+    def _first_output(self, index: int, token: FirstToken) -> RequestOutput:
+        """Sample ``index``'s first token as this engine's output for it would read: the prefill
+        replica's engine computed all of it (text held back for a stop string, or the end)."""
+        with_logprobs = token.logprob is not None and self.call.params.logprobs is not None
         return RequestOutput(
             self.rid,
-            [reply.first_token_id],
-            reply.first_text,
-            finished=False,
-            new_logprobs=[reply.first_logprob or 0.0] if with_logprobs else None,
-            new_top_logprobs=[reply.first_top_logprobs or []] if with_logprobs else None,
+            [token.token_id],
+            token.text,
+            finished=token.finish_reason is not None,
+            finish_reason=token.finish_reason,
+            new_logprobs=[token.logprob or 0.0] if with_logprobs else None,
+            new_top_logprobs=[list(token.top_logprobs or ())] if with_logprobs else None,
+            num_prompt_tokens=len(self.call.prompt_token_ids),
             num_output_tokens=1,
+            index=index,
         )
 
-    def _after_early(self, early: RequestOutput, first: RequestOutput) -> RequestOutput | None:
-        """What this engine's output for the first token adds to the early one sent: nothing,
-        or (never expected: both engines run the same code on the same token) the end."""
-        same = first.new_token_ids == early.new_token_ids and first.new_text == early.new_text
-        if same and not first.finished:
-            return None
-        logger.error(
-            "request %s: the decode engine's first token %r (%r, finished=%s) differs from the "
-            "prefill replica's %r (%r)",
-            self.rid,
-            first.new_token_ids,
-            first.new_text,
-            first.finished,
-            early.new_token_ids,
-            early.new_text,
-        )
-        extra = first.new_text[len(early.new_text) :]
-        if not first.new_text.startswith(early.new_text):
-            extra = ""  # sent text cannot be taken back
-        if not extra and not first.finished:
-            return None
-        return dataclasses.replace(
-            first, new_token_ids=[], new_text=extra, new_logprobs=None, new_top_logprobs=None
-        )
-
-    async def _prefill_reply(
-        self, prefill_stream: AsyncIterator[PrefillProgress | PrefillReply], pull: KVPull
-    ) -> PrefillReply:
-        """The prefill call's reply; a streamed prompt's announced blocks start moving first."""
-        while True:
-            item = await self._before_deadline(prefill_stream.__anext__())
-            if not isinstance(item, PrefillProgress):
-                return item
-            pull.offer(KVTransferParams.from_dict(item.kv))
-
-    async def _pull(
-        self, kv: KVTransferParams, reservation: asyncio.Future[KVReservation], pull: KVPull
-    ) -> None:
-        ctx = self.ctx
+    async def _pull(self, reply: PrefillReply) -> bool:
+        """The prompt's KV into the reserved blocks; False when it failed (the request was
+        handed to ``_fail_or_recompute`` with its first tokens)."""
+        ctx, pull, kv = self.ctx, self.pull, reply.kv
+        assert pull is not None and kv is not None
         pull.hold(kv)  # heartbeat the lease while the request waits for blocks
         self.stage = "pull"
-        await self._before_deadline(asyncio.shield(reservation))
-        self.usage.phases["decode_queue_ms"] = (time.monotonic() - self.arrival) * 1000
+        await self._before_deadline(asyncio.shield(pull.reservation))
+        self.phases["decode_queue_ms"] = (time.monotonic() - self.arrival) * 1000
         await ctx.faults.hit_async("d.after_alloc_before_pull")
         t0 = time.monotonic()
         try:
@@ -315,17 +276,21 @@ class RequestHandoff:
         except KVTransferError as e:
             await pull.cancel()
             ctx.counters["transfer_failures"] += 1
-            await self._fail_or_recompute(f"KV transfer failed ({e.reason})", str(e))
-            return
+            await self._fail_or_recompute(
+                f"KV transfer failed ({e.reason})", str(e), reply.first_tokens
+            )
+            return False
         ctx.counters["pulled_blocks"] += pull.num_pulled
         ctx.counters["streamed_parts"] += pull.num_parts
         ctx.counters["reused_blocks"] += reused
-        self.usage.phases["transfer_ms"] = (time.monotonic() - t0) * 1000
-        await ctx.engine.kv_arrived(self.rid)
+        self.phases["transfer_ms"] = (time.monotonic() - t0) * 1000
+        return True
 
-    async def _fail_or_recompute(self, what: str, detail: str) -> None:
+    async def _fail_or_recompute(
+        self, what: str, detail: str, first_tokens: Sequence[FirstToken] = ()
+    ) -> None:
         """``what`` is all a client may see (no exception text, address or path: S8); the
-        ``detail`` stays in this replica's log."""
+        ``detail`` stays in this replica's log. ``first_tokens``: those the client has."""
         ctx = self.ctx
         recompute = ctx.config.transfer.on_failure == "recompute"
         logger.warning(
@@ -337,34 +302,47 @@ class RequestHandoff:
         )
         if recompute:
             ctx.counters["recomputed_after_failure"] += 1
-            self.usage.prefill_mode = "local"
+            self.prefill_mode = "local"
         else:
             self.failure = what
-        await ctx.engine.kv_failed(self.rid, recompute=recompute, error=what)
+        await ctx.engine.kv_failed(
+            self.rid, recompute=recompute, error=what, first_tokens=first_tokens
+        )
+        self.first_tokens_pending = False
+
+    # -- the engine's outputs -----------------------------------------------------------------
 
     async def _decode(self) -> AsyncGenerator[StreamChunk, None]:
         while True:
             outs = await self._next_outputs()
             error = outs.pop() if outs[-1].error is not None else None
             if outs:
-                for out in outs:  # (sample 0's prompt logprobs, for every sample's first chunk)
-                    self.prompt_logprobs = self.prompt_logprobs or out.prompt_logprobs
-                    for _ in out.new_token_ids:
-                        await self.ctx.faults.hit_async("d.mid_decode_token_k")
-                chunks = [self._chunk(out) for out in outs]
-                for out in outs:
-                    if out.finished:
-                        self._record_tpot(out)
-                for chunk in merge_by_sample(chunks):
+                for chunk in await self._chunks(outs):
                     yield chunk
                 if self.finished:
                     return
             if error is not None:
-                self.finished = True
-                code = ErrorCode.ABORTED if self.first_token_at else ErrorCode.UNAVAILABLE
-                if self.failure is None:  # the engine itself failed: its text stays here
-                    logger.error("request %s: %s", self.rid, error.error)
-                raise PDServeError(code, self.failure or "the decode replica failed", self.rid)
+                raise self._failed(error)
+
+    async def _chunks(self, outs: list[RequestOutput]) -> list[StreamChunk]:
+        """A batch of outputs as one chunk per sample (sample 0's prompt logprobs go with every
+        sample's first chunk)."""
+        for out in outs:
+            self.prompt_logprobs = self.prompt_logprobs or out.prompt_logprobs
+            for _ in out.new_token_ids:
+                await self.ctx.faults.hit_async("d.mid_decode_token_k")
+        chunks = [self._chunk(out) for out in outs]
+        for out in outs:
+            if out.finished:
+                self._record_tpot(out)
+        return merge_by_sample(chunks)
+
+    def _failed(self, error: RequestOutput) -> PDServeError:
+        self.finished = True
+        code = ErrorCode.ABORTED if self.first_token_at else ErrorCode.UNAVAILABLE
+        if self.failure is None:  # the engine itself failed: its text stays here
+            logger.error("request %s: %s", self.rid, error.error)
+        return PDServeError(code, self.failure or "the decode replica failed", self.rid)
 
     async def _next_outputs(self) -> list[RequestOutput]:
         """The next output, and every one already queued behind it (to its last, or an error):
@@ -383,10 +361,10 @@ class RequestHandoff:
     def _chunk(self, out: RequestOutput) -> StreamChunk:
         if self.first_token_at is None and out.new_token_ids:
             self.first_token_at = time.monotonic()
-            if self.usage.prefill_mode == "local":
+            if self.prefill_mode == "local":
                 sched = out.scheduled_time or self.arrival
-                self.usage.phases["decode_queue_ms"] = (sched - self.arrival) * 1000
-                self.usage.phases["prefill_ms"] = (self.first_token_at - sched) * 1000
+                self.phases["decode_queue_ms"] = (sched - self.arrival) * 1000
+                self.phases["prefill_ms"] = (self.first_token_at - sched) * 1000
         if out.finished:
             self.ended[out.index] = out
             self.finished = len(self.ended) == self.call.n
@@ -407,19 +385,21 @@ class RequestHandoff:
 
     def _final_usage(self, out: RequestOutput) -> Usage:
         """Once every sample ended: the prompt counts once, the outputs of all samples."""
-        u = self.usage
         ended = self.ended.values()
-        u.prompt_tokens = out.num_prompt_tokens
-        u.completion_tokens = sum(o.num_output_tokens for o in ended)
         # A remote prefill's compute was saved by the prefill replica's cache; a local one's (or
         # a recompute's) by this replica's.
-        remote = self.remote_cached_tokens if u.prefill_mode == "remote" else None
-        u.cached_tokens = out.num_cached_tokens if remote is None else remote
-        u.draft_tokens = sum(o.num_draft_tokens for o in ended)
-        u.accepted_draft_tokens = sum(o.num_accepted_tokens for o in ended)
+        remote = self.remote_cached_tokens if self.prefill_mode == "remote" else None
         if self.first_token_at is not None:
-            u.phases["decode_ms"] = (time.monotonic() - self.first_token_at) * 1000
-        return u
+            self.phases["decode_ms"] = (time.monotonic() - self.first_token_at) * 1000
+        return Usage(
+            prompt_tokens=out.num_prompt_tokens,
+            completion_tokens=sum(o.num_output_tokens for o in ended),
+            cached_tokens=out.num_cached_tokens if remote is None else remote,
+            prefill_mode=self.prefill_mode,
+            phases=dict(self.phases),
+            draft_tokens=sum(o.num_draft_tokens for o in ended),
+            accepted_draft_tokens=sum(o.num_accepted_tokens for o in ended),
+        )
 
     async def _before_deadline(self, aw: Any) -> Any:
         return await within_deadline(aw, self.call.deadline, self.rid)

@@ -8,10 +8,13 @@ The decode replica owns each request's prefill/decode hand-off (``generate(call)
   2. Remote: the request waits in the engine for KV; the engine reserves its blocks (its own
      cached prefix first), and only then is the prefill pool called: a prefill replica never
      holds KV that has nowhere to go (two full pools cannot deadlock).
-  3. The prefill reply brings the first token: it is streamed at once (TTFT does not wait for
-     the transfer). Its lease is heartbeated until the pull.
+  3. The prefill reply brings the first token (with n > 1 and a full last prompt block, each
+     sample's), its text and logprobs: it is streamed at once, from the reply (TTFT waits for
+     neither the transfer nor this engine's step). Its lease is heartbeated until the pull.
   4. Only the blocks not cached here are pulled, straight into the reserved blocks; the pull's
-     ack frees the prefill side. The request then decodes in the continuous batch.
+     ack frees the prefill side. Then the engine's second and last entry, ``kv_arrived``, hands
+     it the first tokens (it takes them in without an output) and the request decodes in the
+     continuous batch. A first token that ended the request skips the pull, not the entry.
   5. A failed prefill call or pull: recompute locally (``transfer.on_failure: recompute``, exact
      thanks to seeded sampling) or end with an error. Cancelling the stream aborts the request
      here, the pull, and the prefill call. Deadlines end the request with DEADLINE_EXCEEDED.

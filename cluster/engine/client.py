@@ -8,19 +8,21 @@ thread's answer; ``abort`` and ``release`` are fire-and-forget (their Future may
 Entries into the engine thread for one request:
   * local prefill: ``add``;
   * remote prefill (decode role): ``add`` (which also says local or remote and how much of the
-    prompt is cached here), ``accept_first_token``, ``kv_arrived``; the block reservation in
-    between goes into the Future ``add`` returned: resolved with the add itself when the running
-    batch's next step leaves the blocks free, else by the step loop after a later step;
+    prompt is cached here), then ``kv_arrived`` with the prefill replica's first tokens once the
+    KV is here (or at once when the first token ended the request: nothing to pull); the block
+    reservation in between goes into the Future ``add`` returned: resolved with the add itself
+    when the running batch's next step leaves the blocks free, else by the step loop after a
+    later step. The first tokens reach the client from the prefill reply, not from here;
   * prefill role: ``add``, then ``release`` once the KV was pulled (the output that ends the
     request here carries the held block table).
-Failure paths add ``kv_failed`` or ``abort``.
+Failure paths end with ``kv_failed`` (instead of ``kv_arrived``) or ``abort``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -28,9 +30,9 @@ from typing import Any
 import torch
 
 from cluster.common.kv_layout import KVLayout
-from cluster.common.sampling_params import SamplingParams
-from cluster.engine.engine import LLMEngine, RequestOutput
-from cluster.engine.handoff import KVReservation, PrefillMode
+from cluster.common.protocol import FirstToken
+from cluster.engine.engine import EngineRequest, LLMEngine
+from cluster.engine.handoff import KVReservation
 from cluster.engine.step_loop import EngineLoop, Sink
 
 
@@ -80,42 +82,23 @@ class EngineClient:
 
     # -- requests -----------------------------------------------------------------------------
 
-    async def add(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        sink: Sink,
-        *,
-        prefill: PrefillMode = "local",
-        seed: int | None = None,
-        arrival_time: float | None = None,
-        n: int = 1,
-    ) -> Added:
+    async def add(self, request: EngineRequest, sink: Sink) -> Added:
         """Queue a request whose outputs go to ``sink`` (on the engine thread: must not block);
         ``n`` samples of it stream their outputs (``RequestOutput.index``) to the one sink.
 
         Raises ``ValueError`` naming the bad field; nothing is left behind then.
         """
+        request_id = request.request_id
         reservation: asyncio.Future[KVReservation] | None = None
-        if prefill != "local":  # registered first: the very next step may reserve the blocks
+        if request.prefill != "local":  # registered first: the very next step may reserve
             reservation = asyncio.get_running_loop().create_future()
             with self._lock:
                 self._reservations[request_id] = reservation
             # However it ends (reserved, cancelled by the caller, timed out), it leaves the table.
             reservation.add_done_callback(lambda fut: self._discard(request_id, fut))
-        added = self._loop.add(
-            request_id,
-            prompt_token_ids,
-            params,
-            sink,
-            prefill=prefill,
-            seed=seed,
-            arrival_time=arrival_time,
-            n=n,
-        )
+        added = self._loop.add(request, sink)
         try:
-            admission = await asyncio.wrap_future(added)
+            decision = await asyncio.wrap_future(added)
         except BaseException:
             self._forget_reservation(request_id)
             # Cancelled while (or just after) the engine thread admitted it: the caller never
@@ -124,31 +107,35 @@ class EngineClient:
             # refused as a duplicate belongs to another request).
             self._loop.call(lambda eng: _abort_if_admitted(eng, request_id, added))
             raise
-        if not admission.remote:
+        if not decision.remote:
             self._forget_reservation(request_id)
             reservation = None
-        return Added(admission.num_cached_tokens, admission.remote, reservation)
+        return Added(decision.num_cached_tokens, decision.remote, reservation)
 
-    async def accept_first_token(
-        self,
-        request_id: str,
-        token_id: int,
-        logprob: float | None = None,
-        top_logprobs: list[tuple[int, float]] | None = None,
-    ) -> RequestOutput:
-        """Decode role: the prefill replica's first token, streamed before the KV arrives."""
-        return await self._call(
-            lambda eng: eng.accept_first_token(request_id, token_id, logprob, top_logprobs)
+    async def kv_arrived(self, request_id: str, first_tokens: Sequence[FirstToken]) -> None:
+        """Decode role: the prefill replica's first tokens (the caller streamed them already),
+        and, unless the first one ended the request, its prompt's KV in the reserved blocks:
+        the request may decode (``LLMEngine.kv_arrived``)."""
+        await asyncio.wrap_future(
+            self._loop.call_ending(lambda eng: eng.kv_arrived(request_id, first_tokens))
         )
 
-    async def kv_arrived(self, request_id: str) -> None:
-        """Decode role: the reserved blocks hold the prompt's KV; the request may decode."""
-        await self._call(lambda eng: eng.kv_arrived(request_id))
-
-    async def kv_failed(self, request_id: str, *, recompute: bool, error: str) -> None:
-        """Decode role: the prefill call or the pull failed: prefill locally, or fail it."""
+    async def kv_failed(
+        self,
+        request_id: str,
+        *,
+        recompute: bool,
+        error: str,
+        first_tokens: Sequence[FirstToken] = (),
+    ) -> None:
+        """Decode role: the prefill call or the pull failed: prefill locally (after the first
+        tokens the client already has, if any), or fail it."""
         self._forget_reservation(request_id)
-        await self._call(lambda eng: eng.kv_failed(request_id, recompute, error))
+        await asyncio.wrap_future(
+            self._loop.call_ending(
+                lambda eng: eng.kv_failed(request_id, recompute, error, first_tokens)
+            )
+        )
 
     def abort(self, request_id: str) -> Future[bool]:
         """End a request wherever it is; frees its blocks (any thread, fire-and-forget)."""

@@ -5,41 +5,65 @@ The role is a collaborator, not a mode: ``LLMEngine(config, role=...)`` picks th
 arrives from outside, and holds a prefilled request's blocks for a pull: ``colocated`` (default),
 requests are prefilled and decoded here; ``prefill``, a request's part ends with its first token,
 whose output carries the block table held for the decode replica's pull (``release()`` frees it);
-``decode``, ``add(..., prefill="auto" | "remote")`` may keep a request waiting for KV in blocks it
-reserves (``take_reservations()``), written from outside; ``accept_first_token()`` streams the
-prefill replica's first token, ``kv_arrived()`` lets it decode here. (Grammars: ``structured``.)
+``decode``, a request added with ``prefill="auto" | "remote"`` may wait for KV in blocks it
+reserves (``take_reservations()``), written from outside; ``kv_arrived()`` then hands in the
+prefill replica's first tokens (the client has them already: they make no output here) and lets
+it decode here. (Grammars: ``structured``.)
+
+One request table: ``requests`` holds every live request, and a request's status names the
+collaborator that holds it (the scheduler's queues, the hand-off awaiting KV, the sample groups:
+``_holders``), so finishing, aborting and the integrity check look in one place.
 
 Single-threaded: a server drives it from one dedicated step thread (``client.EngineClient``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import random
 import time
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
 
+from cluster.common.protocol import FirstToken
 from cluster.common.sampling_params import SamplingParams, validate_prompt
 from cluster.config import ClusterConfig
 from cluster.engine import prompt_logprobs
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.engine_stats import EngineCounters, engine_stats
 from cluster.engine.handoff import (
-    Admission,
     DecodeHandoff,
     KVReservation,
-    PrefillMode,
+    PrefillDecision,
     create_handoff,
 )
 from cluster.engine.outputs import EmittedTokens, OutputProcessor, RequestOutput
 from cluster.engine.parallel import SampleGroups, check_n, sample_ids
-from cluster.engine.request import Request, RequestStatus
+from cluster.engine.request import EngineRequest, Request, RequestStatus
 from cluster.engine.runner import ModelRunner, RunnerOutput
 from cluster.engine.runner_registry import create_runner
 from cluster.engine.scheduler import ScheduledBatch, Scheduler
 from cluster.engine.spec import create_speculator
 from cluster.engine.structured import StructuredOutput
 
-__all__ = ["Admission", "EngineCounters", "KVReservation", "LLMEngine", "RequestOutput"]
+__all__ = [
+    "EngineCounters",
+    "EngineRequest",
+    "KVReservation",
+    "LLMEngine",
+    "PrefillDecision",
+    "RequestOutput",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class RequestHolder(Protocol):
+    """A collaborator that keeps live requests of some statuses (``LLMEngine._holders``)."""
+
+    def remove(self, req: Request) -> None: ...
+    def requests(self) -> Iterable[Request]: ...
 
 
 class LLMEngine:
@@ -63,7 +87,15 @@ class LLMEngine:
             config, self.tokenizer, self.vocab_size, self.max_model_len
         )
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len, self.structured)
+        # The one request table: every live request by id; its status says who holds it.
         self.requests: dict[str, Request] = {}
+        self._holders: dict[RequestStatus, RequestHolder] = {
+            RequestStatus.WAITING: self.scheduler,
+            RequestStatus.RUNNING: self.scheduler,
+            RequestStatus.PREEMPTED: self.scheduler,
+            RequestStatus.WAITING_FOR_KV: self.handoff,
+            RequestStatus.WAITING_FOR_LEADER: self.samples,
+        }
         self._pending_outputs: list[RequestOutput] = []
         self._reservations: list[KVReservation] = []
         self._seed_rng = random.Random(config.model.seed)
@@ -74,26 +106,32 @@ class LLMEngine:
 
     # -- intake -------------------------------------------------------------------------------
 
-    def add(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        prefill: PrefillMode = "local",
-        seed: int | None = None,
-        arrival_time: float | None = None,
-        n: int = 1,
-    ) -> Admission:
+    def add(self, request: EngineRequest) -> PrefillDecision:
         """Validate and queue a request (``n`` samples: ``parallel``); ValueError names a field."""
-        if not isinstance(request_id, str) or not request_id:
+        req = self._new_request(request)
+        decision = self.handoff.admit(req, request.prefill)
+        if not decision.remote:
+            self.scheduler.add(req)
+        for r in (req, *self.samples.add(req, self.handoff.num_samples(req, request.n))):
+            self.requests[r.request_id] = r
+            self.outputs.add(r)
+        self.counters.num_prompt_tokens += req.num_prompt_tokens
+        if decision.remote:  # its blocks now, not after a step: the prefill call waits for them
+            self._reservations.extend(self.scheduler.reserve_between_steps())
+        return decision
+
+    def _new_request(self, request: EngineRequest) -> Request:
+        if not isinstance(request, EngineRequest):
+            raise TypeError(f"add() takes an EngineRequest, got {type(request).__name__}")
+        rid, params = request.request_id, request.params
+        if not isinstance(rid, str) or not rid:
             raise ValueError("request_id: must be a non-empty string")
-        for rid in sample_ids(request_id, check_n(n)):
-            if rid in self.requests or self.handoff.is_holding(rid):
-                raise ValueError(f"request_id: {rid!r} already exists")
+        for sid in sample_ids(rid, check_n(request.n)):
+            if sid in self.requests or self.handoff.is_holding(sid):
+                raise ValueError(f"request_id: {sid!r} already exists")
         if not isinstance(params, SamplingParams):
             raise ValueError("params: must be a SamplingParams")
-        prompt = list(prompt_token_ids)
+        prompt = list(request.prompt_token_ids)
         validate_prompt(
             prompt, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len
         )
@@ -104,21 +142,13 @@ class LLMEngine:
                 f"max_tokens: prompt + max_tokens need {needed} KV blocks but the pool has "
                 f"{self.block_manager.num_blocks}"
             )
+        seed = request.seed
         if seed is None:
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        req = Request(request_id, prompt, params, seed, self.eos_token_ids)
-        if arrival_time is not None:
-            req.arrival_time = arrival_time
-        admission = self.handoff.admit(req, prefill)
-        if not admission.remote:
-            self.scheduler.add(req)
-        for r in (req, *self.samples.add(req, self.handoff.num_samples(req, n))):
-            self.requests[r.request_id] = r
-            self.outputs.add(r)
-        self.counters.num_prompt_tokens += len(prompt)
-        if admission.remote:  # its blocks now, not after a step: the prefill call waits for them
-            self._reservations.extend(self.scheduler.reserve_between_steps())
-        return admission
+        req = Request(rid, prompt, params, seed, self.eos_token_ids)
+        if request.arrival_time is not None:
+            req.arrival_time = request.arrival_time
+        return req
 
     def abort_request(self, request_id: str, error: str | None = None) -> bool:
         """End a request, all its samples, wherever they are (queued, running, awaiting KV, held);
@@ -143,43 +173,110 @@ class LLMEngine:
         out, self._reservations = self._reservations, []
         return out
 
-    def accept_first_token(
+    def kv_arrived(self, request_id: str, first_tokens: Sequence[FirstToken]) -> list[str]:
+        """The prefill replica's part of a remote request is done. ``first_tokens`` are its
+        first tokens (sample 0's, then the samples' drawn with it: ``PrefillReply``), which the
+        client already has: they are taken in without an output (a sample one of them ended
+        is returned, it gets no output either). Unless sample 0's ended the request (there was
+        no KV to pull then), its reserved blocks now hold the prompt's KV: it may decode."""
+        handoff = self._decode_handoff()
+        req = self._awaiting_kv(request_id)
+        ended = self._take_first_tokens(request_id, first_tokens)
+        if not req.is_finished:  # (a token that ended it there but not here failed it)
+            self.scheduler.add(handoff.kv_arrived(request_id))
+        return ended
+
+    def kv_failed(
         self,
         request_id: str,
-        token_id: int,
-        logprob: float | None = None,
-        top_logprobs: list[tuple[int, float]] | None = None,
-    ) -> RequestOutput:
-        """The prefill replica's first token (the server already streamed it), before the KV."""
-        req = self.requests[request_id]
-        if req.output_token_ids:
-            raise ValueError(f"request {request_id!r} already has its first token")
-        if not 0 <= token_id < self.vocab_size:
-            raise ValueError(f"first token id {token_id} is outside the vocabulary")
-        return self._append(req, EmittedTokens([token_id], [logprob], [top_logprobs]))
-
-    def kv_arrived(self, request_id: str) -> None:
-        """All reserved blocks hold the prompt's KV: the request may join the decode batch."""
-        if not self.requests[request_id].output_token_ids:
-            raise ValueError(f"request {request_id!r}: KV arrived before its first token")
-        self.scheduler.add(self._decode_handoff().kv_arrived(request_id))
-
-    def kv_failed(self, request_id: str, recompute: bool, error: str = "") -> None:
-        """The transfer failed: prefill locally (exact, thanks to seeded sampling) or fail."""
+        recompute: bool,
+        error: str = "",
+        first_tokens: Sequence[FirstToken] = (),
+    ) -> list[str]:
+        """The prefill call or the pull failed: prefill locally (exact, thanks to seeded
+        sampling), after taking in the first tokens the client already has, or fail. Returns
+        the samples those tokens ended (they get no output)."""
         req = self.requests.get(request_id)
         if not recompute or req is None or req.status != RequestStatus.WAITING_FOR_KV:
             self.abort_request(request_id, error=error or "KV transfer failed")
-            return
-        self._decode_handoff().take(request_id)
-        if self.block_manager.has_table(request_id):
-            self.block_manager.free(request_id)
-        req.num_computed_tokens = req.num_cached_tokens = 0
-        self.scheduler.add(req)
+            return []
+        self._decode_handoff()
+        ended = self._take_first_tokens(request_id, first_tokens) if first_tokens else []
+        if not req.is_finished:
+            self.handoff.remove(req)
+            if self.block_manager.has_table(request_id):
+                self.block_manager.free(request_id)
+            req.num_computed_tokens = req.num_cached_tokens = 0
+            self.scheduler.add(req)
+        return ended
 
     def _decode_handoff(self) -> DecodeHandoff:
         if not isinstance(self.handoff, DecodeHandoff):
             raise ValueError(f"this engine's role is {self.role}; KV import needs the decode role")
         return self.handoff
+
+    def _awaiting_kv(self, request_id: str) -> Request:
+        req = self.requests.get(request_id)
+        if req is None or req.status != RequestStatus.WAITING_FOR_KV:
+            state = "unknown" if req is None else req.status.name
+            raise ValueError(f"request {request_id!r}: not waiting for KV ({state})")
+        return req
+
+    def _take_first_tokens(self, request_id: str, tokens: Sequence[FirstToken]) -> list[str]:
+        """Append each sample's first token from the prefill replica (checked first, all of
+        them, so a bad one changes nothing); returns the ids of samples they ended."""
+        if not tokens:
+            raise ValueError(f"request {request_id!r}: no first token (sample 0's at least)")
+        ids = sample_ids(request_id, len(tokens))
+        reqs = [self.requests.get(sid) for sid in ids]
+        for sid, req, tok in zip(ids, reqs, tokens, strict=True):
+            if req is None or req.output_token_ids:
+                raise ValueError(f"request {sid!r}: not in this engine, or has its first token")
+            if not 0 <= tok.token_id < self.vocab_size:
+                raise ValueError(f"first token id {tok.token_id} is outside the vocabulary")
+        ended = []
+        for req, tok in zip(reqs, tokens, strict=True):
+            assert req is not None
+            if self._take_first(req, tok):
+                ended.append(req.request_id)
+        return ended
+
+    def _take_first(self, req: Request, tok: FirstToken) -> bool:
+        """One sample's first token, streamed by the caller: this engine's stop checks,
+        detokenizer and grammar advance as they would have, but no output goes out. True when
+        it ended the sample as the prefill replica's did."""
+        top = list(tok.top_logprobs) if tok.top_logprobs is not None else None
+        em = EmittedTokens([tok.token_id], [tok.logprob], [top])
+        status, n = self.outputs.append_all(req, em)
+        self.counters.num_generated_tokens += n
+        self.counters.num_cached_prompt_tokens += req.num_cached_tokens
+        out = self.outputs.delta(req, em, n, status)  # its text is the one the client has
+        if status is not None:
+            self._finish(req, status)
+        if (status is None) == (tok.finish_reason is None):
+            return status is not None
+        # Never expected (both engines run the same code on the same token): the end here
+        # goes out with what text the client lacks; an end only there fails the sample.
+        logger.error(
+            "request %s: the decode engine's first token %r (%r, %s) differs from the prefill "
+            "replica's (%r, %s)",
+            req.request_id,
+            tok.token_id,
+            out.new_text,
+            out.finish_reason,
+            tok.text,
+            tok.finish_reason,
+        )
+        if status is None:
+            self._abort(req, "the prefill and decode engines disagree on the first token")
+            return False
+        extra = out.new_text[len(tok.text) :] if out.new_text.startswith(tok.text) else ""
+        self._pending_outputs.append(
+            dataclasses.replace(
+                out, new_token_ids=[], new_text=extra, new_logprobs=None, new_top_logprobs=None
+            )
+        )
+        return False
 
     # -- prefill role -------------------------------------------------------------------------
 
@@ -254,14 +351,12 @@ class LLMEngine:
         if status is not None:
             self._finish(req, status)
         elif held is not None:  # this engine's part is over; the blocks wait for a pull
-            if not self.scheduler.remove(req):
-                self.samples.take(req)  # a sample's first token (prefill role): nothing held
+            self._holders[req.status].remove(req)  # (a sample's first token: nothing held)
             self._forget(req)
         return out
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
-        if not self.scheduler.remove(req) and not self.samples.take(req):
-            self.handoff.take(req.request_id)
+        self._holders[req.status].remove(req)
         req.status = status
         if self.block_manager.has_table(req.request_id):
             self.block_manager.free(req.request_id)
@@ -280,13 +375,25 @@ class LLMEngine:
         self.block_manager.reset_prefix_cache()
 
     def check_integrity(self) -> None:
+        """Blocks (free + cached + used == total); the request table: every live request is
+        held by the collaborator its status names and by no other, nothing else is held; no
+        grammar matcher outlives its request."""
         self.block_manager.check_integrity()
-        tracked = {r.request_id for r in self.scheduler.all_requests()}
-        tracked.update(r.request_id for r in (*self.handoff.requests(), *self.samples.requests()))
-        live = set(self.requests)
-        if tracked != live or not self.structured.active_ids() <= live:
-            diff = sorted(tracked ^ live or self.structured.active_ids() - live)[:5]
-            raise AssertionError(f"engine, scheduler, matchers disagree on live requests: {diff}")
+        held = [(r, h) for h in dict.fromkeys(self._holders.values()) for r in h.requests()]
+        wrong = {
+            r.request_id
+            for r, h in held
+            if self.requests.get(r.request_id) is not r or self._holders.get(r.status) is not h
+        }
+        wrong.update(set(self.requests) - {r.request_id for r, _ in held})
+        if wrong or len(held) != len(self.requests):
+            raise AssertionError(
+                f"the request table and its holders disagree on: {sorted(wrong)[:5]} "
+                f"({len(held)} held, {len(self.requests)} live)"
+            )
+        stray = self.structured.active_ids() - set(self.requests)
+        if stray:
+            raise AssertionError(f"grammar matchers of requests not live: {sorted(stray)[:5]}")
 
     def stats(self) -> dict[str, Any]:
         return engine_stats(

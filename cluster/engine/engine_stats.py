@@ -39,7 +39,7 @@ def engine_stats(
         **handoff.stats(),
         **samples.stats(),
         "num_queued_prefill_tokens": sum(
-            max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in sched.all_requests()
+            max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in sched.requests()
         ),
         "num_preemptions": sched.num_preemptions,
         "num_steps": c.num_steps,

@@ -24,22 +24,18 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal
 
 from cluster.config import ClusterConfig
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.block_stream import BlockStream
 from cluster.engine.outputs import RequestOutput
-from cluster.engine.request import Request, RequestStatus
-
-# How a request's prompt gets its KV: computed here, pulled from a prefill replica, or (decode
-# role) remote when more than ``decode.local_prefill_threshold`` tokens are not cached here.
-PrefillMode = Literal["local", "remote", "auto"]
+from cluster.engine.request import PrefillMode, Request, RequestStatus
 
 
 @dataclass(frozen=True, slots=True)
-class Admission:
-    """What adding a request decided, for the caller (no second round trip to ask)."""
+class PrefillDecision:
+    """Where adding a request decided its prompt's KV comes from, for the caller (no second
+    round trip to ask)."""
 
     num_cached_tokens: int  # prompt tokens this engine's prefix cache holds right now
     remote: bool  # the prompt's KV comes from a prefill replica into reserved blocks
@@ -62,11 +58,11 @@ class Handoff:
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
 
-    def admit(self, req: Request, prefill: PrefillMode) -> Admission:
+    def admit(self, req: Request, prefill: PrefillMode) -> PrefillDecision:
         """A new request: ``remote`` means the hand-off keeps it; otherwise it is queued."""
         if prefill == "remote":
             raise ValueError("prefill: remote prefill needs an engine in the decode role")
-        return Admission(self.num_cached_blocks(req) * self.block_size, remote=False)
+        return PrefillDecision(self.num_cached_blocks(req) * self.block_size, remote=False)
 
     def num_samples(self, req: Request, n: int) -> int:
         """How many of a request's n samples this engine runs (``parallel``)."""
@@ -95,9 +91,10 @@ class Handoff:
         """Free a held request's blocks; False when it holds none for that id."""
         return False
 
-    def take(self, request_id: str) -> Request | None:
-        """Hand back a request this hand-off keeps (to abort it or to prefill it locally)."""
-        return None
+    def remove(self, req: Request) -> None:
+        """Hand back a request this hand-off keeps (``WAITING_FOR_KV``: to finish it, or to
+        prefill it locally)."""
+        raise AssertionError(f"request {req.request_id!r}: this hand-off keeps no requests")
 
     def is_holding(self, request_id: str) -> bool:
         """Whether blocks of a request that ended here are held under that id."""
@@ -173,7 +170,7 @@ class DecodeHandoff(Handoff):
         self.kv_waiting: deque[Request] = deque()  # no blocks yet
         self.kv_reserved: dict[str, Request] = {}  # blocks reserved, KV in flight
 
-    def admit(self, req: Request, prefill: PrefillMode) -> Admission:
+    def admit(self, req: Request, prefill: PrefillMode) -> PrefillDecision:
         num_cached = self.num_cached_blocks(req) * self.block_size
         remote = prefill == "remote" or (
             prefill == "auto" and req.num_prompt_tokens - num_cached > self.threshold
@@ -185,7 +182,7 @@ class DecodeHandoff(Handoff):
         if remote:
             req.status = RequestStatus.WAITING_FOR_KV
             self.kv_waiting.append(req)
-        return Admission(num_cached, remote)
+        return PrefillDecision(num_cached, remote)
 
     def reserve(
         self, num_running: int, max_num_seqs: int, keep_free: int = 0
@@ -222,13 +219,9 @@ class DecodeHandoff(Handoff):
         )
         return req
 
-    def take(self, request_id: str) -> Request | None:
-        req = self.kv_reserved.pop(request_id, None)
-        if req is None:
-            req = next((r for r in self.kv_waiting if r.request_id == request_id), None)
-            if req is not None:
-                self.kv_waiting.remove(req)
-        return req
+    def remove(self, req: Request) -> None:
+        if self.kv_reserved.pop(req.request_id, None) is None:
+            self.kv_waiting.remove(req)  # ValueError: not kept here (a bug in the caller)
 
     def requests(self) -> Iterable[Request]:
         yield from self.kv_waiting

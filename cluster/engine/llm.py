@@ -9,7 +9,7 @@ from typing import Any
 
 from cluster.common.sampling_params import SamplingParams
 from cluster.config import ClusterConfig, flat_key_index, load_config
-from cluster.engine.engine import LLMEngine, RequestOutput
+from cluster.engine.engine import EngineRequest, LLMEngine, RequestOutput
 
 PromptInput = str | Sequence[int]
 Messages = Sequence[Mapping[str, Any]]
@@ -87,7 +87,7 @@ class LLM:
         """One request's deltas as they are produced."""
         (tokens,) = self._tokenize_all([prompt])
         rid = f"stream-{next(self._ids)}"
-        self.engine.add(rid, tokens, params or SamplingParams())
+        self.engine.add(EngineRequest(rid, tokens, params or SamplingParams()))
         try:
             while True:
                 for out in self.engine.step():
@@ -124,43 +124,60 @@ class LLM:
         token_lists: list[list[int]],
         params: SamplingParams | Sequence[SamplingParams] | None,
     ) -> list[CompletionOutput]:
-        if params is None:
-            plist = [SamplingParams()] * len(token_lists)
-        elif isinstance(params, SamplingParams):
-            plist = [params] * len(token_lists)
-        else:
-            plist = list(params)
-            if len(plist) != len(token_lists):
-                raise ValueError(f"params: {len(plist)} given for {len(token_lists)} prompts")
-        eng = self.engine
+        plist = _params_per_prompt(params, len(token_lists))
         base = next(self._ids)
-        rids = [f"offline-{base}-{i}" for i in range(len(token_lists))]
+        requests = [
+            EngineRequest(f"offline-{base}-{i}", toks, p)
+            for i, (toks, p) in enumerate(zip(token_lists, plist))
+        ]
+        self._add_all(requests)
+        results = {
+            r.request_id: CompletionOutput(list(r.prompt_token_ids), "", [], None) for r in requests
+        }
+        remaining = set(results)
+        while remaining:
+            for out in self.engine.step():
+                res = results.get(out.request_id)
+                if res is not None and _absorb(res, out):
+                    remaining.discard(out.request_id)
+        return [results[r.request_id] for r in requests]
+
+    def _add_all(self, requests: list[EngineRequest]) -> None:
+        """Add every request, or (one refused) none of them."""
+        eng = self.engine
         added: list[str] = []
         try:
-            for rid, toks, p in zip(rids, token_lists, plist):
-                eng.add(rid, toks, p)
-                added.append(rid)
+            for request in requests:
+                eng.add(request)
+                added.append(request.request_id)
         except ValueError:
             for rid in added:
                 eng.abort_request(rid)
             eng.step()  # flush the abort outputs
             raise
-        results = {
-            rid: CompletionOutput(toks, "", [], None) for rid, toks in zip(rids, token_lists)
-        }
-        remaining = set(rids)
-        while remaining:
-            for out in eng.step():
-                res = results.get(out.request_id)
-                if res is None:
-                    continue
-                res.token_ids.extend(out.new_token_ids)
-                res.text += out.new_text
-                if out.new_logprobs is not None:
-                    res.logprobs = (res.logprobs or []) + out.new_logprobs
-                    res.top_logprobs = (res.top_logprobs or []) + (out.new_top_logprobs or [])
-                if out.finished:
-                    res.finish_reason = out.finish_reason
-                    res.num_cached_tokens = out.num_cached_tokens
-                    remaining.discard(out.request_id)
-        return [results[rid] for rid in rids]
+
+
+def _params_per_prompt(
+    params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(params, SamplingParams):
+        return [params] * num_prompts
+    plist = list(params)
+    if len(plist) != num_prompts:
+        raise ValueError(f"params: {len(plist)} given for {num_prompts} prompts")
+    return plist
+
+
+def _absorb(res: CompletionOutput, out: RequestOutput) -> bool:
+    """Add a step's output to a completion; True when it was the last."""
+    res.token_ids.extend(out.new_token_ids)
+    res.text += out.new_text
+    if out.new_logprobs is not None:
+        res.logprobs = (res.logprobs or []) + out.new_logprobs
+        res.top_logprobs = (res.top_logprobs or []) + (out.new_top_logprobs or [])
+    if out.finished:
+        res.finish_reason = out.finish_reason
+        res.num_cached_tokens = out.num_cached_tokens
+    return out.finished

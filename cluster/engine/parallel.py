@@ -3,7 +3,7 @@
 A request with n samples is n engine requests. The leader keeps the caller's id and seed and
 goes wherever its prompt goes (prefilled here, or its KV pulled from a prefill replica: one
 prefill and one transfer for all n). Samples 1..n-1 (ids ``rid#i``, seeds ``sample_seed(seed,
-i)``) wait here (``WAITING_FOR_KV``) until the leader's prompt KV is computed, then are forked
+i)``) wait here (``WAITING_FOR_LEADER``) until the leader's prompt KV is computed, then are forked
 from it: a sample's block table starts with the leader's prompt blocks, shared by reference
 count (as prefix-cache hits are). What copy-on-write would do, by the prompt's last block:
 
@@ -13,11 +13,12 @@ count (as prefix-cache hits are). What copy-on-write would do, by the prompt's l
   by ``spec.verify``), each with its own seed; forked with all P tokens computed, a sample
   then only decodes. In PD the prefill replica does the same draw (``n`` in the prefill call;
   its engine's samples end with their first token: ``PrefillHandoff.hold``) and ships the
-  n - 1 tokens in its reply; the decode replica accepts them (``accept_first_token``) before
-  the pulled KV arrives. Chosen over recomputing the last position on the decode side without
-  writing its KV: that needs a no-write path in every runner and attention kernel, and the
-  decode side's logits would come from another kernel than the prefill replica's, which a
-  separate request's first token comes from.
+  n - 1 tokens in its reply; the decode replica streams them from the reply and hands them to
+  its engine with the leader's (``kv_arrived``, or ``kv_failed`` to recompute). Chosen over
+  recomputing the last position on the decode side without writing its KV: that needs a
+  no-write path in every runner and attention kernel, and the decode side's logits would come
+  from another kernel than the prefill replica's, which a separate request's first token
+  comes from.
 * **Partial**: the samples share the leader's first ``(P - 1) // block_size`` blocks and each
   recomputes the rest of the prompt (1 to ``block_size - 1`` tokens) into a block of its own,
   then draws its first token from its own row. That costs one own block per sample, exactly
@@ -84,7 +85,7 @@ class SampleGroups:
                 sample_seed(leader.seed, i),
                 leader.eos_token_ids,
                 arrival_time=leader.arrival_time,
-                status=RequestStatus.WAITING_FOR_KV,
+                status=RequestStatus.WAITING_FOR_LEADER,
                 sample_index=i,
             )
             for i, sid in enumerate(sample_ids(rid, n)[1:], start=1)
@@ -146,13 +147,10 @@ class SampleGroups:
         self.block_manager.allocate(sample.request_id, 0, shared)
         sample.num_computed_tokens = sample.num_cached_tokens = h * self.block_size
 
-    def take(self, req: Request) -> bool:
-        """Take a sample still waiting for its leader's KV out (it is aborted)."""
-        samples = self._pending.get(self._leader.get(req.request_id, ""), [])
-        if req not in samples:
-            return False
-        samples.remove(req)
-        return True
+    def remove(self, req: Request) -> None:
+        """Take out a sample still waiting for its leader's KV (``WAITING_FOR_LEADER``: it
+        finished with a first token from elsewhere, or was aborted)."""
+        self._pending[self._leader[req.request_id]].remove(req)
 
     def samples(self, request_id: str) -> list[str]:
         """The ids of a request's samples still in the engine (``[request_id]`` for n = 1)."""

@@ -4,25 +4,55 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from cluster.common.hashing import NONE_HASH, hash_block_tokens
 from cluster.common.sampling_params import SamplingParams
 
-__all__ = ["FinishReason", "Request", "RequestStatus", "SamplingParams"]
+__all__ = [
+    "EngineRequest",
+    "FinishReason",
+    "PrefillMode",
+    "Request",
+    "RequestStatus",
+    "SamplingParams",
+]
+
+# How a request's prompt gets its KV: computed here, pulled from a prefill replica, or (decode
+# role) remote when more than ``decode.local_prefill_threshold`` tokens are not cached here.
+PrefillMode = Literal["local", "remote", "auto"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """A request as a caller hands it to an engine: built once (a pool worker, the offline
+    ``LLM``, a test) and passed down unchanged through ``EngineClient.add``, ``EngineLoop.add``
+    and ``LLMEngine.add``, which validates it (``ValueError`` naming the field)."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    params: SamplingParams
+    prefill: PrefillMode = "local"
+    seed: int | None = None  # None: ``params.seed``, else one the engine draws
+    arrival_time: float | None = None  # monotonic; None: when the engine takes it
+    n: int = 1  # samples of the prompt (``parallel``), streamed to one sink
 
 
 class RequestStatus(enum.IntEnum):
-    """One ordered lifecycle. Everything ``> PREEMPTED`` is finished."""
+    """One ordered lifecycle. Everything ``> PREEMPTED`` is finished. A live status also names
+    the engine's collaborator that holds the request (``LLMEngine``'s one request table)."""
 
-    WAITING = 0
+    WAITING = 0  # the scheduler's waiting queue
     WAITING_FOR_KV = 1  # decode role: kept by the hand-off until its prompt's KV has arrived
-    RUNNING = 2
-    PREEMPTED = 3
-    FINISHED_STOPPED = 4
-    FINISHED_LENGTH = 5
-    FINISHED_ABORTED = 6
-    FINISHED_ERROR = 7
+    WAITING_FOR_LEADER = 2  # a sample (n > 1), kept until its leader's prompt KV is computed
+    RUNNING = 3  # the scheduler's running batch
+    PREEMPTED = 4  # the scheduler's waiting queue, to be recomputed
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH = 6
+    FINISHED_ABORTED = 7
+    FINISHED_ERROR = 8
 
     @property
     def is_finished(self) -> bool:

@@ -233,16 +233,14 @@ class Scheduler:
             )
             self.handoff.computed(req)  # the role may stream them (prefill, long prompts)
 
-    def remove(self, req: Request) -> bool:
-        """Take ``req`` out of the queues (it finished or left); False if it is not in them."""
+    def remove(self, req: Request) -> None:
+        """Take ``req`` out of the queues (it finished or left; its status says which queue)."""
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
-        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-            self.waiting.remove(req)
         else:
-            return False
-        return True
+            assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), req.status
+            self.waiting.remove(req)
 
-    def all_requests(self) -> Iterable[Request]:
+    def requests(self) -> Iterable[Request]:
         yield from self.running
         yield from self.waiting

@@ -20,8 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from cluster.common.sampling_params import SamplingParams
-from cluster.engine.engine import Admission, LLMEngine, RequestOutput
+from cluster.engine.engine import EngineRequest, LLMEngine, PrefillDecision, RequestOutput
 from cluster.engine.parallel import sample_ids
 
 logger = logging.getLogger(__name__)
@@ -96,26 +95,32 @@ class EngineLoop:
             self._fail_pending_commands()  # the loop died between the check and the put
         return fut
 
-    def add(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        sink: Sink,
-        **kwargs: Any,
-    ) -> Future[Admission]:
+    def add(self, request: EngineRequest, sink: Sink) -> Future[PrefillDecision]:
         """Queue a request whose outputs (of each of its ``n`` samples) go to ``sink``;
         ``ValueError`` for bad input."""
 
-        def add(engine: LLMEngine) -> Admission:
-            admission = engine.add(request_id, prompt_token_ids, params, **kwargs)
-            for rid in sample_ids(request_id, kwargs.get("n", 1)):
+        def add(engine: LLMEngine) -> PrefillDecision:
+            decision = engine.add(request)
+            for rid in sample_ids(request.request_id, request.n):
                 self._sinks[rid] = sink
             if self._after_step is not None:
                 self._after_step(engine)
-            return admission
+            return decision
 
         return self.call(add)
+
+    def call_ending(self, fn: Callable[[LLMEngine], list[str]]) -> Future[list[str]]:
+        """``call`` for an entry that may end requests without an output (``kv_arrived``,
+        ``kv_failed``: their ends went to the client another way); ``fn`` returns their ids,
+        whose sinks go with them."""
+
+        def ending(engine: LLMEngine) -> list[str]:
+            ended = fn(engine)
+            for rid in ended:
+                self._sinks.pop(rid, None)
+            return ended
+
+        return self.call(ending)
 
     def abort(self, request_id: str) -> Future[bool]:
         return self.call(lambda engine: engine.abort_request(request_id))

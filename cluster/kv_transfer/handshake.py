@@ -23,10 +23,7 @@ def check_reply(
             f"{endpoint} is now instance {reply.instance_id} epoch {reply.epoch}, "
             f"the handle names {key[1]} epoch {key[2]} (the sender restarted)",
         )
-    try:
-        mismatch = layout.mismatch(KVLayout(**reply.layout))  # type: ignore[arg-type]
-    except (TypeError, ValueError) as e:
-        mismatch = f"unreadable layout ({e})"
+    mismatch = layout.mismatch(reply.layout)  # (a layout that does not decode is malformed)
     if mismatch is not None:
         raise KVTransferError(Reason.LAYOUT_MISMATCH, f"KV layout differs: {mismatch}")
 

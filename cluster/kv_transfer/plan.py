@@ -14,7 +14,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cluster.kv_transfer.pool import KVPool
-from cluster.kv_transfer.protocol import KVTransferError, KVTransferParams, Reason, Segment
+from cluster.kv_transfer.protocol import (
+    KVTransferError,
+    KVTransferParams,
+    Reason,
+    Segment,
+    check_params,
+)
 
 MIN_FRAME_BYTES = 1 << 16
 # A transfer of at least PIPELINE_FRAMES * PIPELINE_MIN_FRAME_BYTES goes in at least
@@ -149,12 +155,10 @@ def check_pull_request(
     pool: KVPool, params: KVTransferParams, dst_block_ids: Sequence[int], first_block: int
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Receiver side, before anything is queued: (source ids, destination ids) or an error."""
-    if not isinstance(params, KVTransferParams):
-        raise KVTransferError(Reason.MALFORMED, "params must be a KVTransferParams")
-    if params.layout != pool.layout_dict:  # the common case, equal, costs one dict compare
-        mismatch = pool.layout.mismatch(params.kv_layout())
-        if mismatch is not None:
-            raise KVTransferError(Reason.LAYOUT_MISMATCH, f"KV layout differs: {mismatch}")
+    check_params(params)  # a KVTransferParams of this protocol version
+    mismatch = pool.layout.mismatch(params.layout)
+    if mismatch is not None:
+        raise KVTransferError(Reason.LAYOUT_MISMATCH, f"KV layout differs: {mismatch}")
     if not 0 <= first_block < len(params.block_ids):
         raise KVTransferError(
             Reason.BAD_DESTINATION,

@@ -58,7 +58,6 @@ class KVPool:
             raise ValueError("kv_cache: must be contiguous (one block = one byte range)")
         self.tensor = kv_cache
         self.layout = layout
-        self.layout_dict = layout.to_dict()  # what a peer's handle carries when it matches
         self.num_blocks = int(kv_cache.shape[0])
         self.bytes_per_block = layout.bytes_per_block
         self.shm_path = shm_path  # /proc/<pid>/fd/<n> of the memfd holding the pool, or ""

@@ -1,10 +1,11 @@
-"""The KV-transfer protocol: the transfer handle, the wire messages, their one codec, the errors.
+"""The KV-transfer protocol: the wire messages, their one codec, the errors.
 
-A prefill replica hands a decode replica a ``KVTransferParams`` (through Ray, as a plain dict);
-the decode replica pulls the blocks it lacks over a transfer socket. A message on that socket is
-``[mac?] header *frames`` (framing: ``framing.py``): the header is a msgpack map
-``{"t": tag, "v": PROTOCOL_VERSION, **fields}``; KV bytes travel as separate raw frames that the
-header declares (count and byte length), never inside the map and never pickled.
+A prefill replica hands a decode replica a ``KVTransferParams`` (``cluster.common.kv_params``,
+inside ``PrefillReply`` over Ray, as the object itself); the decode replica pulls the blocks it
+lacks over a transfer socket, after ``check_params``. A message on that socket is ``[mac?] header
+*frames`` (framing: ``framing.py``): the header is a msgpack map ``{"t": tag, "v":
+PROTOCOL_VERSION, **fields}``; KV bytes travel as separate raw frames that the header declares
+(count and byte length), never inside the map and never pickled.
 
 Conversation (decode side D = DEALER, prefill side P = ROUTER; D always speaks first):
 
@@ -18,19 +19,22 @@ Conversation (decode side D = DEALER, prefill side P = ROUTER; D always speaks f
     D: Heartbeat        P: HeartbeatReply       renews the leases D is still waiting on
     D: Abort                                    D gave up: P frees the lease now
 
-Schema rules (``decode`` and ``KVTransferParams.from_dict``, through ``from_plain``): a field's
-type is declared once, on its frozen dataclass, and checked on the way in:
+Schema rules (``decode``, and ``decode_params`` for a handle's plain form, through
+``from_plain``): a field's type is declared once, on its frozen dataclass, and checked on the way
+in:
 
   * exactly the dataclass's fields: a missing or an unknown key is ``malformed``;
   * ``bool``, ``int`` (not bool, within int64..uint64), ``float`` (an int is accepted), ``str``
     (at most ``MAX_STR_LEN``), ``tuple[X, ...]`` / fixed tuples (at most ``MAX_LIST_LEN``
-    items), small ``dict`` (at most 64 keys) and unions of those; nothing else decodes;
+    items), small ``dict`` (at most 64 keys), unions of those, and a nested frozen dataclass
+    (``KVLayout``: a map of its own fields, by the same rules); nothing else decodes;
   * no msgpack ext types and no bin values; a header over ``MAX_HEADER_BYTES`` is ``oversized``
     before it is parsed, and every declared length is bounded, so nothing is allocated in
     proportion to what a peer claims;
   * the version is checked before the tag (``bad_version``); an unknown tag is ``malformed``.
 
-Bump ``PROTOCOL_VERSION`` on any change to a message's fields or meaning.
+Bump ``PROTOCOL_VERSION`` (``cluster.common.kv_params``) on any change to a message's fields or
+meaning.
 """
 
 from __future__ import annotations
@@ -47,10 +51,7 @@ from typing import Any, ClassVar, TypeVar
 import msgpack
 
 from cluster.common.kv_layout import KVLayout
-
-# Bump on any change to a message's fields or meaning (or to the block-hash chain).
-# 2: PullRequest.final (streamed leases are pulled in parts), HelloReply.cuda_ipc.
-PROTOCOL_VERSION = 2
+from cluster.common.kv_params import PROTOCOL_VERSION, KVTransferParams
 
 # Bounds every decoded value must respect: no allocation proportional to a declared size.
 MAX_STR_LEN = 1024
@@ -117,69 +118,6 @@ class KVTransferError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------------------
-# The transfer handle
-
-
-@dataclass(frozen=True)
-class KVTransferParams:
-    """What a decode replica needs to pull a prefilled request's KV (travels as ``to_dict()``).
-
-    ``block_ids`` are the source pool's block ids in prompt order (one per block of
-    ``num_tokens``, the last possibly partial); ``block_hashes`` the prefix-cache hashes of the
-    full ones. The lease is named by ``transfer_id`` (unique per registration), not by the
-    request id, so a replayed or late message for an earlier request with the same id is stale.
-    """
-
-    request_id: str
-    transfer_id: str
-    endpoint: str  # tcp://host:port of the sender's transfer socket
-    ipc_endpoint: str  # ipc://path, usable when host_id matches; "" when not offered
-    instance_id: str  # the sender process; with epoch, names one incarnation
-    epoch: int
-    host_id: str  # hostname/boot id: equal means shared memory is possible
-    block_ids: tuple[int, ...]
-    block_hashes: tuple[int, ...]
-    num_tokens: int
-    layout: dict[str, str | int]  # KVLayout.to_dict() of the sender's pool
-    protocol_version: int = PROTOCOL_VERSION
-
-    def __post_init__(self) -> None:
-        if not self.request_id or not self.transfer_id:
-            raise ValueError("request_id and transfer_id must be non-empty")
-        if self.num_tokens < 1 or not self.block_ids:
-            raise ValueError("a transfer needs at least one token and one block")
-        if len(self.block_hashes) > len(self.block_ids):
-            raise ValueError("more block hashes than blocks")
-        if any(b < 0 for b in self.block_ids):
-            raise ValueError("block ids must be >= 0")
-
-    def to_dict(self) -> dict[str, Any]:
-        return to_plain(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> KVTransferParams:
-        """Validate a plain dict (msgpack/JSON/Ray) into a handle; ``KVTransferError`` if bad."""
-        params = from_plain(cls, data)
-        if params.protocol_version != PROTOCOL_VERSION:
-            raise KVTransferError(
-                Reason.BAD_VERSION,
-                f"params protocol {params.protocol_version}, this side speaks {PROTOCOL_VERSION}",
-            )
-        return params
-
-    def kv_layout(self) -> KVLayout:
-        try:
-            return KVLayout(**self.layout)  # type: ignore[arg-type]
-        except (TypeError, ValueError) as e:
-            raise KVTransferError(Reason.MALFORMED, f"params.layout: {e}") from None
-
-    @property
-    def peer_key(self) -> tuple[str, str, int]:
-        """One connection per (endpoint, instance, epoch): a restarted peer is a new peer."""
-        return (self.endpoint, self.instance_id, self.epoch)
-
-
-# ---------------------------------------------------------------------------------------------
 # Messages, in conversation order
 
 
@@ -189,7 +127,7 @@ class Hello:
     instance_id: str
     host_id: str
     pid: int
-    layout: dict[str, str | int]
+    layout: KVLayout
     transports: tuple[str, ...]  # what this receiver can use, in preference order
 
 
@@ -203,7 +141,7 @@ class HelloReply:
     epoch: int
     host_id: str
     pid: int
-    layout: dict[str, str | int]
+    layout: KVLayout
     transports: tuple[str, ...]  # what this sender offers
     num_blocks: int
     shm_name: str  # the sender pool's shared segment ("" when not shared)
@@ -380,6 +318,28 @@ def _no_ext(code: int, data: bytes) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
+# The handle's plain form (the bench and test peers' pipes) and its version check
+
+
+def check_params(params: object) -> KVTransferParams:
+    """A handle that came through Ray (as the object itself): the right type, and of this
+    protocol version; ``KVTransferError`` (malformed, bad_version) if not."""
+    if not isinstance(params, KVTransferParams):
+        raise KVTransferError(Reason.MALFORMED, "params must be a KVTransferParams")
+    if params.protocol_version != PROTOCOL_VERSION:
+        raise KVTransferError(
+            Reason.BAD_VERSION,
+            f"params protocol {params.protocol_version}, this side speaks {PROTOCOL_VERSION}",
+        )
+    return params
+
+
+def decode_params(data: Any) -> KVTransferParams:
+    """A handle from its plain form (``to_plain``), schema- and version-checked."""
+    return check_params(from_plain(KVTransferParams, data))
+
+
+# ---------------------------------------------------------------------------------------------
 # Schema checking: plain (msgpack-decoded) data -> typed dataclass fields, and back
 
 T = TypeVar("T")
@@ -406,6 +366,8 @@ def from_plain(cls: type[T], data: Any, *, skip: tuple[str, ...] = ()) -> T:
 
 
 def to_plain(obj: Any) -> dict[str, Any]:
+    """A message (or handle, or layout) as plain data: nested dataclasses as maps, tuples as
+    lists."""
     names = _field_names(typing.cast(type, type(obj)))
     return {name: _plain_value(getattr(obj, name)) for name in names}
 
@@ -413,6 +375,8 @@ def to_plain(obj: Any) -> dict[str, Any]:
 def _plain_value(v: Any) -> Any:
     if isinstance(v, tuple):
         return [_plain_value(x) for x in v]
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return to_plain(v)
     return v
 
 
@@ -441,90 +405,133 @@ def _fail(name: str, what: str) -> KVTransferError:
 
 def _compile(tp: Any, name: str) -> Check:
     """The check of one schema type (the rules in this module's docstring)."""
-    origin = typing.get_origin(tp)
-    if tp is bool:
+    scalar = _SCALARS.get(tp)
+    if scalar is not None:
+        return scalar(name)
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return _check_nested(tp, name)
+    generic = _GENERICS.get(typing.get_origin(tp))
+    if generic is None:
+        raise TypeError(f"{name}: unsupported schema type {tp!r}")  # a bug in a dataclass here
+    return generic(tp, name)
 
-        def check_bool(value: Any) -> Any:
-            if not isinstance(value, bool):
-                raise _fail(name, "expected bool")
-            return value
 
-        return check_bool
-    if tp is int:
+def _check_bool(name: str) -> Check:
+    def check(value: Any) -> Any:
+        if not isinstance(value, bool):
+            raise _fail(name, "expected bool")
+        return value
 
-        def check_int(value: Any) -> Any:
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise _fail(name, "expected int")
-            if not _INT_MIN <= value <= _UINT_MAX:
-                raise _fail(name, "int out of range")
-            return value
+    return check
 
-        return check_int
-    if tp is float:
 
-        def check_float(value: Any) -> Any:
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise _fail(name, "expected number")
-            return float(value)
+def _check_int(name: str) -> Check:
+    def check(value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _fail(name, "expected int")
+        if not _INT_MIN <= value <= _UINT_MAX:
+            raise _fail(name, "int out of range")
+        return value
 
-        return check_float
-    if tp is str:
+    return check
 
-        def check_str(value: Any) -> Any:
-            if not isinstance(value, str) or len(value) > MAX_STR_LEN:
-                raise _fail(name, f"expected str <= {MAX_STR_LEN}")
-            return value
 
-        return check_str
-    if origin is tuple:
-        args = typing.get_args(tp)
-        if len(args) == 2 and args[1] is Ellipsis:
-            item = _compile(args[0], name)
+def _check_float(name: str) -> Check:
+    def check(value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise _fail(name, "expected number")
+        return float(value)
 
-            def check_list(value: Any) -> Any:
-                if not isinstance(value, list | tuple) or len(value) > MAX_LIST_LEN:
-                    raise _fail(name, "expected a list")
-                return tuple([item(v) for v in value])
+    return check
 
-            return check_list
-        items = tuple(_compile(a, name) for a in args)
 
-        def check_fixed(value: Any) -> Any:
+def _check_str(name: str) -> Check:
+    def check(value: Any) -> Any:
+        if not isinstance(value, str) or len(value) > MAX_STR_LEN:
+            raise _fail(name, f"expected str <= {MAX_STR_LEN}")
+        return value
+
+    return check
+
+
+def _check_nested(cls: type, name: str) -> Check:
+    """A field that is a dataclass of its own (a handle's ``KVLayout``): a map of its fields."""
+
+    def check(value: Any) -> Any:
+        try:
+            return from_plain(cls, value)
+        except KVTransferError as e:
+            raise _fail(name, e.detail) from None
+
+    return check
+
+
+def _check_tuple(tp: Any, name: str) -> Check:
+    args = typing.get_args(tp)
+    if len(args) == 2 and args[1] is Ellipsis:
+        item = _compile(args[0], name)
+
+        def check_list(value: Any) -> Any:
             if not isinstance(value, list | tuple) or len(value) > MAX_LIST_LEN:
                 raise _fail(name, "expected a list")
-            if len(value) != len(items):
-                raise _fail(name, f"expected {len(items)} items")
-            return tuple([c(v) for v, c in zip(value, items)])
+            return tuple([item(v) for v in value])
 
-        return check_fixed
-    if origin is dict:
-        key_tp, val_tp = typing.get_args(tp)
-        check_key, check_val = _compile(key_tp, name), _compile(val_tp, name)
+        return check_list
+    items = tuple(_compile(a, name) for a in args)
 
-        def check_map(value: Any) -> Any:
-            if not isinstance(value, Mapping) or len(value) > _MAX_MAP_LEN:
-                raise _fail(name, "expected a small mapping")
-            out = {}
-            for k, v in value.items():
-                key = check_key(k)
-                try:
-                    out[key] = check_val(v)
-                except KVTransferError:
-                    _compile(val_tp, f"{name}.{k}")(v)  # the same error, naming the key
-                    raise
-            return out
+    def check_fixed(value: Any) -> Any:
+        if not isinstance(value, list | tuple) or len(value) > MAX_LIST_LEN:
+            raise _fail(name, "expected a list")
+        if len(value) != len(items):
+            raise _fail(name, f"expected {len(items)} items")
+        return tuple([c(v) for v, c in zip(value, items)])
 
-        return check_map
-    if origin in (typing.Union, types.UnionType):
-        options = tuple(_compile(a, name) for a in typing.get_args(tp))
+    return check_fixed
 
-        def check_union(value: Any) -> Any:
-            for option in options:
-                try:
-                    return option(value)
-                except KVTransferError:
-                    continue
-            raise _fail(name, "no matching type")
 
-        return check_union
-    raise TypeError(f"{name}: unsupported schema type {tp!r}")  # a bug in a dataclass here
+def _check_dict(tp: Any, name: str) -> Check:
+    key_tp, val_tp = typing.get_args(tp)
+    check_key, check_val = _compile(key_tp, name), _compile(val_tp, name)
+
+    def check(value: Any) -> Any:
+        if not isinstance(value, Mapping) or len(value) > _MAX_MAP_LEN:
+            raise _fail(name, "expected a small mapping")
+        out = {}
+        for k, v in value.items():
+            key = check_key(k)
+            try:
+                out[key] = check_val(v)
+            except KVTransferError:
+                _compile(val_tp, f"{name}.{k}")(v)  # the same error, naming the key
+                raise
+        return out
+
+    return check
+
+
+def _check_union(tp: Any, name: str) -> Check:
+    options = tuple(_compile(a, name) for a in typing.get_args(tp))
+
+    def check(value: Any) -> Any:
+        for option in options:
+            try:
+                return option(value)
+            except KVTransferError:
+                continue
+        raise _fail(name, "no matching type")
+
+    return check
+
+
+_SCALARS: dict[Any, typing.Callable[[str], Check]] = {
+    bool: _check_bool,
+    int: _check_int,
+    float: _check_float,
+    str: _check_str,
+}
+_GENERICS: dict[Any, typing.Callable[[Any, str], Check]] = {
+    tuple: _check_tuple,
+    dict: _check_dict,
+    typing.Union: _check_union,
+    types.UnionType: _check_union,
+}

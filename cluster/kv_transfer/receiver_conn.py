@@ -105,7 +105,7 @@ class PeerConnection:
                 local.instance_id,
                 local.host_id,
                 local.pid,
-                self.ctx.pool.layout.to_dict(),  # type: ignore[arg-type]
+                self.ctx.pool.layout,
                 tuple(cfg.transports),
             )
         )

@@ -226,7 +226,7 @@ class KVSender:
             block_ids=ids,
             block_hashes=tuple(block_hashes),
             num_tokens=num_tokens,
-            layout=self.pool.layout.to_dict(),  # type: ignore[arg-type]
+            layout=self.pool.layout,
         )
 
     def abort(self, request_id: str, reason: str = ReleaseReason.ABORTED) -> bool:

@@ -15,7 +15,6 @@ from typing import Protocol
 
 import zmq
 
-from cluster.common.kv_layout import KVLayout
 from cluster.kv_transfer.framing import Inbound
 from cluster.kv_transfer.leases import Lease, LeaseState
 from cluster.kv_transfer.plan import check_source_frames
@@ -104,12 +103,7 @@ class SenderHandlers:
     # -- handshake ----------------------------------------------------------------------------
 
     def _hello(self, identity: bytes, msg: Hello) -> None:
-        mine = self.ctx.pool.layout
-        try:
-            theirs = KVLayout(**msg.layout)  # type: ignore[arg-type]
-            mismatch = mine.mismatch(theirs)
-        except (TypeError, ValueError) as e:
-            mismatch = f"unreadable layout ({e})"
+        mismatch = self.ctx.pool.layout.mismatch(msg.layout)
         if mismatch is not None:
             self.stats.rejected(Reason.LAYOUT_MISMATCH)
             self._send(identity, self._hello_reply(False, Reason.LAYOUT_MISMATCH, mismatch))
@@ -139,7 +133,7 @@ class SenderHandlers:
             epoch=self.epoch,
             host_id=ctx.local.host_id,
             pid=ctx.local.pid,
-            layout=ctx.pool.layout.to_dict(),  # type: ignore[arg-type]
+            layout=ctx.pool.layout,
             transports=offered,
             num_blocks=ctx.pool.num_blocks,
             shm_name=ctx.pool.shm_path,

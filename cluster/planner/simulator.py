@@ -35,7 +35,7 @@ from cluster.common.sampling_params import SamplingParams
 from cluster.config import ClusterConfig
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.handoff import DecodeHandoff, KVReservation, create_handoff
-from cluster.engine.request import Request
+from cluster.engine.request import Request, RequestStatus
 from cluster.engine.scheduler import ScheduledBatch, Scheduler
 from cluster.planner.profile import Profile, ServingCost, StepCosts
 from cluster.planner.workload import WorkItem
@@ -186,8 +186,7 @@ class SimEngine:
     @property
     def queued_prompt_tokens(self) -> int:
         return sum(
-            max(0, r.num_prompt_tokens - r.num_computed_tokens)
-            for r in self.scheduler.all_requests()
+            max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self.scheduler.requests()
         )
 
     # -- the step -----------------------------------------------------------------------------
@@ -251,8 +250,10 @@ class SimEngine:
         self.on_token(self, req, now)
         held = None
         if req.num_output_tokens >= req.params.max_tokens:
-            if not self.scheduler.remove(req):
-                self.handoff.take(req.request_id)
+            if req.status == RequestStatus.WAITING_FOR_KV:  # the prefill replica's token
+                self.handoff.remove(req)
+            else:
+                self.scheduler.remove(req)
             if self.block_manager.has_table(req.request_id):
                 self.block_manager.free(req.request_id)
         elif self.handoff.ends_here(req):

@@ -7,8 +7,10 @@ Lifecycle of one request (``prefill(call)`` is an async stream):
      the request there and holds its blocks (not freed, not evictable). That output carries
      the held block table.
   3. The blocks are leased to the KV sender, which returns the ``KVTransferParams`` handle.
-  4. The stream yields ``PrefillReply(first token, handle)`` at once, then stays open: the
-     caller (and Ray Serve) sees the leased work as ongoing.
+  4. The stream yields ``PrefillReply(first tokens, handle)`` at once, then stays open: the
+     caller (and Ray Serve) sees the leased work as ongoing. A first token carries its text as
+     the decode engine would stream it (held back for a stop string), so the decode replica
+     sends it to the client straight from the reply.
   5. The lease ends when the decode side acks its pull, when it expires (no heartbeat), or when
      either side aborts; the sender's release callback frees the blocks in the engine and the
      stream ends. Cancelling the stream aborts the lease (or the prefill if still running).
@@ -38,10 +40,10 @@ import torch
 from cluster.common.errors import ErrorCode, PDServeError
 from cluster.common.faults import FaultPoints
 from cluster.common.kv_layout import KVLayout
-from cluster.common.protocol import PrefillCall, PrefillProgress, PrefillReply
+from cluster.common.protocol import FirstToken, PrefillCall, PrefillProgress, PrefillReply
 from cluster.config import ClusterConfig
 from cluster.engine.client import EngineClient
-from cluster.engine.engine import LLMEngine, RequestOutput
+from cluster.engine.engine import EngineRequest, LLMEngine, RequestOutput
 from cluster.engine.runner_registry import create_runner
 from cluster.engine.step_loop import EngineDeadError
 from cluster.kv_transfer import KVPool, KVSender, KVTransferParams
@@ -49,8 +51,33 @@ from cluster.serving.signals import RecentWindow
 
 logger = logging.getLogger(__name__)
 
-# Per call with a lease out (or about to): its loop, the event the lease's end sets, its outputs.
-_CallState = tuple[asyncio.AbstractEventLoop, asyncio.Event, "asyncio.Queue[RequestOutput | None]"]
+
+class _CallState:
+    """One prefill call on this replica: its engine request, outputs and lease."""
+
+    def __init__(self, call: PrefillCall, aloop: asyncio.AbstractEventLoop) -> None:
+        self.call = call
+        self.aloop = aloop
+        # An internal id per call: a retried request never collides with a lease still held.
+        self.rid = f"{call.request_id}#{uuid.uuid4().hex[:8]}"
+        self.arrival = time.monotonic()
+        self.outputs: asyncio.Queue[RequestOutput | None] = asyncio.Queue()  # None: lease over
+        self.ended = asyncio.Event()  # set by the sender thread when the lease ends
+        # No lease out yet: an abort frees the request wherever it is. Once leased, the lease's
+        # release frees its blocks (and ends the request if it still prefills).
+        self.in_engine = True
+        self.leased = False
+        self.samples: list[RequestOutput] = []  # samples' first tokens (a full last block)
+        self.last: RequestOutput | None = None  # the output that ended the prefill here
+
+    def sink(self, out: RequestOutput) -> None:
+        """Engine thread -> this call's queue (never blocks)."""
+        self.aloop.call_soon_threadsafe(self.outputs.put_nowait, out)
+
+    def lease_ended(self) -> None:
+        """Sender thread: the lease ended; the call's stream ends (its prompt may still run)."""
+        self.aloop.call_soon_threadsafe(self.ended.set)
+        self.aloop.call_soon_threadsafe(self.outputs.put_nowait, None)
 
 
 class PrefillWorker:
@@ -124,13 +151,8 @@ class PrefillWorker:
     def _check_layout(self, call: PrefillCall) -> None:
         """Refuse at once, before any work, a caller whose KV cache has another layout (dtype,
         quantization, shape): its pool could not take our blocks."""
-        if call.kv_layout is None:
-            return
         assert self._pool is not None
-        try:
-            mismatch = self._pool.layout.mismatch(KVLayout(**call.kv_layout))  # type: ignore[arg-type]
-        except (TypeError, ValueError) as e:
-            mismatch = f"unreadable layout ({e})"
+        mismatch = self._pool.layout.mismatch(call.kv_layout)
         if mismatch is not None:
             raise PDServeError(
                 ErrorCode.INTERNAL,
@@ -140,108 +162,112 @@ class PrefillWorker:
             )
 
     async def prefill(self, call: PrefillCall) -> AsyncIterator[PrefillProgress | PrefillReply]:
-        aloop = asyncio.get_running_loop()
-        arrival = time.monotonic()
-        # An internal id per call: a retried request never collides with a lease still held.
-        rid = f"{call.request_id}#{uuid.uuid4().hex[:8]}"
-        outputs: asyncio.Queue[RequestOutput | None] = asyncio.Queue()  # None: the lease ended
-
-        def sink(out: RequestOutput) -> None:
-            aloop.call_soon_threadsafe(outputs.put_nowait, out)
-
         self._check_layout(call)
-        ended = asyncio.Event()  # set by the sender thread when the lease ends
-        # No lease out yet: an abort frees the request wherever it is. Once leased, the lease's
-        # release frees its blocks (and ends the request if it still prefills).
-        in_engine = True
-        leased = False
-        self._leases[rid] = (aloop, ended, outputs)
+        state = _CallState(call, asyncio.get_running_loop())
+        self._leases[state.rid] = state
         try:
-            try:
-                await self.engine.add(
-                    rid, call.prompt_token_ids, call.params, sink, seed=call.seed, n=call.n
-                )
-            except ValueError as e:
-                in_engine = False
-                raise PDServeError(ErrorCode.INVALID_ARGUMENT, str(e), call.request_id) from None
-            except EngineDeadError:  # its step failed: Serve replaces this replica
-                in_engine = False
-                raise PDServeError(
-                    ErrorCode.UNAVAILABLE, "the prefill replica is unavailable", call.request_id
-                ) from None
-            samples: list[RequestOutput] = []  # samples' first tokens (a full last block)
-            while True:
-                out = await outputs.get()
-                if out is not None and out.index > 0:
-                    if out.new_token_ids:  # the same step's, just before the leader's
-                        samples.append(out)
-                    continue
-                if out is None or out.streamed_block_ids is None:
-                    break
-                progress = self._stream(rid, call, out.streamed_block_ids, leased)
-                in_engine, leased = False, True
+            await self._add(state)
+            while (progress := await self._next_progress(state)) is not None:
                 yield progress
-            if out is not None and out.error is not None:  # its text stays in this log
-                logger.error("request %s: %s", call.request_id, out.error)
-                raise PDServeError(
-                    ErrorCode.UNAVAILABLE, "the prefill replica failed", call.request_id
-                )
-            if out is None or (out.finished and not out.new_token_ids):
-                raise PDServeError(
-                    ErrorCode.UNAVAILABLE,
-                    "the KV lease ended while the prompt was prefilling",
-                    call.request_id,
-                )
-            self.num_prefills += 1
-            reply = self._reply(call, out, arrival)
-            reply.sample_first_tokens = [_first(o) for o in sorted(samples, key=_index)]
-            if out.held_block_ids is None:  # the first token finished it: nothing to pull
-                in_engine = False  # a streamed prompt's pins go with its lease, aborted below
-                yield reply
-                return
-            await self.faults.hit_async("p.after_prefill_before_publish")
-            params = self._publish(rid, call, out.held_block_ids, leased)
-            in_engine, leased = False, True
-            await self.faults.hit_async("p.after_publish_before_send")
-            reply.kv = params.to_dict()
+            reply = await self._reply(state)
             yield reply
-            await ended.wait()
+            if reply.kv is not None:
+                await state.ended.wait()
         finally:
-            if in_engine:
-                self.engine.abort(rid)
-            elif leased and not ended.is_set():
-                self.sender.abort(rid)  # the release callback frees the blocks
-            self._leases.pop(rid, None)
+            if state.in_engine:
+                self.engine.abort(state.rid)
+            elif state.leased and not state.ended.is_set():
+                self.sender.abort(state.rid)  # the release callback frees the blocks
+            self._leases.pop(state.rid, None)
 
-    def _stream(
-        self, rid: str, call: PrefillCall, block_ids: list[int], leased: bool
-    ) -> PrefillProgress:
+    async def _add(self, state: _CallState) -> None:
+        call = state.call
+        request = EngineRequest(
+            state.rid, call.prompt_token_ids, call.params, seed=call.seed, n=call.n
+        )
+        try:
+            await self.engine.add(request, state.sink)
+        except ValueError as e:
+            state.in_engine = False
+            raise PDServeError(ErrorCode.INVALID_ARGUMENT, str(e), call.request_id) from None
+        except EngineDeadError:  # its step failed: Serve replaces this replica
+            state.in_engine = False
+            raise PDServeError(
+                ErrorCode.UNAVAILABLE, "the prefill replica is unavailable", call.request_id
+            ) from None
+
+    async def _next_progress(self, state: _CallState) -> PrefillProgress | None:
+        """A streamed prompt's blocks so far, leased; None once the prefill ended here (its
+        first token, or the lease's end: ``state.last``)."""
+        while True:
+            out = await state.outputs.get()
+            if out is not None and out.index > 0:
+                if out.new_token_ids:  # a sample's, in the same step, just before the leader's
+                    state.samples.append(out)
+                continue
+            if out is None or out.streamed_block_ids is None:
+                state.last = out
+                return None
+            progress = self._stream(state, out.streamed_block_ids)
+            state.in_engine, state.leased = False, True
+            return progress
+
+    async def _reply(self, state: _CallState) -> PrefillReply:
+        """The first tokens and, unless the first token ended the request, the lease of the
+        blocks held for the pull."""
+        call, out = state.call, state.last
+        if out is not None and out.error is not None:  # its text stays in this log
+            logger.error("request %s: %s", call.request_id, out.error)
+            raise PDServeError(ErrorCode.UNAVAILABLE, "the prefill replica failed", call.request_id)
+        if out is None or (out.finished and not out.new_token_ids):
+            raise self._lease_gone(call)
+        self.num_prefills += 1
+        kv: KVTransferParams | None = None
+        if out.held_block_ids is None:  # the first token finished it: nothing to pull
+            state.in_engine = False  # a streamed prompt's pins go with its lease, aborted below
+        else:
+            await self.faults.hit_async("p.after_prefill_before_publish")
+            kv = self._publish(state, out.held_block_ids)
+            state.in_engine, state.leased = False, True
+            await self.faults.hit_async("p.after_publish_before_send")
+        samples = sorted(state.samples, key=_index)
+        queue_ms, prefill_ms = self._timings(out, state.arrival)
+        return PrefillReply(
+            request_id=call.request_id,
+            first_tokens=tuple(first_token(o) for o in (out, *samples)),
+            kv=kv,
+            num_cached_tokens=out.num_cached_tokens,
+            prefill_queue_ms=queue_ms,
+            prefill_ms=prefill_ms,
+        )
+
+    def _stream(self, state: _CallState, block_ids: list[int]) -> PrefillProgress:
         """A streamed prompt's blocks so far: lease them (or grow the lease) and announce."""
+        call = state.call
         num_tokens = len(block_ids) * self.engine.block_size
         hashes = call.block_hashes[: len(block_ids)]
-        if not leased:
+        if not state.leased:
             params = self.sender.register(
-                rid, block_ids, num_tokens=num_tokens, block_hashes=hashes, streamed=True
+                state.rid, block_ids, num_tokens=num_tokens, block_hashes=hashes, streamed=True
             )
         else:
             extended = self.sender.extend(
-                rid, block_ids, num_tokens=num_tokens, block_hashes=hashes
+                state.rid, block_ids, num_tokens=num_tokens, block_hashes=hashes
             )
             if extended is None:
                 raise self._lease_gone(call)
             params = extended
-        return PrefillProgress(call.request_id, params.to_dict())
+        return PrefillProgress(call.request_id, params)
 
-    def _publish(
-        self, rid: str, call: PrefillCall, held: list[int], leased: bool
-    ) -> KVTransferParams:
+    def _publish(self, state: _CallState, held: list[int]) -> KVTransferParams:
         """The first token's held table: lease it, or seal a streamed prompt's lease with it."""
+        call = state.call
         hashes = call.block_hashes[: len(held)]
         num_tokens = len(call.prompt_token_ids)
-        if not leased:
-            return self.sender.register(rid, held, num_tokens=num_tokens, block_hashes=hashes)
+        if not state.leased:
+            return self.sender.register(state.rid, held, num_tokens=num_tokens, block_hashes=hashes)
         params = self.sender.extend(
-            rid, held, num_tokens=num_tokens, block_hashes=hashes, last=True
+            state.rid, held, num_tokens=num_tokens, block_hashes=hashes, last=True
         )
         if params is None:  # the release callback frees the held table too
             raise self._lease_gone(call)
@@ -255,35 +281,22 @@ class PrefillWorker:
             call.request_id,
         )
 
-    def _reply(self, call: PrefillCall, out: RequestOutput, arrival: float) -> PrefillReply:
-        # (queue, compute) milliseconds: arrival -> scheduled -> first token.
+    def _timings(self, out: RequestOutput, arrival: float) -> tuple[float, float]:
+        """(queue, compute) milliseconds: arrival -> scheduled -> first token."""
         scheduled = out.scheduled_time if out.scheduled_time is not None else arrival
         first = out.first_token_time if out.first_token_time is not None else time.monotonic()
         queue_ms = max(0.0, (scheduled - arrival) * 1000)
         prefill_ms = max(0.0, (first - scheduled) * 1000)
         self.recent_ttft.add(queue_ms + prefill_ms)
-        return PrefillReply(
-            request_id=call.request_id,
-            first_token_id=out.new_token_ids[0],
-            first_logprob=_first(out)[1],
-            first_top_logprobs=_first(out)[2],
-            kv=None,
-            finish_reason=out.finish_reason,
-            num_cached_tokens=out.num_cached_tokens,
-            prefill_queue_ms=queue_ms,
-            prefill_ms=prefill_ms,
-            first_text=out.new_text,
-        )
+        return queue_ms, prefill_ms
 
     def _on_release(self, request_id: str, reason: str) -> None:
         """KV sender thread: a lease ended. Free the blocks on the engine thread, wake the call."""
         self.engine.release(request_id)
-        lease = self._leases.get(request_id)
-        if lease is not None:
+        state = self._leases.get(request_id)
+        if state is not None:
             logger.debug("request %s: lease ended (%s)", request_id, reason)
-            aloop, ended, outputs = lease
-            aloop.call_soon_threadsafe(ended.set)
-            aloop.call_soon_threadsafe(outputs.put_nowait, None)
+            state.lease_ended()
 
     # -- introspection ------------------------------------------------------------------------
 
@@ -300,10 +313,18 @@ class PrefillWorker:
         }
 
 
-def _first(out: RequestOutput) -> tuple[int, float | None, list[tuple[int, float]] | None]:
-    """An output's first token, with its logprob and top logprobs when asked for."""
-    lp = out.new_logprobs[0] if out.new_logprobs else None
-    return out.new_token_ids[0], lp, out.new_top_logprobs[0] if out.new_top_logprobs else None
+def first_token(out: RequestOutput) -> FirstToken:
+    """An output's first token as the decode replica streams it: its text (held back, or to
+    the end), logprob and top logprobs when asked for, and whether it ended its sample."""
+    logprob = out.new_logprobs[0] if out.new_logprobs else None
+    top = out.new_top_logprobs[0] if out.new_top_logprobs else None
+    return FirstToken(
+        token_id=out.new_token_ids[0],
+        text=out.new_text,
+        logprob=logprob,
+        top_logprobs=tuple(top) if top is not None else None,
+        finish_reason=out.finish_reason,
+    )
 
 
 def _index(out: RequestOutput) -> int:

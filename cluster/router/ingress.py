@@ -20,6 +20,7 @@ The request id travels through every pool and appears in every log line about it
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -183,8 +184,8 @@ class Router:
         stream = self.relay.stream(parsed.to_call((time.monotonic() - t0) * 1000))
         try:
             async for chunk in stream:
-                chunk.request_id = parsed.request_id  # the client's id, not the cluster's
-                yield chunk
+                # the client's id, not the cluster's
+                yield dataclasses.replace(chunk, request_id=parsed.request_id)
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
 

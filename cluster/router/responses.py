@@ -7,6 +7,7 @@ The OpenAI shapes follow the public API reference (``text_completion``, ``chat.c
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from collections.abc import Iterable, Iterator
@@ -216,8 +217,7 @@ def _merge(chunks: Iterable[StreamChunk]) -> tuple[StreamChunk, Usage | None]:
             tops = (tops or []) + list(c.top_logprobs or [[] for _ in c.logprobs])
         finish = c.finish_reason or finish
         usage = c.usage or usage
-    merged = StreamChunk(rid, ids, "".join(texts), lps, tops, finish, usage, index)
-    merged.prompt_logprobs = prompt_logprobs
+    merged = StreamChunk(rid, ids, "".join(texts), lps, tops, finish, usage, index, prompt_logprobs)
     return merged, usage
 
 
@@ -234,10 +234,9 @@ def _choices(
     if parsed.best_of > parsed.n:
         merged.sort(key=lambda c: -sum(c.logprobs or ()))
         merged = merged[: parsed.n]
-    for i, c in enumerate(merged):
-        c.index = i
-        if not parsed.client_logprobs:
-            c.logprobs = c.top_logprobs = None
+    merged = [dataclasses.replace(c, index=i) for i, c in enumerate(merged)]
+    if not parsed.client_logprobs:
+        merged = [dataclasses.replace(c, logprobs=None, top_logprobs=None) for c in merged]
     return merged, usage
 
 

@@ -17,7 +17,8 @@ import pytest
 from cluster.common.errors import ErrorCode, PDServeError
 from cluster.common.hashing import hash_block_tokens
 from cluster.common.protocol import GenerateCall, PrefillCall
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import EngineRequest, LLMEngine
+from cluster.engine.fake_runner import FakeModelRunner
 from tests.harness.launcher import Worker, start_worker, stop_workers
 from tests.harness.rpc import RpcClient
 from tests.helpers import fake_config, greedy, run_until_done
@@ -50,7 +51,7 @@ def prompt(n: int, seed: int) -> list[int]:
 def oracle(prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
     eng = LLMEngine(cfg())
     for rid, p in prompts.items():
-        eng.add(rid, p, greedy(max_tokens))
+        eng.add(EngineRequest(rid, p, greedy(max_tokens)))
     return run_until_done(eng)
 
 
@@ -174,6 +175,7 @@ def test_f1_prefill_dies_before_publishing_retries_on_the_other(tmp_path: Path) 
 def test_f5_decode_never_pulls_and_every_lease_expires(tmp_path: Path) -> None:
     n = 20
     pw = start_worker("prefill", cfg(), tmp_path)
+    layout = FakeModelRunner(cfg()).layout  # what a decode replica of this config would send
     try:
 
         async def main() -> None:
@@ -181,7 +183,7 @@ def test_f5_decode_never_pulls_and_every_lease_expires(tmp_path: Path) -> None:
 
             async def lost(i: int) -> None:
                 p = prompt(40, i)
-                call = PrefillCall(f"lost{i}", p, hash_block_tokens(p, 16), greedy(4), seed=i)
+                call = PrefillCall(f"lost{i}", p, hash_block_tokens(p, 16), greedy(4), i, layout)
                 replies = [r async for r in client.stream("prefill", call)]
                 assert len(replies) == 1 and replies[0].kv is not None  # ended by expiry
 

@@ -13,7 +13,7 @@ import torch
 
 from cluster.common.hashing import hash_block_tokens
 from cluster.common.protocol import GenerateCall
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import EngineRequest, LLMEngine
 from tests.helpers import greedy, make_config, run_until_done
 from tests.reference import capture_logits, check_run_against_references, hf_greedy, load_hf
 
@@ -64,7 +64,7 @@ def test_engine_on_cuda_matches_transformers(real_model_dir: Path, overrides: di
     engine = LLMEngine(cfg)
     captured = capture_logits(engine)
     for rid, p in prompts.items():
-        engine.add(rid, p, greedy(32))
+        engine.add(EngineRequest(rid, p, greedy(32)))
     tokens = run_until_done(engine)
     check_run_against_references(engine, prompts, refs, tokens, captured)
     engine.check_integrity()

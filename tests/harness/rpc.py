@@ -2,7 +2,9 @@
 
 Methods are async generators (streams) or coroutines on a server object; a call carries an id,
 the reply stream ends with ``end`` or ``error``; the client cancels a call by sending ``cancel``.
-Dataclasses travel as tagged dicts (``codec``); no pickle.
+The messages between pools travel as tagged maps, nested ones too (a reply's ``KVTransferParams``
+and its ``KVLayout``), tuples tagged as such, so each side reads back the very types it was
+sent; no pickle.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ import zmq
 import zmq.asyncio
 
 from cluster.common.errors import ErrorCode, PDServeError
+from cluster.common.kv_layout import KVLayout
+from cluster.common.kv_params import KVTransferParams
 from cluster.common.protocol import (
+    FirstToken,
     GenerateCall,
     PrefillCall,
     PrefillProgress,
@@ -32,21 +37,35 @@ from cluster.common.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_TYPES = {
+_TYPES: dict[str, Any] = {
     c.__name__: c
-    for c in (GenerateCall, PrefillCall, PrefillProgress, PrefillReply, StreamChunk, Usage)
+    for c in (
+        GenerateCall,
+        PrefillCall,
+        PrefillProgress,
+        PrefillReply,
+        FirstToken,
+        StreamChunk,
+        Usage,
+        KVTransferParams,
+        KVLayout,
+    )
 }
 
 
 def _enc(obj: Any) -> Any:
     if isinstance(obj, SamplingParams):
-        return {"__t": "SamplingParams", "v": obj.to_dict()}
+        return {"__t": "SamplingParams", "v": _enc(obj.to_dict())}
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        if type(obj).__name__ not in _TYPES:
+            raise TypeError(f"the test RPC does not carry {type(obj).__name__}")
         return {
             "__t": type(obj).__name__,
             "v": {f.name: _enc(getattr(obj, f.name)) for f in dataclasses.fields(obj)},
         }
-    if isinstance(obj, list | tuple):
+    if isinstance(obj, tuple):
+        return {"__tuple": [_enc(x) for x in obj]}
+    if isinstance(obj, list):
         return [_enc(x) for x in obj]
     if isinstance(obj, dict):
         return {k: _enc(v) for k, v in obj.items()}
@@ -54,19 +73,18 @@ def _enc(obj: Any) -> Any:
 
 
 def _dec(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        tag = obj.get("__t")
-        if tag == "SamplingParams":
-            v = dict(obj["v"])
-            v["stop"] = tuple(v["stop"])
-            v["stop_token_ids"] = tuple(v["stop_token_ids"])
-            return SamplingParams.from_dict(v)
-        if tag in _TYPES:
-            return _TYPES[tag](**{k: _dec(v) for k, v in obj["v"].items()})
-        return {k: _dec(v) for k, v in obj.items()}
     if isinstance(obj, list):
         return [_dec(x) for x in obj]
-    return obj
+    if not isinstance(obj, dict):
+        return obj
+    if "__tuple" in obj:
+        return tuple(_dec(x) for x in obj["__tuple"])
+    tag = obj.get("__t")
+    if tag == "SamplingParams":
+        return SamplingParams.from_dict(_dec(obj["v"]))
+    if tag in _TYPES:
+        return _TYPES[tag](**{k: _dec(v) for k, v in obj["v"].items()})
+    return {k: _dec(v) for k, v in obj.items()}
 
 
 def pack(obj: Any) -> bytes:

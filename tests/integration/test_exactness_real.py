@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import EngineRequest, LLMEngine
 from tests.helpers import greedy, make_config, run_until_done
 from tests.real_workload import NUM_NEW, RealWorkload
 from tests.reference import Reference, capture_logits, check_run_against_references
@@ -40,7 +40,7 @@ def _engine(real_model_dir: Path, **overrides: Any) -> LLMEngine:
 
 def _run(eng: LLMEngine, prompts: dict[str, list[int]], tag: str) -> dict[str, list[int]]:
     for rid, p in prompts.items():
-        eng.add(f"{tag}{rid}", p, greedy(NUM_NEW))
+        eng.add(EngineRequest(f"{tag}{rid}", p, greedy(NUM_NEW)))
     out = run_until_done(eng)
     eng.check_integrity()
     assert eng.block_manager.num_used_blocks == 0

@@ -37,7 +37,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.config import load_config
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import EngineRequest, LLMEngine
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.helpers import greedy, run_until_done
@@ -244,7 +244,7 @@ def _oracle(config_file: Path) -> dict[str, list[int]]:
     """Every prompt's greedy output from an offline engine of the same configuration."""
     engine = LLMEngine(load_config(config_file))
     for rid, p in PROMPTS.items():
-        engine.add(rid, p, greedy(MAX_TOKENS))
+        engine.add(EngineRequest(rid, p, greedy(MAX_TOKENS)))
     return run_until_done(engine)
 
 

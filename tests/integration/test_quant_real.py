@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import EngineRequest, LLMEngine
 from cluster.engine.models.packed import _SCRATCH_FLOATS, PackedWeight
 from tests.helpers import greedy, make_config, run_until_done
 from tests.quality import TEXT, teacher_forced
@@ -58,7 +58,7 @@ def test_gguf_weights_stay_packed_and_match_the_dequantized_reference(
 
     captured = capture_logits(eng)
     for rid, p in prompts.items():
-        eng.add(rid, p, greedy(NUM_NEW))
+        eng.add(EngineRequest(rid, p, greedy(NUM_NEW)))
     tokens = run_until_done(eng)
     eng.check_integrity()
     check_run_against_references(eng, prompts, refs, tokens, captured)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from benchmarks.spec_workloads import copy_heavy
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import EngineRequest, LLMEngine
 from tests.helpers import greedy, make_config, run_until_done
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -53,7 +53,7 @@ def workload(real_model_dir: Path) -> tuple[dict[str, list[int]], dict[str, list
         prompts[f"copy{i}"] = tok.encode_chat(conv)
     assert len(prompts) >= 8 and len({len(p) for p in prompts.values()}) >= 8
     for rid, p in prompts.items():
-        eng.add(rid, p, greedy(NUM_NEW))
+        eng.add(EngineRequest(rid, p, greedy(NUM_NEW)))
     refs = run_until_done(eng)
     eng.check_integrity()
     return prompts, refs
@@ -63,7 +63,7 @@ def _run_twice(eng: LLMEngine, prompts: dict[str, list[int]]) -> list[dict[str, 
     rounds = []
     for r in ("a", "b"):
         for rid, p in prompts.items():
-            eng.add(f"{rid}#{r}", p, greedy(NUM_NEW))
+            eng.add(EngineRequest(f"{rid}#{r}", p, greedy(NUM_NEW)))
         out = run_until_done(eng)
         eng.check_integrity()
         assert eng.block_manager.num_used_blocks == 0

@@ -17,7 +17,7 @@ import jsonschema
 import pytest
 
 from cluster.common.sampling_params import SamplingParams
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import EngineRequest, LLMEngine
 from tests.helpers import make_config
 from tests.structured_schemas import SCHEMAS
 
@@ -53,7 +53,7 @@ def _run(
                 max_tokens=MAX_TOKENS if slack is None else _shortest(engine, schema) + slack,
                 json_schema=json.dumps(schema),
             )
-            engine.add(f"{name}/{seed}", prompt, params)
+            engine.add(EngineRequest(f"{name}/{seed}", prompt, params))
     got: dict[str, tuple[str, list[int], str]] = {}
     while engine.has_unfinished_requests():
         for o in engine.step():

@@ -27,7 +27,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.common.sampling_params import SamplingParams
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import EngineRequest, LLMEngine
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from tests.helpers import fake_config, greedy, run_until_done
 from tests.serve.cluster_helpers import App, wait_replicas_ready
@@ -70,7 +70,7 @@ def prompt(i: int, n: int) -> list[int]:
 def reference(app: App, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
     engine = LLMEngine(app.config)
     for rid, p in prompts.items():
-        engine.add(rid, p, greedy(max_tokens))
+        engine.add(EngineRequest(rid, p, greedy(max_tokens)))
     return run_until_done(engine)
 
 
@@ -173,7 +173,7 @@ def sampled_reference(app: App, p: list[int], n: int, seed: int, max_tokens: int
 
     engine = LLMEngine(app.config)
     params = SamplingParams(temperature=0.8, max_tokens=max_tokens, ignore_eos=True, seed=seed)
-    engine.add("ref", p, params, n=n)
+    engine.add(EngineRequest("ref", p, params, n=n))
     out = run_until_done(engine)
     return [out[rid] for rid in sample_ids("ref", n)]
 
@@ -308,7 +308,7 @@ def test_echo_with_logprobs_returns_the_prompts_logprobs(app: App) -> None:
     p = prompt(6, 40)  # long enough for a remote prefill: such requests prefill locally
     engine = LLMEngine(app.config)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2)
-    engine.add("ref", p, params)
+    engine.add(EngineRequest("ref", p, params))
     ref = None
     while engine.has_unfinished_requests():
         outs = engine.step()

@@ -36,7 +36,7 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import EngineRequest, LLMEngine
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from cluster.serving.options import router_admission_limit
@@ -96,7 +96,7 @@ def greedy_req(p: list[int], max_tokens: int) -> pb.GenerateRequest:
 def reference(config: Any, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
     engine = LLMEngine(config)
     for rid, p in prompts.items():
-        engine.add(rid, p, greedy(max_tokens))
+        engine.add(EngineRequest(rid, p, greedy(max_tokens)))
     return run_until_done(engine)
 
 

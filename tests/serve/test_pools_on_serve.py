@@ -13,7 +13,7 @@ from cluster.common.hashing import hash_block_tokens
 from cluster.common.protocol import Accepted, GenerateCall
 from cluster.config import allowed_cores
 from cluster.decode_worker.deployment import DecodeServer
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import EngineRequest, LLMEngine
 from cluster.prefill_worker.deployment import PrefillServer
 from cluster.serving.calls import Keepalive
 from cluster.serving.cpu_binding import claim_file, start_time
@@ -54,7 +54,7 @@ def test_decode_pool_hands_off_to_prefill_pool(serve_cluster: ServeCluster) -> N
         }
         ref = LLMEngine(cfg)
         for rid, p in prompts.items():
-            ref.add(rid, p, greedy(10))
+            ref.add(EngineRequest(rid, p, greedy(10)))
         expected = run_until_done(ref)
 
         async def one(rid: str, p: list[int]) -> list[Any]:
@@ -99,7 +99,7 @@ def test_pools_bound_to_cores_of_their_own_hand_off_and_give_them_back(
             assert set(decode_stats["cores"] + prefill_stats["cores"]) <= set(cores)
         prompt = [1 + (j * 7) % 500 for j in range(40)]  # > local_prefill_threshold: remote
         ref = LLMEngine(cfg)
-        ref.add("b", prompt, greedy(6))
+        ref.add(EngineRequest("b", prompt, greedy(6)))
         expected = run_until_done(ref)["b"]
 
         async def one() -> list[Any]:

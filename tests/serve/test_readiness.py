@@ -19,7 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ray import serve
 
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import EngineRequest, LLMEngine
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from tests.helpers import fake_config, greedy, run_until_done
 from tests.serve.cluster_helpers import App, wait_replicas_ready
@@ -49,7 +49,7 @@ PROMPT = [1 + (j * 13) % 500 for j in range(40)]  # remote prefill: both pools t
 
 def expected_tokens() -> list[int]:
     engine = LLMEngine(fake_config(**CFG))
-    engine.add("x", PROMPT, greedy(6))
+    engine.add(EngineRequest("x", PROMPT, greedy(6)))
     return run_until_done(engine)["x"]
 
 

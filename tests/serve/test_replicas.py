@@ -27,7 +27,7 @@ import pytest
 from ray import serve
 
 from cluster.decode_worker.deployment import DecodeServer
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import EngineRequest, LLMEngine
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from cluster.prefill_worker.deployment import PrefillServer
@@ -80,7 +80,7 @@ def request(p: list[int], max_tokens: int, rid: str = "") -> pb.GenerateRequest:
 def reference(config: Any, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
     engine = LLMEngine(config)
     for rid, p in prompts.items():
-        engine.add(rid, p, greedy(max_tokens))
+        engine.add(EngineRequest(rid, p, greedy(max_tokens)))
     return run_until_done(engine)
 
 

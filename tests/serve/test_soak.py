@@ -34,7 +34,7 @@ import grpc
 import psutil
 import pytest
 
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import EngineRequest, LLMEngine
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from tests.helpers import fake_config, greedy, run_until_done
 from tests.serve.cluster_helpers import App, wait_replicas_ready
@@ -221,7 +221,7 @@ def app(serve_cluster: ServeCluster) -> Iterator[App]:
 def soak(app: App, duration_s: float) -> None:
     engine = LLMEngine(app.config)
     for i in range(NUM_PROMPTS):
-        engine.add(str(i), prompt(i), greedy(MAX_TOKENS))
+        engine.add(EngineRequest(str(i), prompt(i), greedy(MAX_TOKENS)))
     expected = {int(k): v for k, v in run_until_done(engine).items()}
     run = Soak(app, expected)
     warmup_s = min(30.0, duration_s / 6)

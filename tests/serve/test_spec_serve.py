@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 import pytest
 
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import EngineRequest, LLMEngine
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from tests.helpers import fake_config, greedy, run_until_done
 from tests.serve.cluster_helpers import App, wait_replicas_ready
@@ -72,7 +72,7 @@ def reference(prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[
     """The same fake model without speculation, in this process."""
     engine = LLMEngine(fake_config(**CFG))
     for rid, p in prompts.items():
-        engine.add(rid, p, greedy(max_tokens))
+        engine.add(EngineRequest(rid, p, greedy(max_tokens)))
     return run_until_done(engine)
 
 

@@ -25,7 +25,7 @@ import openai
 import pytest
 
 from cluster.common.sampling_params import SamplingParams
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import EngineRequest, LLMEngine
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from tests.helpers import fake_config
 from tests.serve.cluster_helpers import App
@@ -105,7 +105,11 @@ def test_grpc_outputs_validate_and_equal_the_engine(app: App, budget: str) -> No
     engine = LLMEngine(fake_config(**CFG))
     for rid, p, seed, schema, n in jobs:
         engine.add(
-            rid, p, SamplingParams(max_tokens=n, json_schema=json.dumps(schema), **_sampling(seed))
+            EngineRequest(
+                rid,
+                p,
+                SamplingParams(max_tokens=n, json_schema=json.dumps(schema), **_sampling(seed)),
+            )
         )
     expected: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():

@@ -407,12 +407,12 @@ def test_stats_builders() -> None:
 
 
 def test_engine_reports_queued_prefill_tokens() -> None:
-    from cluster.engine.engine import LLMEngine
+    from cluster.engine.engine import EngineRequest, LLMEngine
     from tests.helpers import fake_config, greedy
 
     engine = LLMEngine(fake_config(**{"scheduler.chunk_size": 16}))
-    engine.add("a", list(range(1, 41)), greedy(2))
-    engine.add("b", list(range(1, 25)), greedy(2))
+    engine.add(EngineRequest("a", list(range(1, 41)), greedy(2)))
+    engine.add(EngineRequest("b", list(range(1, 25)), greedy(2)))
     assert engine.stats()["num_queued_prefill_tokens"] == 64
     engine.step()  # 64-token budget: chunks of both prompts
     assert 0 <= engine.stats()["num_queued_prefill_tokens"] < 64

@@ -11,7 +11,7 @@ import pytest
 from cluster.common.errors import ErrorCode, PDServeError
 from cluster.common.json_schema import schema_grammar
 from cluster.common.sampling_params import SamplingParams
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import EngineRequest, LLMEngine
 from cluster.router.structured import check_schema
 from tests.helpers import fake_config
 from tests.structured_schemas import BAD_SCHEMAS, SCHEMAS
@@ -51,7 +51,7 @@ def test_the_router_and_the_engine_refuse_with_the_same_message() -> None:
             check_schema(text, "json_schema", LIMIT)
         assert routed.value.code == ErrorCode.INVALID_ARGUMENT
         with pytest.raises(ValueError) as engined:
-            engine.add(name, [1, 2], SamplingParams(json_schema=text))
+            engine.add(EngineRequest(name, [1, 2], SamplingParams(json_schema=text)))
         assert routed.value.message == str(engined.value), name
     assert engine.structured.active_ids() == set()
     engine.check_integrity()

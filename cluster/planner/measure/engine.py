@@ -29,10 +29,12 @@ from typing import Any
 
 import torch
 
+from cluster.common.kv_layout import KVLayout
+from cluster.common.protocol import FirstToken
 from cluster.common.sampling_params import SamplingParams
 from cluster.config import ClusterConfig
 from cluster.config.model_paths import require_model_dir
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import EngineRequest, LLMEngine
 from cluster.planner.profile import StepCosts, TransferCost
 from cluster.planner.workload import FIRST_PLAIN_TOKEN
 
@@ -83,7 +85,7 @@ def start_batch(
     rids = [f"{tag}-{i}" for i in range(batch)]
     for rid in rids:
         prompt = random_prompt(rng, context, engine.vocab_size)
-        engine.add(rid, prompt, exact_tokens(max_tokens), prefill="remote")
+        engine.add(EngineRequest(rid, prompt, exact_tokens(max_tokens), prefill="remote"))
     engine.step()  # reserves blocks (no compute: nothing is runnable yet)
     reservations = engine.take_reservations()
     assert len(reservations) == batch, "pool too small for the batch"
@@ -92,9 +94,8 @@ def start_batch(
     template = template.to(device=kv.device, dtype=kv.dtype)
     for res in reservations:
         kv[torch.tensor(res.block_ids, dtype=torch.long, device=kv.device)] = template
-    for rid in rids:
-        engine.accept_first_token(rid, rng.randrange(17, engine.vocab_size))
-        engine.kv_arrived(rid)
+    for rid in rids:  # (a first token's text matters to the client only: none here)
+        engine.kv_arrived(rid, [FirstToken(rng.randrange(17, engine.vocab_size), text="")])
     return rids
 
 
@@ -181,7 +182,7 @@ class _StepProbe:
 
     def warm_up(self) -> None:
         """First-call allocations, the native kernels' first compile."""
-        self.engine.add("warm", self.prompt(64), exact_tokens(3))
+        self.engine.add(EngineRequest("warm", self.prompt(64), exact_tokens(3)))
         _run_to_idle(self.engine)
 
     def prefill(self) -> dict[int, list[float]]:
@@ -189,7 +190,7 @@ class _StepProbe:
         for rep in range(self.points["reps"]):
             sizes = self.points["prefill"] if rep % 2 == 0 else self.points["prefill"][::-1]
             for tokens in sizes:
-                self.engine.add(self.rid("p"), self.prompt(tokens), exact_tokens(1))
+                self.engine.add(EngineRequest(self.rid("p"), self.prompt(tokens), exact_tokens(1)))
                 out[tokens].append(_timed_step(self.engine))
                 _abort_all(self.engine)
         return out
@@ -201,9 +202,11 @@ class _StepProbe:
             for off in self.points["offsets"]:
                 prefix = self.prompt(off)
                 if off:  # cached for the next one
-                    self.engine.add(self.rid("c"), prefix, exact_tokens(1))
+                    self.engine.add(EngineRequest(self.rid("c"), prefix, exact_tokens(1)))
                     _run_to_idle(self.engine)
-                self.engine.add(self.rid("c"), prefix + self.prompt(chunk), exact_tokens(1))
+                self.engine.add(
+                    EngineRequest(self.rid("c"), prefix + self.prompt(chunk), exact_tokens(1))
+                )
                 out[off].append(_timed_step(self.engine))
                 _abort_all(self.engine)
         return out
@@ -234,7 +237,7 @@ class _StepProbe:
             for _ in range(p["reps"]):
                 rids = start_batch(self.engine, self.rng, self.rid("m"), b, c, 8)
                 self.engine.step()
-                self.engine.add(self.rid("m"), self.prompt(tokens), exact_tokens(1))
+                self.engine.add(EngineRequest(self.rid("m"), self.prompt(tokens), exact_tokens(1)))
                 times.append(_timed_step(self.engine))
                 for rid in rids:
                     self.engine.abort_request(rid)
@@ -316,7 +319,7 @@ def _pull_times(
 
 
 def measure_transfer(
-    config: ClusterConfig, layout: Any, progress: Progress, reps: int
+    config: ClusterConfig, layout: KVLayout, progress: Progress, reps: int
 ) -> dict[str, TransferCost]:
     """Pulls of 4 and 64 blocks per transport, sender and receiver in this process."""
     from cluster.kv_transfer import KVPool, KVReceiver, KVSender

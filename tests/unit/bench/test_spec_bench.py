@@ -14,7 +14,7 @@ from benchmarks.harness import BenchContext
 from benchmarks.spec import run_arm
 from benchmarks.workloads import make_engine, make_runner
 from cluster.common.sampling_params import SamplingParams
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import EngineRequest, LLMEngine
 from tests.helpers import make_config
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8, ignore_eos=True)
@@ -26,7 +26,7 @@ def _context(model_dir: Path) -> BenchContext:
 
 
 def _generate(engine: LLMEngine, rid: str, prompt: list[int]) -> list[int]:
-    engine.add(rid, prompt, PARAMS)
+    engine.add(EngineRequest(rid, prompt, PARAMS))
     out: list[int] = []
     while engine.has_unfinished_requests():
         for o in engine.step():

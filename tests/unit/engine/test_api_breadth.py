@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 
 from cluster.common.sampling_params import SamplingParams
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import EngineRequest, LLMEngine
 from tests.helpers import fake_config, greedy, make_config, run_until_done
 
 
 def _text(
     eng: LLMEngine, rid: str, prompt: list[int], params: SamplingParams
 ) -> tuple[str, list[int]]:
-    eng.add(rid, prompt, params)
+    eng.add(EngineRequest(rid, prompt, params))
     text, tokens = "", []
     while eng.has_unfinished_requests():
         for out in eng.step():
@@ -28,9 +28,9 @@ def _text(
 def test_logit_bias_bans_tokens() -> None:
     eng = LLMEngine(fake_config())
     prompt = [5, 6, 7, 8]
-    eng.add("plain", prompt, greedy(8))
+    eng.add(EngineRequest("plain", prompt, greedy(8)))
     plain = run_until_done(eng)["plain"]
-    eng.add("banned", prompt, greedy(8, logit_bias={t: -100.0 for t in set(plain)}))
+    eng.add(EngineRequest("banned", prompt, greedy(8, logit_bias={t: -100.0 for t in set(plain)})))
     banned = run_until_done(eng)["banned"]
     assert len(banned) == 8 and not set(banned) & set(plain)
     eng.check_integrity()
@@ -41,9 +41,13 @@ def test_logit_bias_forces_a_token_greedy_and_sampled(tiny_model_dir: Path) -> N
     config = make_config(**{"model.path": str(tiny_model_dir), "cache.num_blocks": 64})
     eng = LLMEngine(config)
     prompt = [5, 6, 7, 8]
-    eng.add("forced", prompt, greedy(6, logit_bias={42: 100}))
-    eng.add("sampled", prompt, SamplingParams(max_tokens=6, seed=3, logit_bias=((42, 100.0),)))
-    eng.add("plain", prompt, SamplingParams(max_tokens=6, seed=3, ignore_eos=True))
+    eng.add(EngineRequest("forced", prompt, greedy(6, logit_bias={42: 100})))
+    eng.add(
+        EngineRequest(
+            "sampled", prompt, SamplingParams(max_tokens=6, seed=3, logit_bias=((42, 100.0),))
+        )
+    )
+    eng.add(EngineRequest("plain", prompt, SamplingParams(max_tokens=6, seed=3, ignore_eos=True)))
     out = run_until_done(eng)
     assert out["forced"] == [42] * 6 and out["sampled"] == [42] * 6
     assert out["plain"] != [42] * 6
@@ -59,7 +63,7 @@ def test_bad_logit_bias_is_refused_naming_the_field(bad: object) -> None:
 def test_logit_bias_outside_the_vocabulary_is_refused() -> None:
     eng = LLMEngine(fake_config())
     with pytest.raises(ValueError, match="^logit_bias: token id 600 is outside"):
-        eng.add("x", [1, 2], greedy(2, logit_bias={600: 1.0}))
+        eng.add(EngineRequest("x", [1, 2], greedy(2, logit_bias={600: 1.0})))
     assert not eng.requests
 
 

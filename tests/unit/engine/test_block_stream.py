@@ -13,7 +13,7 @@ import itertools
 import pytest
 import torch
 
-from cluster.engine.engine import LLMEngine, RequestOutput
+from cluster.engine.engine import EngineRequest, LLMEngine, RequestOutput
 from tests.helpers import fake_config, greedy, run_until_done
 
 STREAM = {"transfer.stream_min_tokens": 32}
@@ -44,7 +44,7 @@ def _assert_idle_clean(eng: LLMEngine) -> None:
 def _bulk_prefill(prompt: list[int]) -> tuple[int, torch.Tensor]:
     """The same prompt prefilled without streaming: its first token and its blocks' KV."""
     eng = _engine(**{"transfer.stream_min_tokens": 0})
-    eng.add("ref", prompt, greedy(4), seed=3)
+    eng.add(EngineRequest("ref", prompt, greedy(4), seed=3))
     (first,) = [o for step in _steps(eng) for o in step]
     assert first.held_block_ids is not None
     kv = eng.runner.kv_cache[first.held_block_ids].clone()
@@ -56,7 +56,7 @@ def test_each_chunk_announces_its_blocks_and_the_first_token_adds_the_tail() -> 
     p = _prompt(100)  # 6 full blocks + 4 tokens; chunks of 16: 7 steps
     token, ref_kv = _bulk_prefill(p)
     eng = _engine()
-    eng.add("s", p, greedy(4), seed=3)
+    eng.add(EngineRequest("s", p, greedy(4), seed=3))
     steps = _steps(eng)
     progress = [o for step in steps for o in step if o.streamed_block_ids is not None]
     (first,) = [o for step in steps for o in step if o.new_token_ids]
@@ -80,7 +80,7 @@ def test_each_chunk_announces_its_blocks_and_the_first_token_adds_the_tail() -> 
 
 def test_short_prompts_and_a_zero_minimum_never_stream() -> None:
     for eng, n in ((_engine(), 31), (_engine(**{"transfer.stream_min_tokens": 0}), 100)):
-        eng.add("x", _prompt(n), greedy(3))
+        eng.add(EngineRequest("x", _prompt(n), greedy(3)))
         outs = [o for step in _steps(eng) for o in step]
         assert all(o.streamed_block_ids is None for o in outs)
         assert eng.release("x")
@@ -92,7 +92,7 @@ def test_a_preempted_streamed_prompt_keeps_what_it_announced(caching: bool) -> N
     p = _prompt(100, seed=2)
     token, ref_kv = _bulk_prefill(p)
     eng = _engine(**{"cache.enable_prefix_caching": caching})
-    eng.add("s", p, greedy(4), seed=3)
+    eng.add(EngineRequest("s", p, greedy(4), seed=3))
     steps = [eng.step() for _ in range(3)]  # three blocks announced
     assert eng.scheduler.preempt_newest() is not None  # as block pressure would
     assert eng.block_manager.num_used_blocks == 3  # the pins keep the announced blocks
@@ -111,7 +111,7 @@ def test_a_preempted_streamed_prompt_keeps_what_it_announced(caching: bool) -> N
 
 def test_an_abort_while_streaming_keeps_the_pins_until_the_release() -> None:
     eng = _engine()
-    eng.add("s", _prompt(100), greedy(4))
+    eng.add(EngineRequest("s", _prompt(100), greedy(4)))
     eng.step()
     eng.step()  # two chunks: two blocks announced and pinned
     assert eng.abort_request("s")
@@ -119,7 +119,7 @@ def test_an_abort_while_streaming_keeps_the_pins_until_the_release() -> None:
     assert final.finished and final.finish_reason == "abort"
     assert eng.block_manager.num_used_blocks == 2  # a lease may still be reading them
     with pytest.raises(ValueError, match="already exists"):
-        eng.add("s", _prompt(40), greedy(2))  # its pins are still held under the id
+        eng.add(EngineRequest("s", _prompt(40), greedy(2)))  # its pins are still held under the id
     eng.check_integrity()
     assert eng.release("s")
     _assert_idle_clean(eng)
@@ -127,7 +127,7 @@ def test_an_abort_while_streaming_keeps_the_pins_until_the_release() -> None:
 
 def test_a_lease_ending_mid_prefill_ends_the_request_and_frees_everything() -> None:
     eng = _engine()
-    eng.add("s", _prompt(100), greedy(4))
+    eng.add(EngineRequest("s", _prompt(100), greedy(4)))
     for _ in range(3):
         eng.step()
     assert eng.release("s")  # the lease expired or the decode side gave up
@@ -138,7 +138,7 @@ def test_a_lease_ending_mid_prefill_ends_the_request_and_frees_everything() -> N
 
 def test_a_first_token_that_finishes_leaves_the_pins_to_the_release() -> None:
     eng = _engine()
-    eng.add("s", _prompt(100), greedy(1))
+    eng.add(EngineRequest("s", _prompt(100), greedy(1)))
     outs = [o for step in _steps(eng) for o in step]
     assert outs[-1].finish_reason == "length" and outs[-1].held_block_ids is None
     assert eng.block_manager.num_used_blocks == 6  # the announced blocks, pinned
@@ -150,10 +150,10 @@ def test_other_requests_in_the_batch_are_untouched() -> None:
     prompts = {"a": _prompt(20, 1), "b": _prompt(45, 4)}
     ref = LLMEngine(fake_config(), role="colocated")
     for rid, prompt in prompts.items():
-        ref.add(rid, prompt, greedy(6))
+        ref.add(EngineRequest(rid, prompt, greedy(6)))
     expected = run_until_done(ref)
     eng = LLMEngine(fake_config(**STREAM), role="colocated")  # colocated: the key is inert
     for rid, prompt in prompts.items():
-        eng.add(rid, prompt, greedy(6))
+        eng.add(EngineRequest(rid, prompt, greedy(6)))
     assert run_until_done(eng) == expected
     eng.check_integrity()

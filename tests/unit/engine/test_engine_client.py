@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from cluster.engine.client import EngineClient
-from cluster.engine.engine import LLMEngine, RequestOutput
+from cluster.engine.engine import EngineRequest, LLMEngine, RequestOutput
 from tests.helpers import fake_config, greedy
 
 pytestmark = pytest.mark.timeout(60)
@@ -53,7 +53,7 @@ def test_cancelled_after_the_engine_admitted_it_is_aborted() -> None:
 
     async def scenario() -> None:
         outs: list[RequestOutput] = []
-        task = asyncio.create_task(client.add("r", PROMPT, greedy(500), _sink(outs)))
+        task = asyncio.create_task(client.add(EngineRequest("r", PROMPT, greedy(500)), _sink(outs)))
         await asyncio.sleep(0)  # the add is on its way to the engine thread
         # Block this event loop until the engine thread has run the add (commands run in
         # order): the engine holds the request, the caller has not resumed yet. Cancel now.
@@ -72,7 +72,9 @@ def test_cancelled_before_the_engine_ran_it_adds_nothing() -> None:
     client._loop.call(lambda eng: gate.wait(10))  # the engine thread is busy
 
     async def scenario() -> None:
-        task = asyncio.create_task(client.add("r", PROMPT, greedy(50), lambda o: None))
+        task = asyncio.create_task(
+            client.add(EngineRequest("r", PROMPT, greedy(50)), lambda o: None)
+        )
         await asyncio.sleep(0)
         await _cancelled(task)
         gate.set()
@@ -87,8 +89,10 @@ def test_a_cancelled_duplicate_leaves_the_request_that_owns_the_id_alone() -> No
 
     async def scenario() -> list[RequestOutput]:
         outs: list[RequestOutput] = []
-        await client.add("r", PROMPT, greedy(40), _sink(outs))
-        dup = asyncio.create_task(client.add("r", PROMPT, greedy(40), lambda o: None))
+        await client.add(EngineRequest("r", PROMPT, greedy(40)), _sink(outs))
+        dup = asyncio.create_task(
+            client.add(EngineRequest("r", PROMPT, greedy(40)), lambda o: None)
+        )
         await asyncio.sleep(0)
         client._loop.call(lambda eng: None).result(10)  # the duplicate was refused
         await _cancelled(dup)
@@ -111,7 +115,7 @@ def test_cancelled_remote_add_frees_its_reservation() -> None:
 
     async def scenario() -> None:
         task = asyncio.create_task(
-            client.add("r", PROMPT, greedy(20), lambda o: None, prefill="auto")
+            client.add(EngineRequest("r", PROMPT, greedy(20), prefill="auto"), lambda o: None)
         )
         await asyncio.sleep(0)
         client._loop.call(lambda eng: None).result(10)
@@ -131,7 +135,9 @@ def test_a_remote_adds_reservation_comes_with_the_add_not_after_a_step() -> None
     client = EngineClient(engine, before_step=lambda: gate.wait(10)).start()
 
     async def scenario() -> None:
-        added = await client.add("r", PROMPT, greedy(20), lambda o: None, prefill="auto")
+        added = await client.add(
+            EngineRequest("r", PROMPT, greedy(20), prefill="auto"), lambda o: None
+        )
         assert added.remote and added.reservation is not None
         res = await asyncio.wait_for(added.reservation, 5)  # no step has run: the gate holds it
         assert res.request_id == "r" and len(res.block_ids) == 3  # 40 + 1 tokens

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import EngineRequest, LLMEngine
 from tests.helpers import greedy, run_until_done, tiny_config
 from tests.reference import (
     Reference,
@@ -60,7 +60,7 @@ def setup(tiny_model_dir: Path) -> tuple[dict[str, list[int]], dict[str, Referen
 
 def _run(eng: LLMEngine, prompts: dict[str, list[int]], suffix: str = "") -> dict[str, list[int]]:
     for rid, p in prompts.items():
-        eng.add(rid + suffix, p, greedy(NUM_NEW))
+        eng.add(EngineRequest(rid + suffix, p, greedy(NUM_NEW)))
     out = run_until_done(eng)
     eng.check_integrity()
     assert eng.block_manager.num_used_blocks == 0

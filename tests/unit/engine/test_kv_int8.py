@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from cluster.common.kv_layout import SCHEMES, KVLayout
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import EngineRequest, LLMEngine
 from tests.helpers import greedy, make_config, run_until_done
 from tests.reference import capture_logits
 
@@ -50,7 +50,7 @@ PROMPTS = {f"r{i}": [5 + (i * 31 + j * 7) % 400 for j in range(6 + 13 * i)] for 
 
 def _run(eng: LLMEngine, tag: str = "", max_tokens: int = 20) -> dict[str, list[int]]:
     for rid, p in PROMPTS.items():
-        eng.add(f"{tag}{rid}", p, greedy(max_tokens))
+        eng.add(EngineRequest(f"{tag}{rid}", p, greedy(max_tokens)))
     out = run_until_done(eng)
     eng.check_integrity()
     assert eng.block_manager.num_used_blocks == 0

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from cluster.common.sampling_params import SamplingParams
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import EngineRequest, LLMEngine
 from cluster.engine.parallel import sample_ids, sample_seed
-from tests.helpers import fake_config, greedy, run_until_done, tiny_config
+from tests.helpers import fake_config, greedy, prefilled, run_until_done, tiny_config
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:
@@ -59,7 +59,7 @@ def test_n8_on_a_512_token_prompt_holds_the_block_bound(
         "scheduler.max_num_seqs": 16,
     }
     eng = LLMEngine(fake_config(**overrides))
-    eng.add("r", _prompt(prompt_len), _sampled(max_tokens), n=8)
+    eng.add(EngineRequest("r", _prompt(prompt_len), _sampled(max_tokens), n=8))
     fed: list[int] = []
     execute = eng.runner.execute
     eng.runner.execute = lambda b: fed.append(b.num_batched_tokens) or execute(b)  # type: ignore[method-assign]
@@ -89,9 +89,9 @@ def test_n8_on_a_512_token_prompt_holds_the_block_bound(
 
 def test_greedy_samples_are_identical_and_match_n1() -> None:
     eng = LLMEngine(fake_config())
-    eng.add("one", _prompt(37), greedy(20))
+    eng.add(EngineRequest("one", _prompt(37), greedy(20)))
     expected = run_until_done(eng)["one"]
-    eng.add("many", _prompt(37), greedy(20), n=5)
+    eng.add(EngineRequest("many", _prompt(37), greedy(20), n=5))
     outs = run_until_done(eng)
     assert [outs[rid] for rid in sample_ids("many", 5)] == [expected] * 5
     _idle_clean(eng)
@@ -99,7 +99,7 @@ def test_greedy_samples_are_identical_and_match_n1() -> None:
 
 def test_outputs_carry_their_sample_index() -> None:
     eng = LLMEngine(fake_config())
-    eng.add("r", _prompt(20), _sampled(6), n=3)
+    eng.add(EngineRequest("r", _prompt(20), _sampled(6), n=3))
     seen: dict[str, set[int]] = {}
     finished = set()
     while eng.has_unfinished_requests():
@@ -114,7 +114,7 @@ def test_outputs_carry_their_sample_index() -> None:
 def test_seeded_samples_repeat_and_differ_from_each_other() -> None:
     def run() -> list[list[int]]:
         eng = LLMEngine(fake_config())
-        eng.add("r", _prompt(45), _sampled(24, seed=1234), n=4)
+        eng.add(EngineRequest("r", _prompt(45), _sampled(24, seed=1234), n=4))
         out = run_until_done(eng)
         _idle_clean(eng)
         return [out[rid] for rid in sample_ids("r", 4)]
@@ -138,12 +138,12 @@ def test_each_sample_is_a_separate_request_with_its_seed(
     prompt = [3 + (i * 7) % 400 for i in range(prompt_len)]
     params = _sampled(12, seed=None)
     for i in range(4):
-        ref.add(f"alone{i}", prompt, params, seed=sample_seed(99, i))
+        ref.add(EngineRequest(f"alone{i}", prompt, params, seed=sample_seed(99, i)))
     alone = run_until_done(ref)
     expected = [alone[f"alone{i}"] for i in range(4)]
 
     eng = _tiny(tiny_model_dir)
-    eng.add("r", prompt, params, seed=99, n=4)
+    eng.add(EngineRequest("r", prompt, params, seed=99, n=4))
     tokens, peak = _run_peak(eng)
     assert [tokens[rid] for rid in sample_ids("r", 4)] == expected
     assert peak < 4 * eng.block_manager.blocks_needed(prompt_len + 12)  # shared, not 4 prompts
@@ -154,8 +154,8 @@ def test_each_sample_is_a_separate_request_with_its_seed(
 @pytest.mark.parametrize("when", ["waiting", "prefilling", "decoding"])
 def test_cancelling_frees_every_sample(when: str, prompt_len: int) -> None:
     eng = LLMEngine(fake_config(**{"cache.num_blocks": 200, "scheduler.max_num_seqs": 16}))
-    eng.add("keep", _prompt(30, 1), greedy(40))
-    eng.add("r", _prompt(prompt_len), _sampled(40), n=8)
+    eng.add(EngineRequest("keep", _prompt(30, 1), greedy(40)))
+    eng.add(EngineRequest("r", _prompt(prompt_len), _sampled(40), n=8))
     finals: dict[str, str | None] = {}
     steps = {"waiting": 0, "prefilling": 2, "decoding": 14}[when]
     for _ in range(steps):
@@ -176,10 +176,10 @@ def test_bad_n_is_refused_naming_the_field() -> None:
     eng = LLMEngine(fake_config())
     for bad in (0, -1, 17, True, 2.0):
         with pytest.raises(ValueError, match="^n: "):
-            eng.add("x", [1, 2, 3], greedy(2), n=bad)  # type: ignore[arg-type]
-    eng.add("x", [1, 2, 3], greedy(2), n=2)
+            eng.add(EngineRequest("x", [1, 2, 3], greedy(2), n=bad))  # type: ignore[arg-type]
+    eng.add(EngineRequest("x", [1, 2, 3], greedy(2), n=2))
     with pytest.raises(ValueError, match="^request_id: 'x#1' already exists"):
-        eng.add("x#1", [1, 2, 3], greedy(2))
+        eng.add(EngineRequest("x#1", [1, 2, 3], greedy(2)))
     run_until_done(eng)
     _idle_clean(eng)
 
@@ -192,41 +192,29 @@ def test_decode_role_forks_the_samples_from_the_one_pulled_prompt(prompt_len: in
     p = _prompt(prompt_len)
     params = _sampled(10)
     local = LLMEngine(fake_config())
-    local.add("x", p, params, seed=7, n=3)
+    local.add(EngineRequest("x", p, params, seed=7, n=3))
     expected = run_until_done(local)
 
     pre = LLMEngine(fake_config(), role="prefill")
     dec = LLMEngine(fake_config(**{"cache.num_blocks": 40}), role="decode")
-    pre.add("x", p, params, seed=7, n=3)
-    first = None
-    sample_firsts: dict[str, list[int]] = {}
-    while pre.has_unfinished_requests() and first is None:
-        for o in pre.step():
-            if o.index:
-                assert o.finished and o.held_block_ids == []  # nothing of its own held
-                sample_firsts[o.request_id] = o.new_token_ids
-            elif o.held_block_ids:
-                first = o
-    assert first is not None and first.held_block_ids is not None
+    first, first_tokens = prefilled(pre, EngineRequest("x", p, params, seed=7, n=3))
+    assert first.held_block_ids is not None
     full = prompt_len % 16 == 0
-    assert sorted(sample_firsts) == (sample_ids("x", 3)[1:] if full else [])
-    assert dec.add("x", p, params, prefill="remote", seed=7, n=3).remote
+    assert len(first_tokens) == (3 if full else 1)  # the samples' too, with a full last block
+    assert dec.add(EngineRequest("x", p, params, prefill="remote", seed=7, n=3)).remote
     dec.step()
     (res,) = dec.take_reservations()  # one reservation, one transfer, for the three samples
     held = first.held_block_ids  # the reservation has room for the first token's KV too
     dec.runner.kv_cache[res.block_ids[: len(held)]] = pre.runner.kv_cache[held]
     assert pre.release("x")
-    dec.accept_first_token("x", first.new_token_ids[0])
-    for sid, tokens in sample_firsts.items():
-        dec.accept_first_token(sid, tokens[0])
     assert dec.stats()["num_samples_waiting"] == 2
-    dec.kv_arrived("x")
+    assert dec.kv_arrived("x", first_tokens) == []  # one entry, every first token
     fed: list[int] = []
     execute = dec.runner.execute
     dec.runner.execute = lambda b: fed.append(b.num_batched_tokens) or execute(b)  # type: ignore[method-assign]
-    rest = run_until_done(dec)
-    for rid, tokens in (("x", first.new_token_ids), *sample_firsts.items()):
-        rest[rid] = tokens + rest[rid]
+    rest = run_until_done(dec)  # nothing again of the first tokens handed in
+    for sid, token in zip(sample_ids("x", 3), first_tokens):
+        rest[sid] = [token.token_id, *rest[sid]]
     assert rest == expected
     # Decode steps only (9 more tokens each), plus each sample's recomputed tail if partial.
     assert sum(fed) == 3 * 9 + (0 if full else 2 * (prompt_len % 16))
@@ -239,8 +227,8 @@ def test_decode_role_forks_the_samples_from_the_one_pulled_prompt(prompt_len: in
 def test_samples_stay_exact_under_forced_preemption() -> None:
     def run(**overrides: Any) -> dict[str, list[int]]:
         eng = LLMEngine(fake_config(**overrides))
-        eng.add("r", _prompt(70), _sampled(20), n=4)
-        eng.add("s", _prompt(40, 3), _sampled(20, seed=4), n=3)
+        eng.add(EngineRequest("r", _prompt(70), _sampled(20), n=4))
+        eng.add(EngineRequest("s", _prompt(40, 3), _sampled(20, seed=4), n=3))
         out = run_until_done(eng)
         _idle_clean(eng)
         return out
@@ -251,7 +239,7 @@ def test_samples_stay_exact_under_forced_preemption() -> None:
 
 def test_a_leader_ended_by_its_first_token_leaves_its_samples_to_run() -> None:
     eng = LLMEngine(fake_config())
-    eng.add("one", _prompt(40), _sampled(1), n=4)
+    eng.add(EngineRequest("one", _prompt(40), _sampled(1), n=4))
     out = run_until_done(eng)
     assert sorted(out) == sorted(sample_ids("one", 4)) and all(len(t) == 1 for t in out.values())
     _idle_clean(eng)
@@ -260,10 +248,10 @@ def test_a_leader_ended_by_its_first_token_leaves_its_samples_to_run() -> None:
 def test_a_failed_transfer_recomputes_the_leader_and_then_forks() -> None:
     p = _prompt(45)
     local = LLMEngine(fake_config())
-    local.add("x", p, _sampled(8), seed=7, n=3)
+    local.add(EngineRequest("x", p, _sampled(8), seed=7, n=3))
     expected = run_until_done(local)
     dec = LLMEngine(fake_config(), role="decode")
-    dec.add("x", p, _sampled(8), prefill="remote", seed=7, n=3)
+    dec.add(EngineRequest("x", p, _sampled(8), prefill="remote", seed=7, n=3))
     dec.step()
     assert len(dec.take_reservations()) == 1
     dec.kv_failed("x", recompute=True)
@@ -271,9 +259,32 @@ def test_a_failed_transfer_recomputes_the_leader_and_then_forks() -> None:
     _idle_clean(dec)
 
 
+def test_a_failed_pull_after_the_first_tokens_recomputes_after_them() -> None:
+    """The client has every sample's first token from the prefill reply when the pull fails:
+    the engine takes them in with ``kv_failed``, recomputes the prompt and those tokens'
+    KV, and goes on from there: every sample equals a colocated run, no first token twice."""
+    p = _prompt(48)  # a full last block: the prefill engine draws the samples' first tokens
+    local = LLMEngine(fake_config())
+    local.add(EngineRequest("x", p, _sampled(8), seed=7, n=3))
+    expected = run_until_done(local)
+    pre = LLMEngine(fake_config(), role="prefill")
+    _first, first_tokens = prefilled(pre, EngineRequest("x", p, _sampled(8), seed=7, n=3))
+    assert len(first_tokens) == 3 and pre.release("x")
+    dec = LLMEngine(fake_config(), role="decode")
+    dec.add(EngineRequest("x", p, _sampled(8), prefill="remote", seed=7, n=3))
+    dec.step()
+    assert len(dec.take_reservations()) == 1
+    assert dec.kv_failed("x", recompute=True, first_tokens=first_tokens) == []
+    rest = run_until_done(dec)
+    for sid, token in zip(sample_ids("x", 3), first_tokens):
+        rest[sid] = [token.token_id, *rest[sid]]
+    assert rest == expected
+    _idle_clean(dec)
+
+
 def test_a_failed_transfer_without_recompute_fails_every_sample() -> None:
     dec = LLMEngine(fake_config(), role="decode")
-    dec.add("x", _prompt(45), _sampled(8), prefill="remote", n=3)
+    dec.add(EngineRequest("x", _prompt(45), _sampled(8), prefill="remote", n=3))
     dec.step()
     dec.kv_failed("x", recompute=False, error="KV transfer failed")
     errors = {o.request_id: o.error for o in dec.step() if o.finished}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cluster.common.sampling_params import SamplingParams
-from cluster.engine.engine import LLMEngine, RequestOutput
+from cluster.engine.engine import EngineRequest, LLMEngine, RequestOutput
 from tests.helpers import fake_config, greedy, tiny_config
 
 K = 3
@@ -75,7 +75,7 @@ def test_prompt_logprobs_match_transformers(
     prompts, refs = hf_reference
     eng = _tiny(tiny_model_dir, **overrides)
     for rid, p in prompts.items():
-        eng.add(rid, p, _params())
+        eng.add(EngineRequest(rid, p, _params()))
     outs = _run(eng)
     for rid, p in prompts.items():
         _check(_prompt_logprobs(outs[rid]), p, refs[rid])
@@ -91,10 +91,10 @@ def test_a_warm_prefix_cache_is_skipped_and_preemption_recomputes(
     the cache skipped it needs that many steps between preemptions to get through.)"""
     prompts, refs = hf_reference
     eng = _tiny(tiny_model_dir, **{"testing.enabled": True, "testing.force_preempt_interval": 4})
-    eng.add("warm", prompts["a"], greedy(2))  # caches a's blocks
+    eng.add(EngineRequest("warm", prompts["a"], greedy(2)))  # caches a's blocks
     _run(eng)
-    eng.add("a", prompts["a"], _params(6))
-    eng.add("b", prompts["b"], _params(6))
+    eng.add(EngineRequest("a", prompts["a"], _params(6)))
+    eng.add(EngineRequest("b", prompts["b"], _params(6)))
     outs = _run(eng)
     assert outs["a"][-1].num_cached_tokens == 0  # no hit: every position is computed
     for rid in ("a", "b"):
@@ -106,7 +106,7 @@ def test_a_warm_prefix_cache_is_skipped_and_preemption_recomputes(
 def test_fake_runner_scores_every_position_and_n_shares_them() -> None:
     eng = LLMEngine(fake_config())
     prompt = [1 + (i * 13) % 200 for i in range(40)]
-    eng.add("x", prompt, _params(3, k=0), n=3)
+    eng.add(EngineRequest("x", prompt, _params(3, k=0), n=3))
     outs = _run(eng)
     entries = _prompt_logprobs(outs["x"])
     assert len(entries) == 40 and all(top == [] for _, top in entries[1:])
@@ -124,8 +124,8 @@ def test_bad_prompt_logprobs_is_refused_naming_the_field(bad: object) -> None:
 def test_decode_role_prefills_such_requests_itself() -> None:
     dec = LLMEngine(fake_config(**{"decode.local_prefill_threshold": 4}), role="decode")
     prompt = list(range(1, 60))
-    assert not dec.add("x", prompt, _params(), prefill="auto").remote
+    assert not dec.add(EngineRequest("x", prompt, _params(), prefill="auto")).remote
     with pytest.raises(ValueError, match="^prompt_logprobs: "):
-        dec.add("y", prompt, _params(), prefill="remote")
+        dec.add(EngineRequest("y", prompt, _params(), prefill="remote"))
     assert len(_prompt_logprobs(_run(dec)["x"])) == len(prompt)
     dec.check_integrity()

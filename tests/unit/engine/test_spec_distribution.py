@@ -19,7 +19,7 @@ import torch
 
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.batch import ScheduledRequest
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import EngineRequest, LLMEngine
 from cluster.engine.request import Request
 from cluster.engine.sampler import SampleRequest, _apply_penalties, _sample_row, draw_seed
 from cluster.engine.spec.verify import sample_and_verify
@@ -70,7 +70,7 @@ def test_engine_emits_the_target_distribution(mode: str) -> None:
     prompts = {f"r{i}": [1 + (i * 29 + j * 13) % 500 for j in range(6 + i % 9)] for i in range(128)}
     for i, (rid, p) in enumerate(prompts.items()):
         params = SamplingParams(temperature=1.0, max_tokens=num_tokens, ignore_eos=True, seed=i)
-        eng.add(rid, p, params)
+        eng.add(EngineRequest(rid, p, params))
     out = run_until_done(eng)
     eng.check_integrity()
     assert eng.block_manager.num_used_blocks == 0

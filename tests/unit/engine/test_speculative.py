@@ -17,7 +17,7 @@ import pytest
 
 from cluster.common.sampling_params import SamplingParams
 from cluster.config import SPECULATIVE_METHODS, load_config
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import EngineRequest, LLMEngine
 from cluster.engine.spec import PROPOSERS, NgramProposer
 from cluster.engine.spec.proposer import Drafts, lookup
 from cluster.engine.spec.step_cost import StepCost
@@ -40,7 +40,7 @@ def _finish_clean(eng: LLMEngine) -> None:
 
 def _run(eng: LLMEngine, prompts: dict[str, list[int]], params: Any) -> dict[str, list[int]]:
     for rid, p in prompts.items():
-        eng.add(rid, p, params(rid) if callable(params) else params)
+        eng.add(EngineRequest(rid, p, params(rid) if callable(params) else params))
     out = run_until_done(eng)
     _finish_clean(eng)
     return out
@@ -66,7 +66,7 @@ def test_lookup_takes_the_longest_suffix_then_the_most_recent_occurrence() -> No
 
 def test_the_ngram_proposer_reads_only_the_tokens() -> None:
     eng = LLMEngine(fake_config())
-    eng.add("a", [10, 11, 12, 13, 10, 11], greedy(4))
+    eng.add(EngineRequest("a", [10, 11, 12, 13, 10, 11], greedy(4)))
     req = eng.requests["a"]
     proposer = NgramProposer(load_config(overrides=SPEC).decode.speculative)
     assert proposer.propose([req], [3]) == [[12, 13, 10]]
@@ -175,7 +175,7 @@ def _outputs(eng: LLMEngine) -> dict[str, list[Any]]:
 def test_stops_apply_to_each_accepted_token() -> None:
     prompt = [5, 6, 7, 8]
     ref = LLMEngine(fake_config())
-    ref.add("x", prompt, greedy(30))
+    ref.add(EngineRequest("x", prompt, greedy(30)))
     tokens = run_until_done(ref)["x"]
     cases = {
         "stop_id": SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[tokens[9]]),
@@ -192,7 +192,7 @@ def test_stops_apply_to_each_accepted_token() -> None:
         if spec:
             use_proposer(eng, ScriptedProposer({"x": tokens}, eng.vocab_size))
         for name, params in cases.items():
-            eng.add(f"x#{name}", prompt, params)
+            eng.add(EngineRequest(f"x#{name}", prompt, params))
         results[spec] = _outputs(eng)
         if spec:
             assert eng.stats()["spec"]["num_accepted_tokens"] > 10
@@ -417,7 +417,7 @@ def test_usage_counts_drafted_and_accepted_tokens_per_request() -> None:
     ref = _run(LLMEngine(fake_config()), {"a": prompt}, greedy(30))
     eng = LLMEngine(fake_config(**SPEC))
     use_proposer(eng, ScriptedProposer(ref, eng.vocab_size, wrong_share=0.2))
-    eng.add("a", prompt, greedy(30))
+    eng.add(EngineRequest("a", prompt, greedy(30)))
     last = [o for o in _outputs(eng)["a"]][-1]
     spec = eng.stats()["spec"]
     assert last.num_draft_tokens == spec["num_draft_tokens"] > 0
@@ -433,7 +433,7 @@ def test_abort_with_drafts_verified_frees_everything() -> None:
     eng = LLMEngine(fake_config(**SPEC))
     use_proposer(eng, ScriptedProposer(ref, eng.vocab_size, wrong_share=0.5))
     for rid, p in prompts.items():
-        eng.add(rid, p, greedy(40))
+        eng.add(EngineRequest(rid, p, greedy(40)))
     for _ in range(6):
         eng.step()
     assert eng.stats()["spec"]["num_verifications"] > 0

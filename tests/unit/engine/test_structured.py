@@ -19,7 +19,7 @@ import pytest
 
 from cluster.common.sampling_params import SamplingParams
 from cluster.common.tokenizer import Tokenizer
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import EngineRequest, LLMEngine
 from cluster.engine.structured import build_vocab
 from tests.helpers import fake_config, make_config, remote_prefill
 from tests.structured_schemas import BAD_SCHEMAS, SCHEMAS
@@ -71,7 +71,7 @@ def test_every_schema_greedy_and_sampled_validates_on_the_fake_model() -> None:
         for seed in [None, *SEEDS]:
             rid = f"{name}/{seed}"
             schemas[rid] = schema
-            engine.add(rid, [5, 6, 7, 8 + (seed or 0)], _params(schema, seed))
+            engine.add(EngineRequest(rid, [5, 6, 7, 8 + (seed or 0)], _params(schema, seed)))
     got = _run(engine)
     stopped, closed = check_outputs(got, schemas)  # 100%: every one parses and validates
     assert len(SCHEMAS) >= 12 and stopped + closed == len(got) == len(SCHEMAS) * 9
@@ -89,7 +89,7 @@ def test_forced_tokens_as_drafts_change_nothing_but_the_step_count() -> None:
         engine = LLMEngine(fake_config(**ASCII, **{"decode.speculative.grammar_drafts": drafts}))
         for name in ("long_fixed_keys", "nested_address", "union_shapes"):
             for seed in (None, 3):
-                engine.add(f"{name}/{seed}", [9, 8, 7], _params(SCHEMAS[name], seed))
+                engine.add(EngineRequest(f"{name}/{seed}", [9, 8, 7], _params(SCHEMAS[name], seed)))
         got = _run(engine)
         runs.append((got, engine.counters.num_steps, engine.stats()))
         engine.check_integrity()
@@ -110,7 +110,7 @@ def test_prompt_lookup_drafts_are_cut_where_the_grammar_refuses() -> None:
         # A prompt that spells JSON, so prompt lookup proposes JSON-looking and other drafts.
         prompt = [ord(c) for c in '{"code":"ABC-123","tags":["x"]} {"code":"AB'] + [300, 301]
         for seed in (None, 1, 2):
-            engine.add(f"r{seed}", prompt, _params(SCHEMAS["pattern_codes"], seed))
+            engine.add(EngineRequest(f"r{seed}", prompt, _params(SCHEMAS["pattern_codes"], seed)))
         runs.append(_run(engine))
         engine.check_integrity()
     assert {k: v[1] for k, v in runs[0].items()} == {k: v[1] for k, v in runs[1].items()}
@@ -124,7 +124,7 @@ def test_prefill_replica_constrains_the_first_token_decode_replica_replays_it() 
     prompt = [7 + i % 50 for i in range(45)]
     for seed in (None, 5):
         local = LLMEngine(fake_config(**ASCII))
-        local.add("x", prompt, _params(schema, seed), seed=11)
+        local.add(EngineRequest("x", prompt, _params(schema, seed), seed=11))
         expected = _run(local)["x"]
         pre = LLMEngine(fake_config(**ASCII), role="prefill")
         dec = LLMEngine(fake_config(**ASCII), role="decode")
@@ -143,20 +143,20 @@ def test_bad_schemas_are_refused_naming_the_problem_and_nothing_is_held() -> Non
     engine = LLMEngine(fake_config(**ASCII, **{"router.max_json_schema_bytes": 4096}))
     for name, (text, phrase) in BAD_SCHEMAS.items():
         with pytest.raises(ValueError, match="json_schema") as e:
-            engine.add(name, [1, 2], SamplingParams(json_schema=text))
+            engine.add(EngineRequest(name, [1, 2], SamplingParams(json_schema=text)))
         assert phrase in str(e.value), (name, str(e.value))
     big = json.dumps({"enum": [f"value-{i}" for i in range(1000)]})
     too_big = r"json_schema: the schema is \d+ bytes, over the limit of 4096 bytes"
     with pytest.raises(ValueError, match=too_big):
-        engine.add("big", [1, 2], SamplingParams(json_schema=big))
+        engine.add(EngineRequest("big", [1, 2], SamplingParams(json_schema=big)))
     assert not engine.requests and engine.structured.active_ids() == set()
     engine.check_integrity()
 
 
 def test_abort_mid_stream_frees_the_matcher() -> None:
     engine = LLMEngine(fake_config(**ASCII))
-    engine.add("a", [3, 4, 5], _params(SCHEMAS["array_of_objects"], 1))
-    engine.add("b", [3, 4, 6], _params(SCHEMAS["person"], None))
+    engine.add(EngineRequest("a", [3, 4, 5], _params(SCHEMAS["array_of_objects"], 1)))
+    engine.add(EngineRequest("b", [3, 4, 6], _params(SCHEMAS["person"], None)))
     engine.step()
     engine.step()
     assert engine.structured.active_ids() == {"a", "b"}
@@ -172,7 +172,9 @@ def test_json_mode_on_a_vocabulary_that_cannot_spell_json_ends_with_eos() -> Non
     """The default fake vocabulary (every token reads `` t<id>``) has no ``{``: the grammar
     allows no token, so EOS ends the request at once instead of sampling from nothing."""
     engine = LLMEngine(fake_config())
-    engine.add("x", [3, 4], SamplingParams(max_tokens=20, json_schema='{"type":"object"}'))
+    engine.add(
+        EngineRequest("x", [3, 4], SamplingParams(max_tokens=20, json_schema='{"type":"object"}'))
+    )
     got = _run(engine)
     assert got["x"][1] == [0] and got["x"][2] == "stop"
     engine.check_integrity()
@@ -194,7 +196,9 @@ def test_the_tiny_llama_tokenizer_builds_a_vocabulary_and_constrains(
             rid = f"{name}/{seed}"
             schemas[rid] = SCHEMAS[name]
             engine.add(
-                rid, engine.tokenizer.encode("Answer in JSON: "), _params(SCHEMAS[name], seed)
+                EngineRequest(
+                    rid, engine.tokenizer.encode("Answer in JSON: "), _params(SCHEMAS[name], seed)
+                )
             )
     got = _run(engine)
     stopped, closed = check_outputs(got, schemas)  # every one, closed by the budget or not
@@ -218,7 +222,7 @@ def test_preemption_by_recompute_keeps_the_grammar_state() -> None:
     for extra in ({}, {"testing.force_preempt_interval": 3}):
         engine = LLMEngine(fake_config(**ASCII, **extra))
         for i, name in enumerate(("nested_address", "array_of_objects", "union_shapes")):
-            engine.add(name, [4 + i, 5, 6], _params(SCHEMAS[name], i))
+            engine.add(EngineRequest(name, [4 + i, 5, 6], _params(SCHEMAS[name], i)))
         runs.append(_run(engine))
         if extra:
             assert engine.scheduler.num_preemptions > 0
@@ -238,10 +242,10 @@ def test_n_samples_of_a_full_last_block_each_follow_the_grammar() -> None:
     params = SamplingParams(temperature=0.8, max_tokens=200, json_schema=json.dumps(schema))
     alone = LLMEngine(fake_config(**ASCII, **{"cache.enable_prefix_caching": False}))
     for i in range(4):
-        alone.add(f"a{i}", prompt, params, seed=sample_seed(21, i))
+        alone.add(EngineRequest(f"a{i}", prompt, params, seed=sample_seed(21, i)))
     expected = _run(alone)
     engine = LLMEngine(fake_config(**ASCII))
-    engine.add("r", prompt, params, seed=21, n=4)
+    engine.add(EngineRequest("r", prompt, params, seed=21, n=4))
     got = _run(engine)
     assert [got[rid] for rid in sample_ids("r", 4)] == [expected[f"a{i}"] for i in range(4)]
     valid, cut = check_outputs(got, dict.fromkeys(got, schema))

@@ -14,7 +14,7 @@ import pytest
 
 from cluster.common.sampling_params import SamplingParams
 from cluster.common.tokenizer import FakeTokenizer
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import EngineRequest, LLMEngine
 from cluster.engine.structured import GrammarCache, build_vocab
 from cluster.engine.structured.closing import Closer
 from tests.helpers import fake_config, remote_prefill
@@ -40,7 +40,7 @@ def _tight(engine: LLMEngine, names: list[str], seeds: list[int | None]) -> dict
                 rid = f"{name}/{slack}/{seed}"
                 schemas[rid] = SCHEMAS[name]
                 params = _params(SCHEMAS[name], seed, max_tokens=base + slack)
-                engine.add(rid, [5, 6, 7, 9 + (seed or 0)], params)
+                engine.add(EngineRequest(rid, [5, 6, 7, 9 + (seed or 0)], params))
     return schemas
 
 
@@ -116,7 +116,11 @@ def test_outputs_the_budget_never_threatened_are_unchanged() -> None:
         engine = LLMEngine(fake_config(**ASCII, **{"structured.close_at_budget": close}))
         for name, schema in SCHEMAS.items():
             for seed in [None, *SEEDS]:
-                engine.add(f"{name}/{seed}", [5, 6, 7, 8 + (seed or 0)], _params(schema, seed))
+                engine.add(
+                    EngineRequest(
+                        f"{name}/{seed}", [5, 6, 7, 8 + (seed or 0)], _params(schema, seed)
+                    )
+                )
         runs.append(_run(engine))
         engine.check_integrity()
     off, on = runs
@@ -131,14 +135,19 @@ def test_max_tokens_below_the_shortest_document_is_refused_naming_the_minimum() 
     for name in ("person", "long_fixed_keys", "recursive_tree"):
         need = _shortest(engine, SCHEMAS[name])
         with pytest.raises(ValueError, match=rf"max_tokens: {need - 1} .* must be >= {need}"):
-            engine.add(name, [1, 2], _params(SCHEMAS[name], None, max_tokens=need - 1))
-        engine.add(f"{name}/ok", [1, 2], _params(SCHEMAS[name], None, max_tokens=need))
+            engine.add(
+                EngineRequest(name, [1, 2], _params(SCHEMAS[name], None, max_tokens=need - 1))
+            )
+        engine.add(
+            EngineRequest(f"{name}/ok", [1, 2], _params(SCHEMAS[name], None, max_tokens=need))
+        )
     assert set(engine.requests) == {"person/ok", "long_fixed_keys/ok", "recursive_tree/ok"}
     got = _run(engine)
     check_outputs(got, {rid: SCHEMAS[rid.split("/")[0]] for rid in got})
     engine.check_integrity()
     off = LLMEngine(fake_config(**ASCII, **{"structured.close_at_budget": False}))
-    off.add("cut", [1, 2], _params(SCHEMAS["person"], None, max_tokens=2))  # cut, as asked
+    # cut, as asked
+    off.add(EngineRequest("cut", [1, 2], _params(SCHEMAS["person"], None, max_tokens=2)))
     assert _run(off)["cut"][2] == "length"
     off.check_integrity()
 
@@ -151,7 +160,7 @@ def test_a_decode_replica_closes_exactly_as_a_colocated_engine(seed: int | None)
     for name in ("array_of_objects", "recursive_tree", "bounded_numbers"):
         local = LLMEngine(fake_config(**ASCII))
         params = _params(SCHEMAS[name], seed, max_tokens=_shortest(local, SCHEMAS[name]) + 2)
-        local.add("x", prompt, params, seed=11)
+        local.add(EngineRequest("x", prompt, params, seed=11))
         expected = _run(local)["x"]
         pre = LLMEngine(fake_config(**ASCII), role="prefill")
         dec = LLMEngine(fake_config(**ASCII), role="decode")
@@ -173,7 +182,7 @@ def test_a_closed_output_is_valid_json_with_logprobs_of_the_grammar_s_tokens() -
     params = SamplingParams(
         temperature=0.8, seed=4, max_tokens=need + 1, json_schema=json.dumps(schema), logprobs=2
     )
-    engine.add("x", [3, 4, 5], params)
+    engine.add(EngineRequest("x", [3, 4, 5], params))
     lps: list[float] = []
     toks: list[int] = []
     text = ""
@@ -205,9 +214,9 @@ def test_n_samples_at_a_tight_budget_each_close_as_a_separate_request(prompt_len
         params = SamplingParams(
             temperature=0.8, max_tokens=budget, json_schema=json.dumps(SCHEMAS[name])
         )
-        engine.add(name, prompt, params, seed=31, n=4)
+        engine.add(EngineRequest(name, prompt, params, seed=31, n=4))
         for i, rid in enumerate(sample_ids(name, 4)):
-            alone.add(rid, prompt, params, seed=sample_seed(31, i))
+            alone.add(EngineRequest(rid, prompt, params, seed=sample_seed(31, i)))
             schemas[rid] = SCHEMAS[name]
     expected, got = _run(alone), _run(engine)
     assert got == expected

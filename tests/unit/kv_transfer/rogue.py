@@ -42,7 +42,7 @@ class RogueClient:
         return decode(parts[0])
 
     def handshake(self, layout: KVLayout) -> HelloReply:
-        self.send(Hello("rogue", "rogue-host", os.getpid(), layout.to_dict(), ("zmq",)))  # type: ignore[arg-type]
+        self.send(Hello("rogue", "rogue-host", os.getpid(), layout, ("zmq",)))
         reply = self.recv()
         assert isinstance(reply, HelloReply), reply
         return reply
@@ -95,7 +95,7 @@ class RogueSender:
             block_ids=tuple(block_ids),
             block_hashes=(),
             num_tokens=len(block_ids) * self.layout.block_size,
-            layout=self.layout.to_dict(),  # type: ignore[arg-type]
+            layout=self.layout,
         )
 
     def push(self, parts: list[bytes]) -> None:
@@ -116,7 +116,7 @@ class RogueSender:
             if isinstance(msg, Hello):
                 reply = HelloReply(
                     True, "", "", "rogue", 1, "elsewhere", 1,
-                    self.hello_layout.to_dict(),  # type: ignore[arg-type]
+                    self.hello_layout,
                     ("zmq",), self.num_blocks, "", "", 1 << 20,
                 )  # fmt: skip
                 self.sock.send_multipart([identity, encode(reply)])

@@ -8,6 +8,7 @@ per side; the nightly marker runs 5000 per side.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -78,7 +79,7 @@ def live_sender() -> Iterator[SenderProcess]:
     """The sender in its own process, so its memory is measured apart from hypothesis's."""
     proc = SenderProcess(
         {
-            "layout": SMALL.to_dict(),
+            "layout": dataclasses.asdict(SMALL),
             "num_blocks": 64,
             "seed": SEED,
             "transfer": {"transports": ["zmq"], "max_message_bytes": CFG.max_message_bytes},

@@ -3,6 +3,7 @@ that never receives (F21): a clear error within the timeout, never a partial DON
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -25,7 +26,7 @@ NIGHTLY = [pytest.param(20, marks=pytest.mark.nightly, id="nightly")]
 
 def _spawn(n: int, layout: KVLayout, **spec: object) -> list[FaultySenderProcess]:
     base = {
-        "layout": layout.to_dict(),
+        "layout": dataclasses.asdict(layout),
         "num_blocks": 32,
         "seed": SEED,
         "transfer": {"transports": ["zmq"], "transfer_timeout_s": TIMEOUT_S},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import subprocess
 import sys
@@ -28,8 +29,11 @@ from cluster.kv_transfer.protocol import (
     KVTransferParams,
     PullRequest,
     Reason,
+    check_params,
     decode,
+    decode_params,
     encode,
+    to_plain,
 )
 from tests.unit.kv_transfer.helpers import SMALL
 
@@ -49,7 +53,7 @@ def make_params(**kw: object) -> KVTransferParams:
         block_ids=(4, 5, 9),
         block_hashes=(11, 2**64 - 1),
         num_tokens=40,
-        layout=SMALL.to_dict(),
+        layout=SMALL,
     )
     base.update(kw)
     return KVTransferParams(**base)
@@ -57,9 +61,10 @@ def make_params(**kw: object) -> KVTransferParams:
 
 def test_params_round_trip_through_msgpack() -> None:
     params = make_params()
-    wire = msgpack.unpackb(msgpack.packb(params.to_dict()), raw=False)
-    assert KVTransferParams.from_dict(wire) == params
-    assert params.kv_layout() == SMALL
+    wire = msgpack.unpackb(msgpack.packb(to_plain(params)), raw=False)
+    assert wire["layout"] == dataclasses.asdict(SMALL)  # the layout nests as a map
+    assert decode_params(wire) == params
+    assert decode_params(wire).layout == SMALL
     assert params.peer_key == ("tcp://127.0.0.1:5555", "i1", 3)
 
 
@@ -73,27 +78,41 @@ def test_params_round_trip_through_msgpack() -> None:
         lambda d: d.update(num_tokens=0),
         lambda d: d.update(block_ids=[-1]),
         lambda d: d.update(layout="float32"),
+        lambda d: d["layout"].update(dtype="float64"),
+        lambda d: d["layout"].pop("head_dim"),
     ],
 )
-def test_params_from_dict_rejects_bad_input(mutate: object) -> None:
-    d = make_params().to_dict()
+def test_params_decode_rejects_bad_input(mutate: object) -> None:
+    d = to_plain(make_params())
     mutate(d)  # type: ignore[operator]
     with pytest.raises(KVTransferError) as e:
-        KVTransferParams.from_dict(d)
+        decode_params(d)
     assert e.value.reason == Reason.MALFORMED
 
 
-def test_params_from_another_protocol_version_is_refused() -> None:
-    d = make_params().to_dict()
+def test_params_from_another_protocol_version_are_refused() -> None:
+    d = to_plain(make_params())
     d["protocol_version"] = PROTOCOL_VERSION + 1
     with pytest.raises(KVTransferError) as e:
-        KVTransferParams.from_dict(d)
+        decode_params(d)
     assert e.value.reason == Reason.BAD_VERSION
+    # The same handle as an object (through Ray), checked before any pull uses it.
+    with pytest.raises(KVTransferError) as e:
+        check_params(make_params(protocol_version=PROTOCOL_VERSION + 1))
+    assert e.value.reason == Reason.BAD_VERSION
+    with pytest.raises(KVTransferError) as e:
+        check_params(d)
+    assert e.value.reason == Reason.MALFORMED
+
+
+def test_a_params_handle_takes_a_layout_not_its_dict() -> None:
+    with pytest.raises(ValueError, match="layout: must be a KVLayout"):
+        make_params(layout=dataclasses.asdict(SMALL))
 
 
 def test_every_message_round_trips_with_its_tag() -> None:
     msgs = [
-        Hello("i", "h", 1, SMALL.to_dict(), ("shm", "zmq")),
+        Hello("i", "h", 1, SMALL, ("shm", "zmq")),
         PullRequest(7, "t", "r", 1, "zmq", (((1, 2), (5, 1)), ((9, 3),)), True, 0),
         Chunk(7, 0, (1024,), (123,)),
         Ack(7, "t"),

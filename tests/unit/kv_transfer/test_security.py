@@ -131,7 +131,7 @@ def test_curve_admits_only_the_cluster_keypair(
             "curve_secretkey": other_sec.encode(),
         },
     ]
-    hello = encode(Hello("intruder", "x", 1, SMALL.to_dict(), ("zmq",)))  # type: ignore[arg-type]
+    hello = encode(Hello("intruder", "x", 1, SMALL, ("zmq",)))
     for keys in intruders:
         ctx, sock = _raw_client(h.sender.endpoint, keys)
         sock.send(hello)

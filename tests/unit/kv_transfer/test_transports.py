@@ -3,6 +3,7 @@ sent, in the right blocks, nothing else written, leases released (acceptance 1 a
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 
@@ -38,7 +39,7 @@ def sender_proc(request: pytest.FixtureRequest) -> Iterator[SenderProcess]:
     layout: KVLayout = request.param
     proc = SenderProcess(
         {
-            "layout": layout.to_dict(),
+            "layout": dataclasses.asdict(layout),
             "num_blocks": 64,
             "shared": True,
             "seed": SEED,

@@ -9,7 +9,7 @@ import itertools
 import pytest
 
 from cluster.config import ClusterConfig
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import EngineRequest, LLMEngine
 from cluster.planner.plan import arms_for, simulate, simulate_unloaded
 from cluster.planner.profile import Profile
 from cluster.planner.simulator import ArmSpec, SimCluster
@@ -41,10 +41,10 @@ def test_a_simulated_replica_schedules_exactly_as_the_engine() -> None:
 
     engine.schedule = traced  # type: ignore[method-assign]
     first, *rest = prompts.items()
-    engine.add(first[0], first[1][0], greedy(first[1][1]))
+    engine.add(EngineRequest(first[0], first[1][0], greedy(first[1][1])))
     engine.step()  # the simulator's replica starts as soon as the first request lands
     for rid, (p, n) in rest:
-        engine.add(rid, p, greedy(n))
+        engine.add(EngineRequest(rid, p, greedy(n)))
     while engine.has_unfinished_requests():
         engine.step()
     real = [b for b in real if b]
@@ -80,7 +80,7 @@ def test_every_remote_request_finishes_and_every_pool_ends_clean(
     for e in [*sim.decodes, *sim.prefills]:
         e.check_integrity()
         assert e.block_manager.num_used_blocks == 0, e.name
-        assert not list(e.scheduler.all_requests()) and not list(e.handoff.requests())
+        assert not list(e.scheduler.requests()) and not list(e.handoff.requests())
 
 
 def test_unloaded_ttft_is_the_hops_plus_the_profiled_prefill() -> None:

@@ -18,8 +18,11 @@ import pytest
 
 from cluster.common.hashing import hash_block_tokens
 from cluster.common.protocol import GenerateCall, PrefillCall, PrefillReply, StreamChunk
+from cluster.common.sampling_params import SamplingParams
+from cluster.decode_worker.kv_pull import KVPull
 from cluster.decode_worker.worker import DecodeWorker
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import EngineRequest, LLMEngine
+from cluster.kv_transfer import KVTransferParams
 from cluster.prefill_worker.worker import PrefillWorker
 from tests.helpers import fake_config, greedy, run_until_done
 
@@ -58,7 +61,7 @@ def _prompt(n: int, seed: int) -> list[int]:
 def _oracle(prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
     eng = LLMEngine(_cfg())
     for rid, p in prompts.items():
-        eng.add(rid, p, greedy(max_tokens))
+        eng.add(EngineRequest(rid, p, greedy(max_tokens)))
     return run_until_done(eng)
 
 
@@ -215,7 +218,7 @@ def test_closing_the_stream_ends_the_request_before_aclose_returns() -> None:
             gen = pair.decode.generate(_call("c", _prompt(50, 2), 200))
             first = await gen.__anext__()
             assert first.token_ids and pair.decode.stats()["handoff_stages"] in (
-                {"first_token": 1},  # the early first token: accept and pull still to come
+                {"first_token": 1},  # the first token from the reply: pull, kv_arrived to come
                 {"decode": 1},
             )
             gc.disable()  # nothing may depend on a collection
@@ -231,27 +234,65 @@ def test_closing_the_stream_ends_the_request_before_aclose_returns() -> None:
         pair.close()
 
 
-def test_a_remote_request_enters_the_decode_engine_thread_three_times() -> None:
-    """add, accept_first_token, kv_arrived: the reservation and the outputs come by callback."""
+@pytest.mark.parametrize(
+    ("prompt_len", "n", "max_tokens"),
+    [
+        (60, 1, 6),
+        (64, 3, 6),  # a full last block: the reply carries every sample's first token
+        (60, 3, 6),  # a partial one: the samples draw theirs here
+        (60, 1, 1),  # the first token ends the request: nothing to pull, still two entries
+        (64, 3, 1),
+    ],
+)
+def test_a_remote_request_enters_the_decode_engine_thread_exactly_twice(
+    prompt_len: int, n: int, max_tokens: int
+) -> None:
+    """``add``, then ``kv_arrived`` with the reply's first tokens: the reservation and the
+    outputs come by callback, the first tokens from the reply. The stream equals one engine's
+    (every sample: tokens, text, logprobs)."""
+    prompt = _prompt(prompt_len, 4)
+    params = _sampled(max_tokens)
+    eng = LLMEngine(_cfg())
+    eng.add(EngineRequest("e", prompt, params, seed=5, n=n))
+    expected: dict[int, list[Any]] = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            expected.setdefault(out.index, []).append(out)
     pair = Pair()
     entries: list[str] = []
     loop = pair.decode.engine._loop
     real_call = loop.call
 
     def counting_call(fn: Any) -> Any:
-        entries.append(getattr(fn, "__qualname__", repr(fn)))
+        entries.append(fn.__qualname__)
         return real_call(fn)
 
     loop.call = counting_call  # type: ignore[method-assign]
     try:
-        prompt = _prompt(60, 4)
-        chunks = asyncio.run(_collect(pair.decode, _call("e", prompt, 6)))
-        assert chunks[-1].usage is not None and chunks[-1].usage.prefill_mode == "remote"
-        assert len(entries) == 3, entries
+        call = GenerateCall("e", prompt, hash_block_tokens(prompt, 16), params, n=n)
+        chunks = asyncio.run(_collect(pair.decode, call))
         loop.call = real_call  # type: ignore[method-assign]
+        assert chunks[-1].usage is not None and chunks[-1].usage.prefill_mode == "remote"
+        assert entries == ["EngineLoop.add.<locals>.add", "EngineLoop.call_ending.<locals>.ending"]
+        for index, want in expected.items():
+            got = [c for c in chunks if c.index == index]
+            assert [t for c in got for t in c.token_ids] == [
+                t for o in want for t in o.new_token_ids
+            ], index
+            assert "".join(c.text for c in got) == "".join(o.new_text for o in want), index
+            assert [x for c in got for x in c.logprobs or []] == [
+                x for o in want for x in o.new_logprobs or []
+            ], index
+            assert [c.finish_reason for c in got if c.finish_reason] == [want[-1].finish_reason]
+        assert sorted({c.index for c in chunks}) == list(range(n))
         pair.wait_idle_clean()
     finally:
+        loop.call = real_call  # type: ignore[method-assign]
         pair.close()
+
+
+def _sampled(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.8, max_tokens=max_tokens, logprobs=1, seed=5)
 
 
 class LateFor(InProcessPrefill):
@@ -351,10 +392,11 @@ def test_prompts_that_fill_their_last_block_cannot_stall_a_full_decode_pool() ->
         pair.close()
 
 
-def test_the_first_token_reaches_the_client_before_the_decode_engine_takes_it() -> None:
-    """The prefill reply carries the first token's text: the client has it while the decode
-    engine is still busy (its accept held here), and every chunk after it, text held back for
-    a stop string and logprobs too, is what one engine alone streams."""
+def test_the_first_token_reaches_the_client_before_the_pull_and_the_decode_engine() -> None:
+    """The prefill reply carries the first token's text: the client has it while the KV has
+    not moved and the decode engine has not taken it (both held here until then), and every
+    chunk after it, text held back for a stop string and logprobs too, is what one engine
+    alone streams."""
     never = " t9999 never"  # holds back the last 11 characters of each text delta
     params = {
         "a": greedy(10, logprobs=2),
@@ -364,19 +406,20 @@ def test_the_first_token_reaches_the_client_before_the_decode_engine_takes_it() 
     prompts = {"a": _prompt(40, 1), "b": _prompt(57, 2), "c": _prompt(33, 3)}
     eng = LLMEngine(_cfg())
     for rid, p in prompts.items():
-        eng.add(rid, p, params[rid])
+        eng.add(EngineRequest(rid, p, params[rid]))
     expected: dict[str, list[Any]] = {rid: [] for rid in prompts}
     while eng.has_unfinished_requests():
         for out in eng.step():
             expected[out.request_id].append(out)
     pair = Pair()
-    real_accept = pair.decode.engine.accept_first_token
+    real_kv_arrived = pair.decode.engine.kv_arrived
+    real_finish = KVPull.finish
     try:
 
         async def one(rid: str, released: asyncio.Event) -> list[StreamChunk]:
             call = GenerateCall(rid, prompts[rid], hash_block_tokens(prompts[rid], 16), params[rid])
             stream = aiter(pair.decode.generate(call))
-            first = await asyncio.wait_for(anext(stream), 10)  # the engine's accept is held
+            first = await asyncio.wait_for(anext(stream), 10)  # pull and engine entry held
             while not (first.token_ids or first.text):
                 first = await asyncio.wait_for(anext(stream), 10)
             released.set()
@@ -385,11 +428,16 @@ def test_the_first_token_reaches_the_client_before_the_decode_engine_takes_it() 
         async def main() -> dict[str, list[StreamChunk]]:
             released = {rid: asyncio.Event() for rid in prompts}
 
-            async def held_accept(rid: str, *args: Any) -> Any:
-                await released[rid].wait()
-                return await real_accept(rid, *args)
+            async def held_kv_arrived(rid: str, first_tokens: Any) -> None:
+                assert released[rid].is_set()  # (the pull waited for it already)
+                await real_kv_arrived(rid, first_tokens)
 
-            pair.decode.engine.accept_first_token = held_accept  # type: ignore[method-assign,assignment]
+            async def held_finish(pull: KVPull, params: KVTransferParams) -> int:
+                await released[params.request_id.split("#")[0]].wait()
+                return await real_finish(pull, params)
+
+            pair.decode.engine.kv_arrived = held_kv_arrived  # type: ignore[method-assign]
+            KVPull.finish = held_finish  # type: ignore[method-assign]
             return dict(
                 zip(
                     prompts,
@@ -409,54 +457,68 @@ def test_the_first_token_reaches_the_client_before_the_decode_engine_takes_it() 
             assert "".join(c.text for c in chunks) == "".join(o.new_text for o in want), rid
             lps = [x for c in chunks for x in c.logprobs or []]
             assert lps == [x for o in want for x in o.new_logprobs or []], rid
+            tops = [x for c in chunks for x in c.top_logprobs or []]
+            assert tops == [x for o in want for x in o.new_top_logprobs or []], rid
             assert chunks[-1].usage is not None and chunks[-1].usage.prefill_mode == "remote"
         pair.wait_idle_clean()
     finally:
-        pair.decode.engine.accept_first_token = real_accept  # type: ignore[method-assign]
+        KVPull.finish = real_finish  # type: ignore[method-assign]
+        pair.decode.engine.kv_arrived = real_kv_arrived  # type: ignore[method-assign]
         pair.close()
 
 
-def test_a_decode_engine_first_token_unlike_the_early_one_adds_only_what_was_not_sent() -> None:
-    """Never expected (both engines run the same code on the same token), but if it happens:
-    text sent is never taken back; more text, or the end, follows as a chunk of its own."""
-    from types import SimpleNamespace
+def test_a_first_token_that_ends_the_request_ends_it_without_a_pull() -> None:
+    """EOS, a stop string, ``max_tokens`` 1: the reply's token is the last chunk (finish
+    reason, usage); no KV moves, the prefill side frees its blocks, and the decode engine ends
+    the request at its second entry, with no output of its own."""
+    stop = " t"  # every text delta of the fake tokenizer starts with it: the first one stops
+    cases = {
+        "len": greedy(1, logprobs=1),
+        "stop": SamplingParams(temperature=0.0, max_tokens=8, stop=(stop,)),
+    }
+    prompts = {"len": _prompt(40, 1), "stop": _prompt(50, 2)}
+    pair = Pair()
+    try:
+        for rid, params in cases.items():
+            eng = LLMEngine(_cfg())
+            eng.add(EngineRequest(rid, prompts[rid], params))
+            (want,) = [o for o in run_until_done_outputs(eng) if o.new_token_ids or o.finished]
+            call = GenerateCall(rid, prompts[rid], hash_block_tokens(prompts[rid], 16), params)
+            chunks = asyncio.run(_collect(pair.decode, call))
+            assert [(c.token_ids, c.text, c.finish_reason) for c in chunks] == [
+                (want.new_token_ids, want.new_text, want.finish_reason)
+            ], rid
+            assert chunks[0].logprobs == want.new_logprobs, rid
+            usage = chunks[0].usage
+            assert usage is not None and usage.prefill_mode == "remote", rid
+            assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompts[rid]), 1)
+        assert pair.decode.stats()["transfer"].get("transfers_ok", 0) == 0
+        assert pair.decode.stats()["engine"]["num_aborted"] == 0  # ended, not aborted
+        pair.wait_idle_clean()
+    finally:
+        pair.close()
 
-    from cluster.decode_worker.request_handoff import RequestHandoff
-    from cluster.engine.outputs import RequestOutput
 
-    def out(text: str, finished: bool = False) -> RequestOutput:
-        reason = "stop" if finished else None
-        return RequestOutput("r", [7], text, finished, reason, num_output_tokens=1)
-
-    handoff: Any = SimpleNamespace(rid="r")
-    after = RequestHandoff._after_early
-    assert after(handoff, out(" t7"), out(" t7")) is None
-    more = after(handoff, out(" t"), out(" t7"))
-    assert more is not None and (more.new_token_ids, more.new_text, more.finished) == (
-        [],
-        "7",
-        False,
-    )
-    end = after(handoff, out(" t7"), out(" t7", finished=True))
-    assert end is not None and (end.new_text, end.finish_reason) == ("", "stop")
-    assert after(handoff, out(" t7"), out(" x")) is None  # unlike: nothing sent twice
+def run_until_done_outputs(eng: LLMEngine) -> list[Any]:
+    outs: list[Any] = []
+    while eng.has_unfinished_requests():
+        outs.extend(eng.step())
+    return outs
 
 
-def test_a_decode_engine_that_dies_after_the_early_first_token_ends_the_stream_unavailable() -> (
-    None
-):
+def test_a_decode_engine_that_dies_after_the_first_token_ends_the_stream_unavailable() -> None:
     """The client has the first token already: the router must see UNAVAILABLE (it reports
     ABORTED), not an unnamed internal error; nothing stays behind on the prefill side."""
     from cluster.common.errors import ErrorCode, PDServeError
     from cluster.engine.step_loop import EngineDeadError
 
     pair = Pair()
-    real_accept = pair.decode.engine.accept_first_token
+    real_kv_arrived = pair.decode.engine.kv_arrived
 
     async def dead(*args: Any) -> Any:
         raise EngineDeadError("engine step failed: boom")
 
-    pair.decode.engine.accept_first_token = dead  # type: ignore[method-assign,assignment]
+    pair.decode.engine.kv_arrived = dead  # type: ignore[method-assign]
     try:
         chunks: list[StreamChunk] = []
 
@@ -467,11 +529,11 @@ def test_a_decode_engine_that_dies_after_the_early_first_token_ends_the_stream_u
         with pytest.raises(PDServeError) as err:
             asyncio.run(main())
         assert err.value.code == ErrorCode.UNAVAILABLE
-        assert [t for c in chunks for t in c.token_ids] != []  # the early first token went out
-        pair.decode.engine.accept_first_token = real_accept  # type: ignore[method-assign]
+        assert [t for c in chunks for t in c.token_ids] != []  # the first token went out
+        pair.decode.engine.kv_arrived = real_kv_arrived  # type: ignore[method-assign]
         pair.wait_idle_clean()
     finally:
-        pair.decode.engine.accept_first_token = real_accept  # type: ignore[method-assign]
+        pair.decode.engine.kv_arrived = real_kv_arrived  # type: ignore[method-assign]
         pair.close()
 
 
@@ -497,12 +559,12 @@ def test_a_second_cancellation_during_the_streams_cleanup_still_frees_the_reques
     again while it closes the prefill call): the decode engine's abort still runs. Skipped, the
     request waits for KV forever and its reserved blocks stay held."""
     pair = Pair(SlowClose, **{"testing.fake_model.decode_delay_s": 0.005})
-    real_accept = pair.decode.engine.accept_first_token
+    real_kv_arrived = pair.decode.engine.kv_arrived
 
     async def never(*args: Any) -> Any:
         await asyncio.Event().wait()  # the engine's turn for the first token never comes
 
-    pair.decode.engine.accept_first_token = never  # type: ignore[method-assign,assignment]
+    pair.decode.engine.kv_arrived = never  # type: ignore[method-assign]
     try:
 
         async def main() -> None:
@@ -514,7 +576,7 @@ def test_a_second_cancellation_during_the_streams_cleanup_still_frees_the_reques
                         first.set()
 
             task = asyncio.create_task(consume())
-            await asyncio.wait_for(first.wait(), 10)  # the early first token
+            await asyncio.wait_for(first.wait(), 10)  # the first token, from the reply
             task.cancel()
             await asyncio.sleep(0.1)  # the stream is closing the prefill call (0.3 s)
             task.cancel()
@@ -525,7 +587,7 @@ def test_a_second_cancellation_during_the_streams_cleanup_still_frees_the_reques
         asyncio.run(main())
         pair.wait_idle_clean()
     finally:
-        pair.decode.engine.accept_first_token = real_accept  # type: ignore[method-assign]
+        pair.decode.engine.kv_arrived = real_kv_arrived  # type: ignore[method-assign]
         pair.close()
 
 
@@ -570,10 +632,10 @@ def test_a_prefill_call_cancelled_with_its_parent_cannot_keep_the_request_in_the
         async def main() -> None:
             queued = asyncio.Event()
 
-            async def kv_arrived_behind_a_step(rid: str) -> None:
+            async def kv_arrived_behind_a_step(rid: str, first_tokens: Any) -> None:
                 engine._loop.call(lambda eng: gate.wait(10))
                 queued.set()
-                await real_kv_arrived(rid)
+                await real_kv_arrived(rid, first_tokens)
 
             engine.kv_arrived = kv_arrived_behind_a_step  # type: ignore[method-assign]
 

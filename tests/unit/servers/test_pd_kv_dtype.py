@@ -15,7 +15,7 @@ from cluster.common.errors import PDServeError
 from cluster.common.hashing import hash_block_tokens
 from cluster.common.protocol import GenerateCall, StreamChunk
 from cluster.decode_worker.worker import DecodeWorker
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import EngineRequest, LLMEngine
 from cluster.prefill_worker.worker import PrefillWorker
 from tests.helpers import greedy, make_config, run_until_done
 from tests.unit.servers.test_pd_cores import InProcessPrefill
@@ -89,7 +89,7 @@ def test_int8_kv_remote_prefill_decodes_like_a_local_one(
     prompts = {f"r{i}": _prompt(30 + 17 * i, i) for i in range(4)}
     local = LLMEngine(cfg)  # the reference: the same KV dtype, prefilled where it decodes
     for rid, p in prompts.items():
-        local.add(rid, p, greedy(12))
+        local.add(EngineRequest(rid, p, greedy(12)))
     expected = run_until_done(local)
     pools = Pools(cfg, cfg)
     try:
@@ -119,7 +119,7 @@ def test_pools_with_different_kv_dtypes_are_refused_at_the_hand_off(
     decode_cfg = _cfg(tiny_model_dir, "int8", **{"transfer.on_failure": on_failure})
     prompt = _prompt(60, 3)
     local = LLMEngine(decode_cfg)
-    local.add("x", prompt, greedy(10))
+    local.add(EngineRequest("x", prompt, greedy(10)))
     expected = run_until_done(local)["x"]
     pools = Pools(prefill_cfg, decode_cfg)
     try:

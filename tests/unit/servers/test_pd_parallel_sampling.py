@@ -12,7 +12,7 @@ import pytest
 from cluster.common.hashing import hash_block_tokens
 from cluster.common.protocol import GenerateCall, StreamChunk
 from cluster.common.sampling_params import SamplingParams
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import EngineRequest, LLMEngine
 from cluster.engine.parallel import sample_ids
 from tests.helpers import run_until_done
 from tests.unit.servers.test_pd_cores import Pair, _cfg, _collect, _prompt
@@ -24,7 +24,7 @@ PARAMS = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, seed=5)
 
 def _oracle(prompt: list[int], n: int) -> list[list[int]]:
     eng = LLMEngine(_cfg())
-    eng.add("x", prompt, PARAMS, n=n)
+    eng.add(EngineRequest("x", prompt, PARAMS, n=n))
     out = run_until_done(eng)
     return [out[rid] for rid in sample_ids("x", n)]
 

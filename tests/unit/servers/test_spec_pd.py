@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from cluster.engine.batch import ScheduledBatch
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import EngineRequest, LLMEngine
 from tests.spec_helpers import ScriptedProposer, use_proposer
 from tests.unit.servers.test_pd_cores import Pair, _call, _collect, _oracle, _prompt
 
@@ -103,7 +103,7 @@ def _oracle_with(prompts: dict[str, list[int]], max_tokens: int, overrides: dict
 
     eng = LLMEngine(_cfg(**overrides))
     for rid, p in prompts.items():
-        eng.add(rid, p, greedy(max_tokens))
+        eng.add(EngineRequest(rid, p, greedy(max_tokens)))
     return run_until_done(eng)
 
 
