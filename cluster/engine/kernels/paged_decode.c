@@ -140,6 +140,15 @@ PD_AVX2 static inline void prefetch_rows(const uint8_t *base, const int64_t *off
                                                              _MM_HINT_T0);
 }
 
+/* the rest of the rows of tokens [t0, t1): the bytes [from, to) after each row's start, into
+ * the outer caches (the next kv heads' items read them) */
+PD_AVX2 static inline void prefetch_rest(const uint8_t *base, const int64_t *offs, int64_t t0,
+                                         int64_t t1, int64_t from, int64_t to) {
+    for (int64_t t = t0; t < t1; t++)
+        for (int64_t b = from; b < to; b += 64)
+            _mm_prefetch((const char *)base + offs[t] + b, _MM_HINT_T2);
+}
+
 /* bytes of 8 values of a row: fp32, or int8 */
 static inline int64_t vec_bytes(int i8) { return i8 ? 8 : 32; }
 
@@ -211,7 +220,7 @@ PD_AVX2 static inline void pv8(float *o, const float *p, const uint8_t *vbase, c
 PD_AVX2 static void attend_item_avx2(const float *qb, float *ob, int64_t g, int64_t head_dim,
                              int64_t width, const uint8_t *kbase, const uint8_t *vbase,
                              const int64_t *offs, int64_t ctx, float scale, int i8,
-                             float *scores) {
+                             int64_t rest, float *scores) {
     const int64_t nv = head_dim / 8, pad = (ctx + PD_TILE - 1) / PD_TILE * PD_TILE;
     const uint8_t *r[PD_TILE];
     if (ctx <= 0) { /* nothing to attend to (a caller never asks) */
@@ -225,6 +234,10 @@ PD_AVX2 static void attend_item_avx2(const float *qb, float *ob, int64_t g, int6
         if (ahead < ctx)
             prefetch_rows(kbase, offs, ahead, ahead + PD_TILE < ctx ? ahead + PD_TILE : ctx, width);
         prefetch_rows(vbase, offs, t0, t1, width);
+        if (rest > 0) { /* a request's first kv head: the whole token rows, read in order */
+            prefetch_rest(kbase, offs, t0, t1, width, width + rest);
+            prefetch_rest(vbase, offs, t0, t1, width, width + rest);
+        }
         tile_rows(kbase, offs, t0, ctx, r);
         __m256 ks = _mm256_set1_ps(scale);
         if (i8) {
@@ -342,7 +355,7 @@ static void attn_items(const void *ctx, int64_t i0, int64_t i1) {
 #if PD_X86
         if (vector) {
             attend_item_avx2(qb, ob, g, d, width, kbase, kbase + plane, offs, ctx, j->scale, j->i8,
-                             scores);
+                             h == 0 && it + 1 < i1 ? (hkv - 1) * width : 0, scores);
             continue;
         }
 #endif
