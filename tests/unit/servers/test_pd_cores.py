@@ -242,6 +242,7 @@ def test_closing_the_stream_ends_the_request_before_aclose_returns() -> None:
         (60, 3, 6),  # a partial one: the samples draw theirs here
         (60, 1, 1),  # the first token ends the request: nothing to pull, still two entries
         (64, 3, 1),
+        (60, 3, 1),  # sample 0's ends it there; the samples prefill here without its KV
     ],
 )
 def test_a_remote_request_enters_the_decode_engine_thread_exactly_twice(
