@@ -455,12 +455,18 @@ def _check_str(name: str) -> Check:
 
 
 def _check_nested(cls: type, name: str) -> Check:
-    """A field that is a dataclass of its own (a handle's ``KVLayout``): a map of its fields."""
+    """A field that is a dataclass of its own (a ``KVLayout``): a map of its fields. A map that
+    is no layout this side knows (another dtype, a field more or less) is a layout mismatch,
+    which a handshake refuses at once, naming it; anything else is malformed."""
 
     def check(value: Any) -> Any:
         try:
             return from_plain(cls, value)
         except KVTransferError as e:
+            if cls is KVLayout and isinstance(value, Mapping):
+                raise KVTransferError(
+                    Reason.LAYOUT_MISMATCH, f"{name}: unreadable layout ({e.detail})"
+                ) from None
             raise _fail(name, e.detail) from None
 
     return check

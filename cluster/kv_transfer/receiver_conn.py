@@ -167,6 +167,8 @@ class PeerConnection:
                 self.ctx.stats.rejected(e.reason)
                 if self.state == self.HANDSHAKING and e.reason == Reason.BAD_VERSION:
                     self.fail(e.reason, f"the sender speaks another protocol ({e.detail})")
+                elif self.state == self.HANDSHAKING and e.reason == Reason.LAYOUT_MISMATCH:
+                    self.fail(e.reason, f"KV layout differs: {e.detail}")
                 continue
             for inbound in batch:
                 self._handle(inbound)

@@ -289,8 +289,9 @@ class KVSender:
                 return
             except KVTransferError as e:
                 self._stats.rejected(e.reason)
-                if isinstance(e, InboundError) and e.reason == Reason.BAD_VERSION:
-                    self._handlers.refuse_version(e.identity, e.detail)  # fail fast, K9
+                refused = (Reason.BAD_VERSION, Reason.LAYOUT_MISMATCH)
+                if isinstance(e, InboundError) and e.reason in refused:  # fail fast, K9
+                    self._handlers.refuse_handshake(e.identity, e.reason, e.detail)
                 continue
             for inbound in batch:
                 self._handlers.handle(inbound)

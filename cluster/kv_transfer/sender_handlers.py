@@ -116,10 +116,11 @@ class SenderHandlers:
         self.stats.inc("handshakes")
         self._send(identity, self._hello_reply(True, "", ""))
 
-    def refuse_version(self, identity: bytes, detail: str) -> None:
-        """Answer a message of another protocol version in ours: the peer fails its handshake."""
+    def refuse_handshake(self, identity: bytes, reason: str, detail: str) -> None:
+        """Answer a message we cannot read (another protocol version, a layout we do not know)
+        in ours: the peer fails its handshake at once."""
         if identity:
-            self._send(identity, self._hello_reply(False, Reason.BAD_VERSION, detail))
+            self._send(identity, self._hello_reply(False, reason, detail))
 
     def _hello_reply(self, ok: bool, reason: str, message: str) -> HelloReply:
         ctx = self.ctx

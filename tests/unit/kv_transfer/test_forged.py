@@ -3,6 +3,7 @@ before any write, counted, and the real sender or receiver keeps serving afterwa
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import time
 from collections.abc import Callable
@@ -243,6 +244,33 @@ def test_another_protocol_version_is_refused_at_once(
     client.send(parts=[msgpack.packb(hello)])
     reply = client.recv()
     assert isinstance(reply, HelloReply) and not reply.ok and reply.reason == Reason.BAD_VERSION
+
+
+def test_a_layout_this_side_cannot_read_is_refused_at_once(
+    rogue_client: tuple[SenderHandle, RogueClient], make_receiver: Callable[..., KVReceiver]
+) -> None:
+    """A peer's layout with a dtype (or a field) this side does not know is a layout
+    mismatch, answered at the handshake, both ways: the sender refuses such a Hello, and a
+    receiver fails at once on such a HelloReply (no wait for a timeout)."""
+    _, client = rogue_client
+    layout = {**dataclasses.asdict(SMALL), "dtype": "float4"}
+    hello = {"t": "hello", "v": PROTOCOL_VERSION, "instance_id": "r", "host_id": "h", "pid": 1}
+    client.send(parts=[msgpack.packb({**hello, "layout": layout, "transports": ["zmq"]})])
+    reply = client.recv()
+    assert isinstance(reply, HelloReply) and not reply.ok
+    assert reply.reason == Reason.LAYOUT_MISMATCH and "float4" in reply.message
+
+    unknown = KVLayout("pdserve-test", "float16", 16, 2, 2, 16)
+    object.__setattr__(unknown, "dtype", "float4")  # what a newer sender could announce
+    rogue = RogueSender(SMALL, lambda p: [], hello_layout=unknown)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(KVTransferError) as e:
+            make_receiver(CFG).pull(rogue.params([3]), [10])
+        assert e.value.reason == Reason.LAYOUT_MISMATCH and "float4" in str(e.value)
+        assert time.monotonic() - t0 < 0.5
+    finally:
+        rogue.close()
 
 
 def test_pickle_payloads_to_every_endpoint_run_nothing(
