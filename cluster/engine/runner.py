@@ -85,7 +85,8 @@ def resolve_device(config: ClusterConfig) -> torch.device:
 
 def resolve_dtype(config: ClusterConfig, device: torch.device) -> torch.dtype:
     if config.model.dtype == "auto":
-        # No bf16 hardware on most CPUs (4x slower here): fp32 there, bf16 on GPUs.
+        # Most CPUs have no bf16 arithmetic (torch emulates it, several times slower): fp32
+        # there, bf16 on GPUs.
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[config.model.dtype]
 

@@ -76,8 +76,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRequest]) -> SamplerOutput:
 def argmax_rows(logits: torch.Tensor) -> list[int]:
     """The index of each row's largest value (the first of equal ones; NaN counts as largest).
 
-    On the CPU through numpy: torch's CPU argmax took 50 us for one 49,152-entry row and 970 us
-    for 32 of them (2 threads), numpy 7 and 170 us; at batch 1 that is ~1% of a decode step.
+    On the CPU through numpy, whose argmax over a vocabulary row costs a fraction of torch's
+    (figures: docs/design/decisions.md, "Small fixed costs of a decode step").
     """
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
         return np.argmax(logits.detach().numpy(), axis=-1).tolist()

@@ -63,8 +63,7 @@ static int linear(const pd_model *m, const pd_matrix *w, const float *x, int64_t
  * PD_KV_PREFETCH_MAX bytes (about what an L2 holds beside the weights streaming through it).
  * The calling thread asks for them while the workers start on the qkv projection. At batch 1
  * the step's 96 MB of weights have flushed the L3 since the previous step read these rows, and
- * the attention waited on memory for about half its time (2026-12-05, a 128-token decode of the
- * default model on one thread: its attention phase 362-410 us a step without, 272-316 with). */
+ * without this the attention waits on memory for a good part of its time. */
 #define PD_KV_PREFETCH_MAX (256 * 1024)
 
 typedef struct {

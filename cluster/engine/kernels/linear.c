@@ -702,8 +702,7 @@ typedef float vec8 __attribute__((vector_size(32)));
 #if PD_X86
 /* AVX2 and AVX-512: the same eight-lane operations, every multiply-add fused, so both give the
  * same bits; AVX-512's 32 vector registers hold a register tile of 4 x 4 outputs, AVX2's 16 one
- * of 4 x 3 (one core, [32, 576] x [1536, 576]^T in cache: 91 and 89 GFLOP/s, against 75 for
- * 4 x 2; 4 x 4 on AVX2 spills, 58) */
+ * of 4 x 3 (the largest tile each holds without spilling: more outputs per weight load) */
 #define vec __m256
 #define VZERO() _mm256_setzero_ps()
 #define VLOAD(p) _mm256_loadu_ps(p)
@@ -819,9 +818,8 @@ static void linear_task(const void *ctx, int64_t r0, int64_t r1) {
 }
 
 /* The sum of one block's 32 activations: eight lanes of (x_l + x_l+8) + (x_l+16 + x_l+24), then
- * the lanes pairwise. Independent adds that the compiler vectorizes (a plain loop was a chain of
- * 32 dependent adds per block, run by the caller alone before each linear's threads start: about
- * 3 us a layer of the default model at batch 1). */
+ * the lanes pairwise. Independent adds that the compiler vectorizes, instead of a chain of 32
+ * dependent adds per block that the caller would run alone before each linear's threads start. */
 static inline float block_sum(const float *x) {
     float a[8];
     for (int l = 0; l < 8; l++) a[l] = (x[l] + x[8 + l]) + (x[16 + l] + x[24 + l]);

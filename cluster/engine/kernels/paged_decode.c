@@ -23,9 +23,9 @@
 #include "vec_exp.h"
 
 #define PD_MAX_GROUP 64 /* query heads per kv head (the items' stack buffers) */
-/* (row, kv head) items x context tokens from which the items are split between the threads: at
- * batch 1 of the default model (3 kv heads) from 64 tokens of context on, where the attention
- * takes about 5 us a layer on one thread */
+/* (row, kv head) items x context tokens from which the items are split between the threads:
+ * below it a layer's attention is too short to pay for waking them (at batch 1 of the default
+ * model, 3 kv heads, it splits from 64 tokens of context on) */
 #define PD_PARALLEL_MIN_WORK 192
 
 static inline float row_scale(const uint8_t *row, int64_t head_dim) {

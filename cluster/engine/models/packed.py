@@ -121,15 +121,10 @@ def weight_format(weights: list[Weight]) -> str:
 
 
 # The most activation rows the native kernel takes before tiles + BLAS win, by the instruction
-# set its variants use and by dense (F32) or packed weights. Measured as kernel / tiles time
-# over 24-48 [1536, 576] matrices (more than the L3 holds, so weights come from memory as in a
-# step), 2 threads, a 2-core AMD EPYC with AVX-512, each variant forced with set_isa:
-#   avx512    F32 16: 0.76  32: 0.88  48: 0.95  64: 1.05   Q4_1 32: 0.83   Q8_0 32: 0.38
-#   avx2      F32 16: 0.78  32: 0.92  48: 0.97  64: 1.04   Q4_1 32: 0.65   Q8_0 32: 0.29
-#   portable  F32 1: 0.66  4: 0.80  8: 1.12               Q4_1 1: 1.01 2: 1.68   Q8_0 1: 1.70
-# and on a 2-core AVX2 EPYC, Q4_1 at 32 rows 0.84-0.96, a batch-32 decode step of the default
-# model 128-141 ms on the kernel against 211-229 ms on tiles. 32 stays below the crossing and
-# keeps every decode step of up to 32 rows on the batch-invariant kernel.
+# set its variants use and by dense (F32) or packed weights: a fixed rule, set below where the
+# kernel stops being faster (the measurements: docs/design/decisions.md, "Linear paths by a
+# rule"). 32 on the vector variants keeps every decode step of up to 32 rows on the
+# batch-invariant kernel.
 KERNEL_MAX_ROWS = {
     "avx512": {"dense": 32, "packed": 32},
     "avx2": {"dense": 32, "packed": 32},

@@ -44,9 +44,9 @@ class NgramProposer:
 
     Suits outputs that quote their context (summaries, code edits, RAG answers). Stateless: each
     call searches the request's current tokens (vectorised; tens of microseconds at 2k tokens).
-    The evidence class of each request's drafts is the matched length: measured on P9's
-    workloads (greedy, SmolLM2), the first draft after a 2-token match was right 43-58% of the
-    time, after a 3-4-token match 58-76%, after an 8-token match 98%.
+    The evidence class of each request's drafts is the matched length: the longer the match, the
+    likelier its drafts are right (figures: docs/design/decisions.md, "N-gram drafts by match
+    length").
     """
 
     def __init__(self, config: SpeculativeConfig) -> None:

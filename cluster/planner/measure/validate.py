@@ -222,9 +222,9 @@ def _measure_mixes(check: _Check, setup: _Setup) -> _Measured:
                 [rate],
                 setup.per_rate,
                 # Unloaded requests and a burst before every mix, each its own prompts: the
-                # calibration and the SLOs take medians over all of them. From one mix's 4
-                # per class and one burst, an arm's prefill_scale moved 1.14 -> 1.32 and its
-                # hand-off 15 -> 83 ms between two runs (a few samples, one moment).
+                # calibration and the SLOs take medians over all of them: one mix's few
+                # samples per class, taken at one moment, moved an arm's calibration
+                # several-fold between runs.
                 per_class=check.pick(4, 3, 1),
                 vocab=setup.vocab,
                 scale=setup.scale,
