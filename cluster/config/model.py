@@ -50,8 +50,11 @@ class ModelConfig:
     num_threads: int | None = None
     """Torch intra-op threads of this process; null: all its cores."""
     kernels: str = "auto"
-    """CPU fp32 fast paths: native (C kernels for paged decode attention and linear layers),
-    torch (plain torch ops, any device), or auto (native where it applies, torch otherwise)."""
+    """CPU fp32 fast paths. native: pdserve's native library (built by ``make setup`` or the
+    wheel, else compiled on first use) for the linear layers of every weight format, the layer
+    ops and paged decode attention; an error, naming why, where it cannot run (no library, e.g.
+    no C compiler; not a CPU fp32 model). torch: plain torch ops, any device. auto: native
+    where it can run, torch otherwise (the reason logged)."""
     weights: str = "auto"
     """Weight format. auto: gguf for a GGUF source, dense otherwise. dense: ``dtype`` weights (a
     GGUF file de-quantized once). gguf: the file's own Q4_0/Q4_1/Q8_0 blocks under native

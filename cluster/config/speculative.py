@@ -44,7 +44,8 @@ class SpeculativeConfig:
     """No drafts in a step with more decoding requests than this."""
     max_num_draft_tokens: int = 24
     """Draft tokens per step across the batch, the likeliest first: 24 keeps 8 decoding requests
-    (8 + 24 rows) within the CPU rows kernel's 32 rows."""
+    (8 + 24 rows) on the CPU's batch-invariant linear kernel (up to 32 rows on AVX2 and
+    AVX-512)."""
     draft_row_cost: float = 0.1
     """One more row in a step as a share of a one-row decode step (the prior while measuring);
     the engine drafts only what it expects to pay for."""
