@@ -10,6 +10,9 @@ STAMP := $(VENV)/.pdserve-installed-$(shell cat pyproject.toml benchmarks/pyproj
 TORCH_VERSION ?= 2.13.0
 SMOLLM_VERSION ?= 0.1.2
 PYTEST_ARGS ?=
+# pytest-xdist: one worker per core; the tests that run a Ray cluster share one of them, the other
+# modules spread over all, each whole (tests/conftest.py: pytest_xdist_make_scheduler).
+PYTEST_WORKERS ?= auto
 SERVE_ARGS ?=
 
 .PHONY: setup model run serve test lint typecheck contracts docs unit bench protos clean
@@ -60,7 +63,7 @@ docs: setup
 
 # pytest's exit code 5 (no tests collected) must fail the build, not pass silently.
 unit: setup
-	@$(VENV)/bin/pytest $(PYTEST_ARGS); rc=$$?; \
+	@$(VENV)/bin/pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 bench: model

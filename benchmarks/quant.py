@@ -217,7 +217,7 @@ def _measure(
     engines = arms.engines
     b1: dict[str, list[float]] = {name: [] for name in [*engines, "llamacpp"]}
     b32: dict[str, list[float]] = {name: [] for name in engines}
-    for fn in arms.b1.values():  # warm-up: first-call allocations, kernel compiles, probes
+    for fn in arms.b1.values():  # warm-up: first-call allocations, kernel compiles
         fn()
     for e in engines.values():
         _b32_ours(e, rng, batch, 3)
@@ -306,7 +306,7 @@ def run(ctx: BenchContext) -> BenchReport:
             "gguf": str(gguf_path),
             "llamacpp": "llama-cpp-python" if llama else f"unavailable: {INSTALL_LLAMACPP}",
             "kernel_isa": getattr(getattr(gguf_runner.model.ops, "kernels", None), "isa", "none"),
-            # the most activation rows the native kernel takes before tiles + BLAS (start-up probe)
+            # the most activation rows the native kernel takes before tiles + BLAS (packed.py rule)
             "kernel_max_rows": getattr(
                 getattr(gguf_runner.model.ops, "packed", None), "kernel_max_rows", None
             ),

@@ -9,10 +9,12 @@ from typing import Any
 
 import pytest
 
-# Tests run several engines side by side on 2 cores: keep torch to the cores we have.
-os.environ.setdefault("OMP_NUM_THREADS", "2")
+# Tests run several engines side by side: keep torch to the cores we have, shared between the
+# pytest-xdist workers (`make unit` runs one per core).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+os.environ.setdefault("OMP_NUM_THREADS", str(max(1, min(2, (os.cpu_count() or 2) // _WORKERS))))
 
-from tests.helpers import make_config
+from tests.helpers import make_config  # noqa: E402 (after the thread count, before torch)
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +40,40 @@ def real_workload(real_model_dir: Path) -> Any:
     return build_real_workload(real_model_dir)
 
 
+# The modules whose tests run a Ray cluster: the session's (`serve_cluster`) or their own
+# (`pdserve serve` as a process, `ray start` nodes). Under pytest-xdist (`make unit`) they run one
+# after another on one worker: one Ray instance per session, and no two clusters' processes
+# competing for the cores. Every other module goes to one worker whole (its module fixtures, such
+# as a real-model deployment, are built once), spread over all workers.
+RAY_MODULES = (
+    "tests/serve/",
+    "tests/integration/test_bench_cluster_smoke.py",
+    "tests/integration/test_cluster_real.py",
+    "tests/integration/test_launcher.py",
+    "tests/integration/test_multinode.py",
+    "tests/integration/test_plan_check_smoke.py",
+    "tests/integration/test_readme_snippets.py",
+    "tests/integration/test_spec_cluster_real.py",
+)
+
+
+def runs_ray(nodeid: str) -> bool:
+    return nodeid.split("::", 1)[0].startswith(RAY_MODULES)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's load-by-scope, the scope being "ray" for the Ray modules and the module for the
+    rest (largest scope first, so the Ray tests start at once). Scoped by node id: xdist's own
+    `xdist_group` marks do not reach the controller under pytest 9.2."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayOnOneWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "ray" if runs_ray(nodeid) else nodeid.split("::", 1)[0]
+
+    return RayOnOneWorker(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 
@@ -51,6 +87,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
         if "nightly" in item.keywords and not nightly:
             item.add_marker(skip_nightly)
+        if runs_ray(item.nodeid):
+            item.add_marker(pytest.mark.ray)
+        elif "serve_cluster" in getattr(item, "fixturenames", ()):
+            raise pytest.UsageError(
+                f"{item.nodeid} uses serve_cluster: add its module to RAY_MODULES"
+            )
 
 
 from tests.serve_fixtures import serve_cluster  # noqa: E402, F401 (session-wide Ray + Serve)
