@@ -63,9 +63,12 @@ def runs_ray(nodeid: str) -> bool:
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """xdist's load-by-scope, the scope being "ray" for the Ray modules and the module for the
-    rest (largest scope first, so the Ray tests start at once). Scoped by node id: xdist's own
-    `xdist_group` marks do not reach the controller under pytest 9.2."""
+    rest, in collection order (the Ray tests are collected first: the longest scope starts at
+    once). Scoped by node id: xdist's own `xdist_group` marks do not reach the controller under
+    pytest 9.2."""
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False
 
     class RayOnOneWorker(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
@@ -82,6 +85,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     markexpr = config.getoption("markexpr", "") or ""
     nightly = "nightly" in markexpr and "not nightly" not in markexpr
     skip_nightly = pytest.mark.skip(reason="nightly: full counts, run with -m nightly")
+    items.sort(key=lambda item: not runs_ray(item.nodeid))  # stable: the Ray modules first
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
