@@ -57,8 +57,12 @@ RAY_MODULES = (
 )
 
 
+def module_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
 def runs_ray(nodeid: str) -> bool:
-    return nodeid.split("::", 1)[0].startswith(RAY_MODULES)
+    return module_of(nodeid).startswith(RAY_MODULES)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
@@ -72,7 +76,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     class RayOnOneWorker(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "ray" if runs_ray(nodeid) else nodeid.split("::", 1)[0]
+            return "ray" if runs_ray(nodeid) else module_of(nodeid)
 
     return RayOnOneWorker(config, log)
 

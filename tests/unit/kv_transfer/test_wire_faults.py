@@ -12,6 +12,7 @@ import pytest
 from cluster.kv_transfer import KVReceiver
 from cluster.kv_transfer.protocol import KVTransferError, Reason, TransferState
 from tests.harness.kv_faults import FaultRule, FaultyTransport
+from tests.serve_fixtures import wait_until
 from tests.unit.kv_transfer.conftest import SenderHandle
 from tests.unit.kv_transfer.helpers import assert_landed, assert_untouched, crcs, transfer_config
 
@@ -97,9 +98,8 @@ def test_frames_grouped_in_one_message_land_or_fail_before_any_write(
         _pull_fails(receiver, h, "grouped", Reason.BAD_FRAMES)
         _pull_works(receiver, h, "next")
     # The sender counts a pull once it has queued the frames: the pull may land before that.
-    want, deadline = (1 if rule is None else 2), time.monotonic() + 10
-    while h.sender.stats().get("pulls_served", 0) < want and time.monotonic() < deadline:
-        time.sleep(0.01)
+    want = 1 if rule is None else 2
+    wait_until(lambda: h.sender.stats().get("pulls_served", 0) >= want, timeout=10, interval=0.01)
     assert h.sender.stats().get("pulls_served", 0) == want
 
 
