@@ -15,8 +15,9 @@ paths, and nothing else multiplies a weight:
                CPU fp32 model: weights stream once and are never expanded; a row's output does
                not depend on its batch. Up to ``kernel_max_rows`` activation rows.
     tiles      more rows (prefill chunks): packed rows de-quantized into a reused fp32 scratch a
-               tile at a time, then ``F.linear`` (BLAS) on each tile; a dense F32 weight is its
-               own tile. Batching stays compute-bound.
+               tile at a time, then BLAS (``blas_linear``: oneDNN's linear where torch has it,
+               else ``F.linear``) on each tile; a dense F32 weight is its own tile. Batching
+               stays compute-bound.
 
 The choice between kernel and tiles is ``kernel_max_rows`` (a rule by instruction set, from
 measurements; no timing at start-up).
@@ -123,10 +124,10 @@ def weight_format(weights: list[Weight]) -> str:
 # The most activation rows the native kernel takes before tiles + BLAS win, by the instruction
 # set its variants use and by dense (F32) or packed weights: a fixed rule, set below where the
 # kernel stops being faster (the measurements: docs/design/decisions.md, "Linear paths by a
-# rule"). 32 on the vector variants keeps every decode step of up to 32 rows on the
-# batch-invariant kernel.
+# rule"). The batch-invariant kernel takes every decode step of up to 32 rows, but packed weights
+# on AVX-512, where oneDNN's tiles win beyond 16 rows.
 KERNEL_MAX_ROWS = {
-    "avx512": {"dense": 32, "packed": 32},
+    "avx512": {"dense": 32, "packed": 16},
     "avx2": {"dense": 32, "packed": 32},
     "portable": {"dense": 4, "packed": 1},
 }
@@ -135,6 +136,37 @@ KERNEL_MAX_ROWS = {
 def kernel_max_rows(isa: str, packed: bool) -> int:
     """The rule between the kernel and tiles + BLAS (``KERNEL_MAX_ROWS``)."""
     return KERNEL_MAX_ROWS[isa]["packed" if packed else "dense"]
+
+
+def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+def _has_onednn_linear() -> bool:
+    """Whether this torch build runs oneDNN's linear on fp32 CPU tensors, and equals
+    ``F.linear`` on a small product (a capability check, not a timing)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    x, w, b = torch.randn(3, 8), torch.randn(5, 8), torch.randn(5)
+    try:
+        out = _onednn_linear(x, w, b)
+    except (RuntimeError, AttributeError):
+        return False
+    return bool(torch.allclose(out, F.linear(x, w, b), atol=1e-5, rtol=1e-5))
+
+
+_ONEDNN_LINEAR: bool | None = None
+
+
+def blas_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """The tiles' BLAS: oneDNN's linear (1.1-1.6x ``F.linear`` on the model's large matrices
+    from 16 rows on, docs/design/decisions.md) where torch has it, else ``F.linear``."""
+    global _ONEDNN_LINEAR
+    if _ONEDNN_LINEAR is None:
+        _ONEDNN_LINEAR = _has_onednn_linear()
+    if _ONEDNN_LINEAR and x.dtype == w.dtype == torch.float32 and x.device.type == "cpu":
+        return _onednn_linear(x, w.contiguous(), b)
+    return F.linear(x, w, b)
 
 
 def reference_linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None) -> torch.Tensor:
@@ -216,20 +248,20 @@ class PackedLinear:
         return out
 
     def _tiled(self, x: torch.Tensor, w: Weight, b: torch.Tensor | None) -> torch.Tensor:
-        """De-quantize row tiles into the scratch and run ``F.linear`` on each (a dense weight
-        is its own tile)."""
+        """De-quantize row tiles into the scratch and run ``blas_linear`` on each (a dense
+        weight is its own tile)."""
         if not isinstance(w, PackedWeight):
-            return F.linear(x, w, b)
+            return blas_linear(x, w, b)
         tile_rows = max(1, _SCRATCH_FLOATS // w.cols)
         if self._scratch is None:
             self._scratch = torch.empty(_SCRATCH_FLOATS, dtype=torch.float32)
         if w.rows <= tile_rows:
-            return F.linear(x, self._dequant_rows(w, 0, w.rows), b)
+            return blas_linear(x, self._dequant_rows(w, 0, w.rows), b)
         out = torch.empty((x.shape[0], w.rows), dtype=torch.float32)
         for r0 in range(0, w.rows, tile_rows):
             r1 = min(w.rows, r0 + tile_rows)
             bias = b[r0:r1] if b is not None else None
-            out[:, r0:r1] = F.linear(x, self._dequant_rows(w, r0, r1), bias)
+            out[:, r0:r1] = blas_linear(x, self._dequant_rows(w, r0, r1), bias)
         return out
 
     def _dequant_rows(self, w: PackedWeight, r0: int, r1: int) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from cluster.engine.kernels.native import ISA_NAMES, NativeKernels, load_native
 from cluster.engine.kernels.quant import F32
+from cluster.engine.models import packed as packed_module
 from cluster.engine.models.packed import KERNEL_MAX_ROWS, PackedLinear
 from cluster.engine.request import EngineRequest
 from tests.helpers import greedy, make_config, run_until_done
@@ -83,25 +84,35 @@ def test_accumulate_adds_into_the_output(kernels: dict[int, NativeKernels]) -> N
 def test_the_rule_sends_larger_chunks_to_blas(
     kernels: dict[int, NativeKernels], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Up to the rule's rows (dense weights, this CPU's variant): the kernel; more: F.linear on
-    the weight itself (no copy); no library, another dtype or device: the torch reference."""
+    """Up to the rule's rows (dense weights, this CPU's variant): the kernel; more: the tiles'
+    BLAS on the weight itself (no copy); no library, another dtype or device: the torch
+    reference (F.linear)."""
     linear = PackedLinear(kernels[2])
-    calls: list[tuple[int, ...]] = []
-    f_linear = F.linear
+    blas: list[tuple[int, ...]] = []
+    ref: list[tuple[int, ...]] = []
+    f_linear, blas_linear = F.linear, packed_module.blas_linear
 
-    def spy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        calls.append(tuple(x.shape))
+    def spy_ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        ref.append(tuple(x.shape))
         return f_linear(x, w, b)
 
-    monkeypatch.setattr(F, "linear", spy)
+    def spy_blas(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        blas.append(tuple(x.shape))
+        return blas_linear(x, w, b)
+
+    monkeypatch.setattr(F, "linear", spy_ref)
+    monkeypatch.setattr(packed_module, "blas_linear", spy_blas)
     w = torch.randn(16, 8)
     rows = linear.max_rows(packed=False)
     assert rows == KERNEL_MAX_ROWS[kernels[2].isa]["dense"]
     out = linear(torch.randn(2, 3, 8), w, None)  # leading dims are rows: 6 <= max
-    assert out.shape == (2, 3, 16) and calls == []
-    linear(torch.randn(rows + 1, 8), w, None)  # a prefill chunk
+    assert out.shape == (2, 3, 16) and blas == [] and ref == []
+    x = torch.randn(rows + 1, 8)  # a prefill chunk
+    torch.testing.assert_close(linear(x, w, None), f_linear(x, w), atol=1e-5, rtol=1e-5)
+    assert blas == [(rows + 1, 8)]
+    ref.clear()
     linear(torch.randn(2, 8, dtype=torch.float64), w.double(), None)
-    assert calls == [(rows + 1, 8), (2, 8)]
+    assert ref == [(2, 8)] and blas == [(rows + 1, 8)]
     assert PackedLinear(None).kernel_max_rows == 0
     for isa in ISA_NAMES:  # the rule covers every variant, dense and packed
         assert KERNEL_MAX_ROWS[isa]["dense"] >= 1 and KERNEL_MAX_ROWS[isa]["packed"] >= 1

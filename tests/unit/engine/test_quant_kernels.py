@@ -27,7 +27,7 @@ from cluster.engine.kernels.quant import (
 )
 from cluster.engine.kv_codec import Int8KV
 from cluster.engine.models.int8 import quantize_int8_groups, quantize_int8_rows
-from cluster.engine.models.packed import PackedLinear, PackedWeight
+from cluster.engine.models.packed import PackedLinear, PackedWeight, blas_linear
 
 GGUF_TYPES = (Q4_0, Q4_1, Q8_0)
 ALL_TYPES = (*GGUF_TYPES, INT8_ROW, INT8_G32)
@@ -162,12 +162,13 @@ def test_packed_linear_mixed_segments_kernel_and_tiles(kernels: NativeKernels) -
     h_acc = h.clone()
     assert kernel.accumulate(h_acc, x, w)
     torch.testing.assert_close(h_acc, h + F.linear(x, dense), atol=1e-5, rtol=1e-5)
-    # Many rows: de-quantized tiles + the dense linear, on exactly the reference values.
+    # Many rows: de-quantized tiles + the tiles' BLAS, on exactly the reference's weights.
     tiles = PackedLinear(kernels)
     tiles.kernel_max_rows = 0
-    assert torch.equal(tiles(x, w, bias), ref)
+    assert torch.equal(tiles(x, w, bias), blas_linear(x, dense, bias))
+    torch.testing.assert_close(tiles(x, w, bias), ref, atol=1e-5, rtol=1e-5)
     big = packed(Q8_0, 40_000, 64, 4)  # more rows than one 8 MiB scratch tile holds
-    assert torch.equal(tiles(x, big, None), F.linear(x, big.dequantize()))
+    assert torch.equal(tiles(x, big, None), blas_linear(x, big.dequantize(), None))
     # Embedding rows come out de-quantized exactly.
     ids = torch.tensor([3, 7, 0, 3])
     single = parts[2]
