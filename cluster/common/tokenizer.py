@@ -82,11 +82,20 @@ class Tokenizer:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
+        """The conversation as the model's template renders it. ``continue_final_message``:
+        the text ends inside the last message (its end-of-turn cut), so the model continues
+        it; ``template_kwargs``: extra template variables (e.g. ``enable_thinking``)."""
         if not self.chat_template:
             raise ChatTemplateError("messages: this model has no chat template; send a prompt")
         validate_messages(messages)
+        check_chat_options(add_generation_prompt, continue_final_message, template_kwargs)
         if self._template is None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -97,18 +106,30 @@ class Tokenizer:
             env.globals["raise_exception"] = _raise_exception
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._template = env.from_string(self.chat_template)
-        return self._template.render(
+        text: str = self._template.render(
+            **dict(template_kwargs or {}),
             messages=[dict(m) for m in messages],
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
+        return cut_after_final_message(text, messages) if continue_final_message else text
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         # The template already places any special tokens (as transformers does).
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(
+            messages,
+            add_generation_prompt,
+            continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs,
+        )
         return self.encode(text, add_special_tokens=False)
 
     # -- decoding ------------------------------------------------------------------------------
@@ -137,6 +158,43 @@ def validate_messages(messages: Sequence[Mapping[str, Any]]) -> None:
             raise ValueError(f"messages[{i}].role: must be a non-empty string")
         if not isinstance(content, str):
             raise ValueError(f"messages[{i}].content: must be a string")
+
+
+# Template variables the renderer sets itself: chat_template_kwargs may not replace them.
+RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {"messages", "add_generation_prompt", "bos_token", "eos_token", "raise_exception"}
+)
+
+
+def check_chat_options(
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    template_kwargs: Mapping[str, Any] | None,
+) -> None:
+    """The chat options' combinations, as transformers and vLLM refuse them."""
+    if continue_final_message and add_generation_prompt:
+        raise ValueError(
+            "continue_final_message: cannot be true with add_generation_prompt true (a new "
+            "turn, or the last message continued: not both)"
+        )
+    for key in template_kwargs or {}:
+        if not isinstance(key, str) or not key.isidentifier():
+            raise ValueError(f"chat_template_kwargs: {key!r} is not a template variable name")
+        if key in RESERVED_TEMPLATE_VARIABLES:
+            raise ValueError(f"chat_template_kwargs.{key}: set by pdserve, not by the request")
+
+
+def cut_after_final_message(text: str, messages: Sequence[Mapping[str, Any]]) -> str:
+    """``text`` ended right after the last message's content (its end-of-turn markup dropped),
+    as transformers' ``continue_final_message`` does."""
+    final = str(messages[-1]["content"])
+    for needle in (final, final.strip()):
+        if needle and needle in text:
+            return text[: text.rindex(needle) + len(needle)]
+    raise ValueError(
+        "continue_final_message: the final message does not appear in the rendered chat "
+        "(empty, or changed by the template)"
+    )
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -204,16 +262,38 @@ class FakeTokenizer:
         return ids
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
+        """``role: content`` per message; template variables appear as ``[key=value]``."""
         validate_messages(messages)
-        text = " ".join(f"{m['role']}: {m['content']}" for m in messages)
+        check_chat_options(add_generation_prompt, continue_final_message, template_kwargs)
+        extra = "".join(f"[{k}={v}] " for k, v in sorted((template_kwargs or {}).items()))
+        text = extra + " ".join(f"{m['role']}: {m['content']}" for m in messages)
+        if continue_final_message:
+            return cut_after_final_message(text, messages)
         return text + (" assistant:" if add_generation_prompt else "")
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+        return self.encode(
+            self.apply_chat_template(
+                messages,
+                add_generation_prompt,
+                continue_final_message=continue_final_message,
+                template_kwargs=template_kwargs,
+            )
+        )
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         eos = self.eos_token_ids if skip_special_tokens else ()

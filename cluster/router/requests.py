@@ -59,8 +59,12 @@ _COMMON_FIELDS = frozenset(
         "skip_special_tokens",
         "include_stop_str_in_output",
         "logit_bias",
+        "spaces_between_special_tokens",
         "request_id",
         "timeout_ms",
+        # Pure metadata: checked for type, never change the output (docs/api/openai.md).
+        "metadata",
+        "service_tier",
     }
 )
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of", "suffix"}
@@ -69,18 +73,32 @@ _CHAT_FIELDS = _COMMON_FIELDS | {
     "logprobs",
     "top_logprobs",
     "max_completion_tokens",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template_kwargs",
+    "parallel_tool_calls",  # without tools (refused) it changes nothing
 }
 _UNSUPPORTED = {
     "tools": "tool calling is not supported",
     "tool_choice": "tool calling is not supported",
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
-    "parallel_tool_calls": "tool calling is not supported",
     "audio": "audio output is not supported",
     "modalities": "only text output is supported",
     "prediction": "predicted outputs are not supported",
     "reasoning_effort": "reasoning_effort is not supported",
 }
+
+
+class StreamFlags(NamedTuple):
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    continuous_usage: bool  # stream_options.continuous_usage_stats: the usage on every chunk
+
+
+# the fields a tokenizer's chat error may name itself (others are prefixed with "messages")
+_CHAT_ERROR_FIELDS = ("messages", "continue_final_message", "chat_template_kwargs")
+_GRPC_STREAM = StreamFlags(True, False, False)  # gRPC streams; usage arrives in its own field
 
 
 class RequestIds(NamedTuple):
@@ -100,7 +118,8 @@ class ParsedRequest:
     deadline: float | None  # wall clock
     kind: str  # "grpc" | "completion" | "chat"
     stream: bool = True
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with the request's usage
+    continuous_usage: bool = False  # every chunk carries the usage so far
     created: int = field(default_factory=lambda: int(time.time()))
     n: int = 1  # choices returned
     best_of: int = 1  # samples generated (>= n): the n of highest total logprob are returned
@@ -269,15 +288,17 @@ class RequestParser:
             raise invalid("prompt: prompt cannot be empty")
         return list(self.tokenizer.encode(utf8_text(text, field_name)))
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> list[int]:
+        """The chat's prompt ids; ``options``: the tokenizer's chat options (``_chat_options``)."""
         self._check_chars(
             sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, Mapping)),
             "messages",
         )
         try:
-            return list(self.tokenizer.encode_chat(messages))
+            return list(self.tokenizer.encode_chat(messages, **options))
         except ValueError as e:  # includes ChatTemplateError, raised by the model's template
-            raise invalid(str(e) if str(e).startswith("messages") else f"messages: {e}") from None
+            named = str(e).startswith(_CHAT_ERROR_FIELDS)
+            raise invalid(str(e) if named else f"messages: {e}") from None
 
     def finish(
         self,
@@ -286,8 +307,7 @@ class RequestParser:
         params: SamplingParams,
         deadline: float | None,
         kind: str,
-        stream: bool = True,
-        include_usage: bool = False,
+        flags: StreamFlags = _GRPC_STREAM,
     ) -> ParsedRequest:
         try:
             validate_prompt(
@@ -306,8 +326,9 @@ class RequestParser:
             params=params,
             deadline=deadline,
             kind=kind,
-            stream=stream,
-            include_usage=include_usage,
+            stream=flags.stream,
+            include_usage=flags.include_usage,
+            continuous_usage=flags.continuous_usage,
         )
 
     @staticmethod
@@ -403,20 +424,39 @@ class RequestParser:
             raise invalid("best_of: cannot be streamed when greater than n (stream: false)")
         return n, best_of
 
-    def _stream_flags(self, body: Mapping[str, Any]) -> tuple[bool, bool]:
+    def _stream_flags(self, body: Mapping[str, Any]) -> StreamFlags:
         stream = bool(_bool(body, "stream"))
         opts = body.get("stream_options")
-        include_usage = False
-        if opts is not None:
-            if not isinstance(opts, Mapping):
-                raise invalid("stream_options: must be an object")
-            if not stream:
-                raise invalid("stream_options: only allowed when stream is true")
-            unknown = sorted(set(opts) - {"include_usage"})
-            if unknown:
-                raise invalid(f"stream_options.{unknown[0]}: unsupported; supported: include_usage")
-            include_usage = bool(_bool(opts, "include_usage"))
-        return stream, include_usage
+        if opts is None:
+            return StreamFlags(stream, False, False)
+        if not isinstance(opts, Mapping):
+            raise invalid("stream_options: must be an object")
+        if not stream:
+            raise invalid("stream_options: only allowed when stream is true")
+        supported = ("include_usage", "continuous_usage_stats")
+        unknown = sorted(set(opts) - set(supported))
+        if unknown:
+            raise invalid(
+                f"stream_options.{unknown[0]}: unsupported; supported: {', '.join(supported)}"
+            )
+        include = _bool(opts, "include_usage")
+        continuous = _bool(opts, "continuous_usage_stats")
+        return StreamFlags(stream, bool(include), bool(continuous))
+
+    @staticmethod
+    def _metadata(body: Mapping[str, Any]) -> None:
+        """Fields that never change the output, checked for their type only."""
+        metadata = body.get("metadata")
+        if metadata is not None and not (
+            isinstance(metadata, Mapping) and all(isinstance(v, str) for v in metadata.values())
+        ):
+            raise invalid("metadata: must be an object mapping keys to strings")
+        for key in ("service_tier", "user"):
+            value = body.get(key)
+            if value is not None and not isinstance(value, str):
+                raise invalid(f"{key}: must be a string, got {_type_name(value)}")
+            if value is not None:
+                utf8_text(value, key)
 
     def _stop(self, body: Mapping[str, Any]) -> tuple[str, ...]:
         stop = body.get("stop")
@@ -437,11 +477,14 @@ class RequestParser:
             and all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids)
         ):
             raise invalid("stop_token_ids: must be a list of integers")
-        user = body.get("user")
-        if user is not None and not isinstance(user, str):
-            raise invalid("user: must be a string")
-        if user is not None:
-            utf8_text(user, "user")
+        self._metadata(body)
+        skip = _bool(body, "skip_special_tokens")
+        if _bool(body, "spaces_between_special_tokens") and skip is False:
+            raise invalid(
+                "spaces_between_special_tokens: true is not supported with "
+                "skip_special_tokens: false (special tokens are joined as the tokenizer "
+                "decodes them); with special tokens skipped it changes nothing"
+            )
         return self.params(
             max_tokens=max_tokens,
             min_tokens=_int(body, "min_tokens"),
@@ -456,7 +499,7 @@ class RequestParser:
             stop=self._stop(body),
             stop_token_ids=tuple(stop_ids or ()),
             ignore_eos=_bool(body, "ignore_eos"),
-            skip_special_tokens=_bool(body, "skip_special_tokens"),
+            skip_special_tokens=skip,
             logprobs=logprobs,
             logit_bias=self._logit_bias(body),
             include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
@@ -509,8 +552,8 @@ class RequestParser:
     def from_completion(self, body: Mapping[str, Any]) -> ParsedRequest:
         self._check_fields(body, _COMPLETION_FIELDS)
         rid = self.request_id(body.get("request_id"), "cmpl")
-        stream, include_usage = self._stream_flags(body)
-        n, best_of = self._samples(body, stream)
+        flags = self._stream_flags(body)
+        n, best_of = self._samples(body, flags.stream)
         logprobs = _int(body, "logprobs")
         echo = bool(_bool(body, "echo"))
         prompt = self._completion_prompt(body.get("prompt"))
@@ -521,7 +564,7 @@ class RequestParser:
         if echo and logprobs is not None:  # the prompt's logprobs too (engine: prompt_logprobs)
             params = dataclasses.replace(params, prompt_logprobs=logprobs)
         deadline = self.deadline(_int(body, "timeout_ms"))
-        parsed = self.finish(rid, prompt, params, deadline, "completion", stream, include_usage)
+        parsed = self.finish(rid, prompt, params, deadline, "completion", flags)
         parsed.n, parsed.best_of = n, best_of
         if echo:
             raw = body.get("prompt")
@@ -560,12 +603,28 @@ class RequestParser:
             )
         return flat
 
+    @staticmethod
+    def _chat_options(body: Mapping[str, Any]) -> dict[str, Any]:
+        """vLLM's chat extensions: ``add_generation_prompt`` (default true),
+        ``continue_final_message``, ``chat_template_kwargs`` (extra template variables)."""
+        add = _bool(body, "add_generation_prompt")
+        cont = bool(_bool(body, "continue_final_message"))
+        kwargs = body.get("chat_template_kwargs")
+        if kwargs is not None and not isinstance(kwargs, Mapping):
+            raise invalid("chat_template_kwargs: must be an object of template variables")
+        return {
+            "add_generation_prompt": (not cont) if add is None else add,
+            "continue_final_message": cont,
+            "template_kwargs": dict(kwargs or {}),
+        }
+
     def from_chat(self, body: Mapping[str, Any]) -> ParsedRequest:
         self._check_fields(body, _CHAT_FIELDS)
         rid = self.request_id(body.get("request_id"), "chatcmpl")
-        stream, include_usage = self._stream_flags(body)
-        n, _ = self._samples(body, stream)
-        prompt = self.encode_chat(self._messages(body.get("messages")))
+        flags = self._stream_flags(body)
+        n, _ = self._samples(body, flags.stream)
+        _bool(body, "parallel_tool_calls")  # a type check: without tools it changes nothing
+        prompt = self.encode_chat(self._messages(body.get("messages")), **self._chat_options(body))
         want_logprobs = _bool(body, "logprobs")
         top = _int(body, "top_logprobs")
         if top is not None and not want_logprobs:
@@ -578,7 +637,7 @@ class RequestParser:
             limit = _int(body, "max_tokens")
         params = self._common_params(body, self._max_tokens(limit, len(prompt)), logprobs)
         deadline = self.deadline(_int(body, "timeout_ms"))
-        parsed = self.finish(rid, prompt, params, deadline, "chat", stream, include_usage)
+        parsed = self.finish(rid, prompt, params, deadline, "chat", flags)
         parsed.n = parsed.best_of = n
         return parsed
 

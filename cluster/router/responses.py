@@ -301,6 +301,7 @@ class _Stream:
         self.model = model
         self.text_of = _TokenText(tokenizer)
         self.usage: Usage | None = None
+        self.completion_tokens = 0  # so far, every sample (continuous usage)
 
     def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -314,15 +315,30 @@ class _Stream:
     def _choice(self, chunk: StreamChunk) -> dict[str, Any] | None:
         raise NotImplementedError
 
+    def _with_usage(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """A chunk's ``usage``: the count so far (continuous_usage_stats, vLLM's extension), or
+        null on every chunk but the last (include_usage, as OpenAI sends it)."""
+        if self.parsed.continuous_usage:
+            if self.usage is not None:
+                payload["usage"] = openai_usage(self.usage)
+            else:
+                prompt = len(self.parsed.prompt_token_ids)
+                payload["usage"] = {
+                    "prompt_tokens": prompt,
+                    "completion_tokens": self.completion_tokens,
+                    "total_tokens": prompt + self.completion_tokens,
+                }
+        elif self.parsed.include_usage:
+            payload["usage"] = None
+        return payload
+
     def events(self, chunk: StreamChunk) -> Iterator[str]:
         if chunk.usage is not None:
             self.usage = chunk.usage
+        self.completion_tokens += len(chunk.token_ids)
         choice = self._choice(chunk)
         if choice is not None:
-            payload = self._envelope([choice])
-            if self.parsed.include_usage:
-                payload["usage"] = None  # OpenAI: null on every chunk but the last
-            yield _sse(payload)
+            yield _sse(self._with_usage(self._envelope([choice])))
 
     def finish(self) -> Iterator[str]:
         if self.parsed.include_usage:
@@ -373,10 +389,7 @@ class ChatStream(_Stream):
                     "logprobs": None,
                     "finish_reason": None,
                 }
-                payload = self._envelope([first])
-                if self.parsed.include_usage:
-                    payload["usage"] = None
-                yield _sse(payload)
+                yield _sse(self._with_usage(self._envelope([first])))
         yield from super().events(chunk)
 
     def _choice(self, chunk: StreamChunk) -> dict[str, Any] | None:

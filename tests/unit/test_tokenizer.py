@@ -27,6 +27,43 @@ def test_encode_decode_match_transformers(pair: tuple[Tokenizer, object]) -> Non
         assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)  # type: ignore[attr-defined]
 
 
+def test_chat_options_match_transformers(
+    pair: tuple[Tokenizer, object], tiny_model_dir: Path
+) -> None:
+    """add_generation_prompt, continue_final_message and extra template variables
+    (chat_template_kwargs) render as transformers renders them."""
+    hf = pair[1]
+    ours = Tokenizer(tiny_model_dir)
+    template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+        "{% if enable_thinking is defined and not enable_thinking %}<nothink>{% endif %}"
+    )
+    ours.chat_template = template
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " I am "}]
+    for add, cont, extra in [
+        (True, False, {}),
+        (False, False, {}),
+        (True, False, {"enable_thinking": False}),
+        (False, True, {}),
+    ]:
+        want = hf.apply_chat_template(  # type: ignore[attr-defined]
+            msgs,
+            chat_template=template,
+            tokenize=False,
+            add_generation_prompt=add,
+            continue_final_message=cont,
+            **extra,
+        )
+        got = ours.apply_chat_template(
+            msgs, add, continue_final_message=cont, template_kwargs=extra
+        )
+        assert got == want, (add, cont, extra)
+    assert got.endswith("<assistant> I am ")  # as transformers: the content as sent
+    with pytest.raises(ValueError, match="continue_final_message"):
+        ours.apply_chat_template(msgs, True, continue_final_message=True)
+
+
 def test_chat_template_matches_transformers(pair: tuple[Tokenizer, object]) -> None:
     ours, hf = pair
     messages = [
