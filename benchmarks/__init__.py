@@ -28,6 +28,7 @@ BENCHMARKS: dict[str, str] = {
     "spec": "benchmarks.spec",
     "structured": "benchmarks.structured",
     "gpu": "benchmarks.gpu",
+    "anchor-serve": "benchmarks.anchor_serve",
 }
 # Only where a device is lent: left out of ``all`` on a machine without CUDA.
 DEVICE_ONLY = frozenset({"gpu"})

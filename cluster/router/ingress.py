@@ -93,7 +93,8 @@ class Router:
         self.decode_handle = decode_handle
         self.metrics = RouterMetrics()
         self.faults = FaultPoints.from_config(self.config.testing)  # inert outside test mode
-        self.counts = {"requests": 0, "errors": 0}
+        # requests, errors, and the tokens of finished requests' usage (what clients were told)
+        self.counts = {"requests": 0, "errors": 0, "prompt_tokens": 0, "completion_tokens": 0}
         # Milliseconds from receipt to a parsed, tokenized, hashed request, per API (latest).
         self.parse_ms: dict[str, collections.deque[float]] = collections.defaultdict(
             lambda: collections.deque(maxlen=4096)
@@ -169,6 +170,9 @@ class Router:
             status = "cancelled"
             raise
         finally:
+            if usage is not None:
+                self.counts["prompt_tokens"] += usage.prompt_tokens
+                self.counts["completion_tokens"] += usage.completion_tokens
             self.metrics.observe_finished(
                 route,
                 status,
