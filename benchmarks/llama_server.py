@@ -84,7 +84,9 @@ def build(cache_dir: Path, jobs: int | None = None) -> Path:
                 *("cmake", "-S", str(src), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release"),
                 *("-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF"),
                 *("-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"),
-                "-DLLAMA_BUILD_SERVER=ON",
+                *("-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_OPENSSL=OFF"),
+                # no web UI: its prebuilt assets would be downloaded from the Hugging Face hub
+                *("-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"),
             ],
             check=True,
         )
