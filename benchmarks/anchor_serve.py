@@ -10,7 +10,8 @@ How (docs/benchmarks/index.md, "anchor-serve"):
     pdserve application is deleted (Ray's own daemons stay).
   * Load: GuideLLM (``guidellm run``, openai_http backend, ``/v1/completions``, streaming),
     synthetic 256-token prompts (GuideLLM's tokenizer: the model's own) and 64-token outputs
-    (``ignore_eos``), a concurrent profile at 1 and at 8 streams for a fixed duration each.
+    (``ignore_eos``), a concurrent profile at 1 and at 8 streams, 60 s each (quick: 30), from
+    one GuideLLM process.
     One warm-up request per arm first, not measured.
   * Arms in a shuffled order per repetition (``interleaved_order``), two repetitions; each
     figure is the median over them. GuideLLM's own figures: output tokens per second (its
@@ -105,14 +106,16 @@ def _llama_server(binary: Path, gguf: Path, threads: int, port: int) -> Iterator
 
 
 def guidellm_run(
-    target: str, streams: int, seconds: float, tokenizer_dir: Path, out: Path
-) -> dict[str, float]:
-    """One GuideLLM concurrent run against ``target``: output tok/s, median TTFT (ms), and
-    the requests that succeeded and failed."""
+    target: str, seconds: float, tokenizer_dir: Path, out: Path
+) -> dict[int, dict[str, float]]:
+    """GuideLLM's concurrent runs against ``target``, one per entry of ``STREAMS`` (one
+    process): per stream count, output tok/s, median TTFT (ms), requests that succeeded and
+    that failed."""
     cmd = [
         *(sys.executable, "-m", "guidellm", "run"),
         *("--backend", f"kind=openai_http,target={target},request_format=/v1/completions"),
-        *("--profile", f"kind=concurrent,streams={streams}"),
+        *("--profile", f"kind=concurrent,streams={STREAMS[0]}"),
+        *("--override", "profile.streams", ",".join(map(str, STREAMS))),
         *("--constraint", f"kind=max_duration,seconds={seconds}"),
         "--data",
         f"kind=synthetic_text,prompt_tokens={PROMPT_TOKENS},output_tokens={OUTPUT_TOKENS}",
@@ -127,17 +130,23 @@ def guidellm_run(
     return guidellm_figures(json.loads(out.read_text()))
 
 
-def guidellm_figures(report: dict[str, Any]) -> dict[str, float]:
-    """What ``anchor-serve`` reads from GuideLLM's JSON report (one benchmark)."""
-    (bench,) = report["benchmarks"]
-    metrics = bench["metrics"]
-    totals = metrics["request_totals"]
-    return {
-        "out_tok_s": float(metrics["output_tokens_per_second"]["successful"]["mean"]),
-        "ttft_p50_ms": float(metrics["time_to_first_token_ms"]["successful"]["median"]),
-        "ok": float(totals["successful"]),
-        "errors": float(totals["errored"]),
-    }
+def guidellm_figures(report: dict[str, Any]) -> dict[int, dict[str, float]]:
+    """What ``anchor-serve`` reads from GuideLLM's JSON report: per benchmark (a stream count),
+    its output tok/s (mean over the run), median TTFT and request totals."""
+    out: dict[int, dict[str, float]] = {}
+    for bench in report["benchmarks"]:
+        metrics = bench["metrics"]
+        totals = metrics["request_totals"]
+        streams = int(bench["config"]["strategy"]["streams"])
+        out[streams] = {
+            "out_tok_s": float(metrics["output_tokens_per_second"]["successful"]["mean"]),
+            "ttft_p50_ms": float(metrics["time_to_first_token_ms"]["successful"]["median"]),
+            "ok": float(totals["successful"]),
+            "errors": float(totals["errored"]),
+        }
+    if sorted(out) != sorted(STREAMS):
+        raise RuntimeError(f"guidellm: benchmarks for streams {sorted(out)}, wanted {STREAMS}")
+    return out
 
 
 Runs = dict[str, dict[int, list[dict[str, float]]]]  # arm -> streams -> one figure set per rep
@@ -146,11 +155,9 @@ Runs = dict[str, dict[int, list[dict[str, float]]]]  # arm -> streams -> one fig
 def _measure_arm(
     ctx: BenchContext, arm: str, target: str, tokenizer_dir: Path, runs: Runs, tmp: Path
 ) -> None:
-    seconds = {1: ctx.pick(45, 20, 4), 8: ctx.pick(60, 30, 4)}
-    for streams in STREAMS:
-        rep = len(runs[arm][streams])
-        out = tmp / f"{arm}-c{streams}-{rep}.json"
-        figures = guidellm_run(target, streams, seconds[streams], tokenizer_dir, out)
+    rep = len(runs[arm][STREAMS[0]])
+    out = tmp / f"{arm}-{rep}.json"
+    for streams, figures in guidellm_run(target, ctx.pick(60, 30, 4), tokenizer_dir, out).items():
         runs[arm][streams].append(figures)
         ctx.progress(
             f"{arm} c{streams}: {figures['out_tok_s']:.1f} out tok/s, TTFT p50 "
@@ -158,11 +165,9 @@ def _measure_arm(
         )
 
 
-def _warm(target: str, model_dir: Path) -> None:
-    from cluster.common.tokenizer import Tokenizer
-
-    text = Tokenizer(model_dir).decode(list(range(1000, 1000 + PROMPT_TOKENS)))
-    _post(target + "/v1/completions", {"prompt": text, "max_tokens": 8})
+def _warm(target: str) -> None:
+    """One request through the arm's whole path (not measured)."""
+    _post(target + "/v1/completions", {"prompt": "Hello, " * 60, "max_tokens": 8})
 
 
 def run(ctx: BenchContext) -> BenchReport:
@@ -190,11 +195,11 @@ def run(ctx: BenchContext) -> BenchReport:
                     assert binary is not None and gguf is not None
                     _delete_app(APP_NAME)
                     with _llama_server(binary, gguf, threads, _free_port()) as url:
-                        _warm(url, model_dir)
+                        _warm(url)
                         _measure_arm(ctx, arm, url, model_dir, runs, Path(tmp))
                     continue
                 put(_pd_config(ctx, arm, str(model_dir)))
-                _warm(pd_target, model_dir)
+                _warm(pd_target)
                 _measure_arm(ctx, arm, pd_target, model_dir, runs, Path(tmp))
     return _report(runs, binary)
 
