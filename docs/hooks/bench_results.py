@@ -29,6 +29,7 @@ BENCHMARKS = {
     "P10": "P10 `gpu`: the GPU run",
     "P11": "P11 `quant`: quantized weights and KV",
     "structured": "`structured`: constrained decoding",
+    "anchor-serve": "`anchor-serve`: GuideLLM against pdserve and llama-server",
     "plan-check": "`plan --validate`: the planner against the cluster",
     "accuracy": "Accuracy of the quantized formats (`tests/integration/test_quant_real.py`)",
     "formats": "Decode rate of the weight formats (one-off runs)",
