@@ -130,22 +130,24 @@ def guidellm_run(
     return guidellm_figures(json.loads(out.read_text()))
 
 
-def guidellm_figures(report: dict[str, Any]) -> dict[int, dict[str, float]]:
-    """What ``anchor-serve`` reads from GuideLLM's JSON report: per benchmark (a stream count),
-    its output tok/s (mean over the run), median TTFT and request totals."""
+def guidellm_figures(
+    report: dict[str, Any], streams: tuple[int, ...] = STREAMS
+) -> dict[int, dict[str, float]]:
+    """What ``anchor-serve`` reads from GuideLLM's JSON report: per benchmark (a concurrent
+    run at a stream count; one for each of ``streams``), its output tok/s (mean over the run),
+    median TTFT and request totals."""
     out: dict[int, dict[str, float]] = {}
     for bench in report["benchmarks"]:
         metrics = bench["metrics"]
         totals = metrics["request_totals"]
-        streams = int(bench["config"]["strategy"]["streams"])
-        out[streams] = {
+        out[int(bench["config"]["strategy"]["streams"])] = {
             "out_tok_s": float(metrics["output_tokens_per_second"]["successful"]["mean"]),
             "ttft_p50_ms": float(metrics["time_to_first_token_ms"]["successful"]["median"]),
             "ok": float(totals["successful"]),
             "errors": float(totals["errored"]),
         }
-    if sorted(out) != sorted(STREAMS):
-        raise RuntimeError(f"guidellm: benchmarks for streams {sorted(out)}, wanted {STREAMS}")
+    if sorted(out) != sorted(streams):
+        raise RuntimeError(f"guidellm: benchmarks for streams {sorted(out)}, wanted {streams}")
     return out
 
 
@@ -157,7 +159,7 @@ def _measure_arm(
 ) -> None:
     rep = len(runs[arm][STREAMS[0]])
     out = tmp / f"{arm}-{rep}.json"
-    for streams, figures in guidellm_run(target, ctx.pick(60, 30, 4), tokenizer_dir, out).items():
+    for streams, figures in guidellm_run(target, ctx.pick(60, 30, 10), tokenizer_dir, out).items():
         runs[arm][streams].append(figures)
         ctx.progress(
             f"{arm} c{streams}: {figures['out_tok_s']:.1f} out tok/s, TTFT p50 "

@@ -39,7 +39,17 @@ ARMS = {
 }
 
 
-@pytest.mark.parametrize("name", ["serve", "routing", "anchor-serve"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "serve",
+        "routing",
+        # two tiny-model deployments and two GuideLLM runs (~100 s): nightly; GuideLLM against
+        # the cluster, and this benchmark's reading of its report, run in every CI in
+        # tests/serve/test_client_compat.py
+        pytest.param("anchor-serve", marks=pytest.mark.nightly),
+    ],
+)
 def test_bench_smoke(
     serve_cluster: ServeCluster,
     tmp_path: Path,

@@ -18,6 +18,7 @@ from typing import Any
 import openai
 import pytest
 
+from benchmarks.anchor_serve import guidellm_figures
 from tests.helpers import fake_config
 from tests.serve.cluster_helpers import App
 from tests.serve_fixtures import ServeCluster
@@ -164,7 +165,8 @@ def test_guidellm_runs_with_no_errors_and_counts_what_the_router_counted(
     ]  # fmt: skip
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, check=False)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    requests = _guidellm_requests(json.loads(out.read_text()))
+    report = json.loads(out.read_text())
+    requests = _guidellm_requests(report)
     after = router_counts(app)
     assert after["errors"] == before["errors"]
     assert len(requests["successful"]) == 16 and not requests["errored"], requests["errored"]
@@ -172,4 +174,8 @@ def test_guidellm_runs_with_no_errors_and_counts_what_the_router_counted(
     got_in = sum(r["input_metrics"]["text_tokens"] for r in requests["successful"])
     assert got_out == 16 * 8 == after["completion_tokens"] - before["completion_tokens"]
     assert got_in == after["prompt_tokens"] - before["prompt_tokens"]
+    # bench anchor-serve reads its figures from the same report
+    figures = guidellm_figures(report, streams=(4,))[4]
+    assert figures["ok"] == 16 and figures["errors"] == 0
+    assert figures["out_tok_s"] > 0 and figures["ttft_p50_ms"] > 0
     app.assert_clean()
