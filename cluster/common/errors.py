@@ -7,7 +7,10 @@ import enum
 
 class ErrorCode(str, enum.Enum):
     INVALID_ARGUMENT = "INVALID_ARGUMENT"
-    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"  # overload: worth retrying later (Retry-After)
+    # A request over a size limit: HTTP 413, which clients do not retry (gRPC has no such code:
+    # RESOURCE_EXHAUSTED with a message naming the limit).
+    PAYLOAD_TOO_LARGE = "PAYLOAD_TOO_LARGE"
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     UNAVAILABLE = "UNAVAILABLE"  # nothing streamed yet: safe to retry
     ABORTED = "ABORTED"  # failed after the first token reached the client
@@ -32,6 +35,7 @@ _HTTP = {
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.ALREADY_EXISTS: 409,
     ErrorCode.RESOURCE_EXHAUSTED: 429,
+    ErrorCode.PAYLOAD_TOO_LARGE: 413,
     ErrorCode.CANCELLED: 499,
     ErrorCode.INTERNAL: 500,
     ErrorCode.ABORTED: 502,
@@ -45,21 +49,32 @@ _OPENAI_TYPE = {
     ErrorCode.ALREADY_EXISTS: "invalid_request_error",
     ErrorCode.UNAUTHENTICATED: "authentication_error",
     ErrorCode.RESOURCE_EXHAUSTED: "rate_limit_error",
+    ErrorCode.PAYLOAD_TOO_LARGE: "invalid_request_error",
 }
 
 
 class PDServeError(Exception):
-    """An error with a status code for the API edge; ``message`` is safe to show a client."""
+    """An error with a status code for the API edge; ``message`` is safe to show a client.
 
-    def __init__(self, code: ErrorCode, message: str, request_id: str = "") -> None:
+    ``retry_after_s``: when an overloaded cluster expects to have room again (HTTP
+    ``Retry-After``, gRPC ``retry-after-ms`` trailing metadata); None: no advice."""
+
+    def __init__(
+        self,
+        code: ErrorCode,
+        message: str,
+        request_id: str = "",
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.request_id = request_id
+        self.retry_after_s = retry_after_s
 
-    def __reduce__(self) -> tuple[type, tuple[ErrorCode, str, str]]:
+    def __reduce__(self) -> tuple[type, tuple[ErrorCode, str, str, float | None]]:
         # Survives Ray's serialization between replicas with its fields intact.
-        return (type(self), (self.code, self.message, self.request_id))
+        return (type(self), (self.code, self.message, self.request_id, self.retry_after_s))
 
     def __str__(self) -> str:
         return f"{self.code.value}: {self.message}"

@@ -25,7 +25,11 @@ def _bad(name: str, message: str) -> ValueError:
 def _finite(name: str, value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise _bad(name, f"must be a number, got {value!r}")
-    if not math.isfinite(value):
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int past a float's range
+        raise _bad(name, f"out of range, got an integer of {len(str(abs(value)))} digits") from None
+    if not finite:
         raise _bad(name, f"must be a finite number, got {value!r}")
 
 

@@ -31,6 +31,9 @@ from cluster.router.structured import check_schema, response_format
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 MAX_PROMPT_CHARS = 4 << 20  # raw text, before tokenization (the body limit applies first)
+_MAX_INT_DIGITS = 32  # in any JSON integer of a body (ids and seeds fit in 20)
+_MAX_ID_DIGITS = 12  # a token id has fewer digits; int() of 4,300+ digits raises ValueError
+_QUOTE_CHARS = 64  # client text quoted in an error (and so in the log) is cut to this
 
 # OpenAI fields, per endpoint: accepted (and mapped), or refused with a message naming them.
 _COMMON_FIELDS = frozenset(
@@ -139,10 +142,13 @@ class ParsedRequest:
 
 
 async def read_body(parts: AsyncIterator[bytes], declared: str | None, limit: int) -> bytes:
-    """An HTTP body, read as it arrives and refused (RESOURCE_EXHAUSTED) as soon as it passes
-    ``limit``: a chunked body has no Content-Length to check first, and is never buffered
-    beyond the limit."""
-    too_big = PDServeError(ErrorCode.RESOURCE_EXHAUSTED, f"request body exceeds {limit} bytes")
+    """An HTTP body, read as it arrives and refused (413, PAYLOAD_TOO_LARGE) as soon as it
+    passes ``limit``: a chunked body has no Content-Length to check first, and is never
+    buffered beyond the limit. Not a 429: the OpenAI SDKs retry those, resending the body."""
+    too_big = PDServeError(
+        ErrorCode.PAYLOAD_TOO_LARGE,
+        f"request body exceeds {limit} bytes (router.max_request_bytes)",
+    )
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_big
     chunks, size = [], 0
@@ -154,13 +160,29 @@ async def read_body(parts: AsyncIterator[bytes], declared: str | None, limit: in
     return b"".join(chunks)
 
 
+class _HugeNumber(Exception):
+    def __init__(self, digits: int) -> None:
+        self.digits = digits
+
+
+def _bounded_int(literal: str) -> int:
+    """A JSON integer, refused past ``_MAX_INT_DIGITS`` digits: no field takes one that long,
+    and one of hundreds of digits overflows a float conversion (a 500) or fills an error."""
+    digits = len(literal.lstrip("-"))
+    if digits > _MAX_INT_DIGITS:
+        raise _HugeNumber(digits)
+    return int(literal)
+
+
 def json_object(raw: bytes) -> dict[str, Any]:
     try:
         text = raw.decode("utf-8")  # strict: json.loads(bytes) would let surrogates through
     except UnicodeDecodeError as e:
         raise invalid(f"body: not valid UTF-8 (at byte {e.start})") from None
     try:
-        body = json.loads(text)
+        body = json.loads(text, parse_int=_bounded_int)
+    except _HugeNumber as e:
+        raise invalid(f"body: an integer of {e.digits} digits; at most {_MAX_INT_DIGITS}") from None
     except ValueError:
         raise invalid("body: not valid JSON") from None
     except RecursionError:  # a hostile "[[[[...": refused like any bad body, not a 500
@@ -168,6 +190,14 @@ def json_object(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise invalid("body: must be a JSON object")
     return body
+
+
+def _clip(text: str) -> str:
+    """Client text as an error quotes it: never more than ``_QUOTE_CHARS`` characters (a MiB
+    field name must not come back in the answer, nor fill the log)."""
+    if len(text) <= _QUOTE_CHARS:
+        return text
+    return f"{text[:_QUOTE_CHARS]}... ({len(text)} characters)"
 
 
 def _type_name(value: Any) -> str:
@@ -222,7 +252,9 @@ def _text_parts(content: Any, where: str) -> str:
         for i, part in enumerate(content):
             if not isinstance(part, Mapping) or part.get("type") != "text":
                 kind = part.get("type") if isinstance(part, Mapping) else _type_name(part)
-                raise invalid(f"{where}[{i}]: only text parts are supported, got {kind!r}")
+                raise invalid(
+                    f"{where}[{i}]: only text parts are supported, got {_clip(repr(kind))}"
+                )
             text = part.get("text")
             if not isinstance(text, str):
                 raise invalid(f"{where}[{i}].text: must be a string")
@@ -396,7 +428,9 @@ class RequestParser:
             if key in _UNSUPPORTED and body[key] not in (None, [], {}):
                 raise invalid(f"{key}: {_UNSUPPORTED[key]}")
             if key not in allowed and key not in _UNSUPPORTED:
-                raise invalid(f"{key}: unsupported field; supported: {', '.join(sorted(allowed))}")
+                raise invalid(
+                    f"{_clip(key)}: unsupported field; supported: {', '.join(sorted(allowed))}"
+                )
         self._check_model(body)
         if body.get("suffix"):
             raise invalid("suffix: insertion (suffix) is not supported")
@@ -406,7 +440,8 @@ class RequestParser:
         if model is not None and model != self.model:
             raise PDServeError(
                 ErrorCode.NOT_FOUND,
-                f"model: {model!r} is not served here; this cluster serves {self.model!r}",
+                f"model: {_clip(repr(model))} is not served here; "
+                f"this cluster serves {self.model!r}",
             )
 
     @staticmethod
@@ -519,7 +554,9 @@ class RequestParser:
         out = []
         for key, value in bias.items():
             if not (isinstance(key, str) and key.isascii() and key.isdigit()):
-                raise invalid(f"logit_bias: keys must be token ids, got {key!r}")
+                raise invalid(f"logit_bias: keys must be token ids, got {_clip(repr(key))}")
+            if len(key) > _MAX_ID_DIGITS:  # int() of 4,300+ digits raises; none is a token id
+                raise invalid(f"logit_bias: key of {len(key)} digits is not a token id")
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise invalid(f"logit_bias: the bias of {key} must be a number")
             out.append((int(key), float(value)))
@@ -679,5 +716,7 @@ class RequestParser:
         for key in body:
             utf8_text(key, "body: a field name")
             if key not in allowed:
-                raise invalid(f"{key}: unsupported field; supported: {', '.join(sorted(allowed))}")
+                raise invalid(
+                    f"{_clip(key)}: unsupported field; supported: {', '.join(sorted(allowed))}"
+                )
         self._check_model(body)

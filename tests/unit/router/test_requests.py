@@ -366,3 +366,68 @@ def test_tokenize_and_detokenize(parser: RequestParser) -> None:
         code, message = code_of(fn, body)
         assert code == ErrorCode.INVALID_ARGUMENT and message.startswith(field), message
     assert code_of(parser.detokenize, {"tokens": [1], "model": "x"})[0] == ErrorCode.NOT_FOUND
+
+
+# -- hostile numbers and quotes (issue 40, item 3) ----------------------------------------------
+
+NUMERIC_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "n",
+    "timeout_ms",
+    "min_tokens",
+)
+
+
+@pytest.mark.parametrize("field", NUMERIC_FIELDS)
+@pytest.mark.parametrize("digits", [40, 400, 5000])
+def test_a_huge_number_in_any_field_is_a_400_naming_it(
+    parser: RequestParser, field: str, digits: int
+) -> None:
+    """JSON takes integers of up to 4,300 digits: one of 400 overflowed a float conversion (a
+    500), one of 5,000 failed int() itself; the error quoted all of them back."""
+    from cluster.router.requests import json_object
+
+    for sign in ("", "-"):
+        raw = f'{{"prompt": "x", "{field}": {sign}{"7" * digits}}}'.encode()
+        code, message = code_of(lambda body: parser.from_completion(json_object(body)), raw)
+        assert code in (ErrorCode.INVALID_ARGUMENT, ErrorCode.DEADLINE_EXCEEDED), message
+        assert len(message) < 200, message
+        assert message.startswith("body:") or message.startswith(field), message
+
+
+@pytest.mark.parametrize("digits", [13, 400, 5000])
+def test_a_logit_bias_key_of_many_digits_is_a_400(parser: RequestParser, digits: int) -> None:
+    code, message = code_of(
+        parser.from_completion, {"prompt": "x", "logit_bias": {"9" * digits: 1}}
+    )
+    assert code == ErrorCode.INVALID_ARGUMENT and message.startswith("logit_bias"), message
+    assert len(message) < 200, message
+
+
+def test_client_text_quoted_in_an_error_is_clipped(parser: RequestParser) -> None:
+    """An unknown field, a model or a logit_bias key of a MiB is named, not echoed whole (into
+    the answer and the router's log)."""
+    huge = "k" * (1 << 20)
+    for body in (
+        {"prompt": "x", huge: 1},
+        {"prompt": "x", "model": huge},
+        {"prompt": "x", "logit_bias": {huge: 1}},
+    ):
+        _code, message = code_of(parser.from_completion, body)
+        assert len(message) < 1000 and "characters)" in message, message[:400]
+
+
+def test_sampling_params_refuse_a_huge_integer_as_a_value_error() -> None:
+    """The engine's own check (Python API, YAML): a ValueError naming the field, not the
+    OverflowError of a float conversion."""
+    for field in ("temperature", "top_p", "min_p", "presence_penalty"):
+        with pytest.raises(ValueError, match=f"^{field}: out of range"):
+            SamplingParams(**{field: 10**400})
