@@ -42,6 +42,10 @@ class RouterConfig:
     """HTTP requests Serve's proxy queues for a router replica."""
     max_streams_per_connection: int = 100
     """gRPC calls open at once on one client connection."""
+    max_health_watches: int = 256
+    """gRPC health ``Watch`` streams open at once on a router replica; beyond, and beyond 4 on
+    one connection, a ``Watch`` is refused (RESOURCE_EXHAUSTED). All watches share one poll of
+    the pools' readiness, so an open watch costs a wake-up only when the status changes."""
     graceful_shutdown_timeout_s: float = 20.0
     """A router replica going away lets its calls finish for this long."""
     graceful_shutdown_wait_loop_s: float = 2.0
@@ -100,6 +104,7 @@ class RouterConfig:
         check(self.stall_timeout_s > 0, "router.stall_timeout_s", "must be > 0")
         streams = self.max_streams_per_connection
         check(streams >= 1, "router.max_streams_per_connection", "must be >= 1")
+        check(self.max_health_watches >= 1, "router.max_health_watches", "must be >= 1")
         check(
             self.graceful_shutdown_timeout_s > 0,
             "router.graceful_shutdown_timeout_s",

@@ -11,14 +11,15 @@ ours. This server:
   * refuses a message over ``router.max_request_bytes`` (RESOURCE_EXHAUSTED, before parsing),
     more than ``router.max_streams_per_connection`` concurrent calls on one connection and,
     through the router's admission control (``admit``), more than it lets in at once
-    (RESOURCE_EXHAUSTED at once, before parsing, nothing queued);
+    (RESOURCE_EXHAUSTED at once, before parsing, nothing queued, with the retry delay as
+    ``grpc-retry-pushback-ms``), and more than ``max_calls`` calls of any kind at once;
   * parses each request itself, so bytes that are not a valid message (invalid UTF-8 in a
     string field, a truncated field) are INVALID_ARGUMENT, not INTERNAL;
   * ends every failed call with a code and a short message naming the request id, never an
     exception's text (the details go to the log).
 The health service reports what ``ready()`` says (SERVING only once both pools can take a
-request), for the whole server (``""``) and for ``pdserve.v1.Generation``; server reflection is
-on (grpcurl).
+request), for the whole server (``""``) and for ``pdserve.v1.Generation``; its ``Watch`` streams
+are bounded and share one poll (``HealthWatches``). Server reflection is on (grpcurl).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ logger = logging.getLogger(__name__)
 GENERATION = "pdserve.v1.Generation"
 HEALTH = "grpc.health.v1.Health"
 WATCH_PERIOD_S = 0.25
+WATCHES_PER_CONNECTION = 4
+RETRY_PUSHBACK = "grpc-retry-pushback-ms"
 
 Metadata = Mapping[str, str]
 # (request, metadata, seconds the client's deadline leaves or None) -> response messages
@@ -87,6 +90,66 @@ def _status_details(e: PDServeError) -> str:
     return f"{e.message} (request {e.request_id})" if e.request_id else e.message
 
 
+async def _abort(context: grpc.aio.ServicerContext, e: PDServeError) -> None:
+    """End a call with the error's status; an overload refusal carries its retry delay as
+    gRPC's server pushback (``grpc-retry-pushback-ms``), which a client's retry policy obeys."""
+    if e.retry_after_s is not None:
+        pushback = str(max(1, round(e.retry_after_s * 1000)))
+        context.set_trailing_metadata(((RETRY_PUSHBACK, pushback),))
+    await context.abort(grpc_status(e), _status_details(e))
+
+
+class HealthWatches:
+    """The open health ``Watch`` streams: bounded (``router.max_health_watches`` in all,
+    ``WATCHES_PER_CONNECTION`` on one connection), and sharing one poll of ``ready()`` every
+    ``WATCH_PERIOD_S`` while any is open; a watch wakes only when the status changes."""
+
+    def __init__(self, ready: Callable[[], bool], limit: int) -> None:
+        self._ready = ready
+        self.limit = limit
+        self.num_open = 0
+        self.num_rejected = 0
+        self._per_peer: collections.Counter[str] = collections.Counter()
+        self._changed = asyncio.Event()
+        self._serving: bool | None = None
+        self._poller: asyncio.Task[None] | None = None
+
+    def join(self, peer: str) -> None:
+        if self.num_open >= self.limit or self._per_peer[peer] >= WATCHES_PER_CONNECTION:
+            self.num_rejected += 1
+            raise PDServeError(
+                ErrorCode.RESOURCE_EXHAUSTED,
+                f"too many health watches (router.max_health_watches={self.limit}, "
+                f"{WATCHES_PER_CONNECTION} per connection)",
+            )
+        self.num_open += 1
+        self._per_peer[peer] += 1
+        if self._poller is None:
+            self._poller = asyncio.get_running_loop().create_task(self._poll())
+
+    def leave(self, peer: str) -> None:
+        self.num_open -= 1
+        self._per_peer[peer] -= 1
+        if self._per_peer[peer] <= 0:
+            del self._per_peer[peer]
+
+    def next_change(self) -> asyncio.Event:
+        """An event set at the next change of the serving status."""
+        return self._changed
+
+    async def _poll(self) -> None:
+        try:
+            while self.num_open:
+                serving = self._ready()
+                if serving != self._serving:
+                    self._serving = serving
+                    self._changed.set()  # wakes every watch once: each sends its status
+                    self._changed = asyncio.Event()
+                await asyncio.sleep(WATCH_PERIOD_S)
+        finally:
+            self._poller = None
+
+
 class GrpcListener:
     def __init__(
         self,
@@ -96,6 +159,7 @@ class GrpcListener:
         model_info: ModelInfoFn,
         ready: Callable[[], bool],
         admit: Callable[[], None],
+        max_calls: int | None = None,
     ) -> None:
         self.config = config
         self._generate_fn = generate
@@ -103,6 +167,7 @@ class GrpcListener:
         self._ready = ready
         self._admit_fn = admit
         self._streams: collections.Counter[str] = collections.Counter()  # per connection
+        self._health = HealthWatches(ready, config.max_health_watches)
         self.num_rejected = 0
         self.port = 0
         limit = config.max_request_bytes
@@ -115,7 +180,10 @@ class GrpcListener:
                 # RESOURCE_EXHAUSTED; beyond it the stream is refused, REFUSED_STREAM, which a
                 # client sees as UNAVAILABLE): no client can open unbounded streams at all.
                 ("grpc.max_concurrent_streams", 4 * config.max_streams_per_connection),
-            ]
+            ],
+            # Calls of every kind at once (health checks, reflection included): beyond it gRPC
+            # itself answers RESOURCE_EXHAUSTED, before any handler runs.
+            maximum_concurrent_rpcs=max_calls,
         )
         self._server.add_generic_rpc_handlers((self._generation_handler(), self._health_handler()))
         # Server reflection (grpcurl, grpcui): the API's schema, public like the .proto.
@@ -194,7 +262,7 @@ class GrpcListener:
         try:
             self._admit(peer)
         except PDServeError as e:
-            await context.abort(grpc_status(e), _status_details(e))
+            await _abort(context, e)
         request_id = ""
         stream: AsyncIterator[Any] | None = None
         try:
@@ -205,7 +273,7 @@ class GrpcListener:
             async for msg in stream:
                 yield msg
         except PDServeError as e:
-            await context.abort(grpc_status(e), _status_details(e))
+            await _abort(context, e)
         except Exception:
             logger.exception("gRPC Generate failed (request %s)", request_id or "-")
             details = _status_details(internal_error(request_id))
@@ -220,7 +288,7 @@ class GrpcListener:
             _parse(pb.ModelInfoRequest, data, "ModelInfoRequest")
             return self._model_info_fn(dict(context.invocation_metadata() or ()))
         except PDServeError as e:
-            await context.abort(grpc_status(e), _status_details(e))
+            await _abort(context, e)
 
     def _status(self, service: str) -> int:
         if service not in ("", GENERATION):
@@ -240,17 +308,24 @@ class GrpcListener:
             await context.abort(grpc_status(e), e.message)
 
     async def _watch(self, data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        peer = context.peer()
         try:
             req = _parse(health_pb2.HealthCheckRequest, data, "HealthCheckRequest")
+            self._status(req.service)  # an unknown service: NOT_FOUND before taking a place
+            self._health.join(peer)
+        except PDServeError as e:
+            await context.abort(grpc_status(e), e.message)
+        try:
             last = None
             while True:
+                changed = self._health.next_change()
                 status = self._status(req.service)
                 if status != last:
                     yield health_pb2.HealthCheckResponse(status=status)
                     last = status
-                await asyncio.sleep(WATCH_PERIOD_S)
-        except PDServeError as e:
-            await context.abort(grpc_status(e), e.message)
+                await changed.wait()
+        finally:
+            self._health.leave(peer)
 
 
 def deadline_within(deadline: float | None, remaining_s: float | None) -> float | None:

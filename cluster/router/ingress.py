@@ -52,8 +52,8 @@ from cluster.router.responses import (
     aggregate_chat,
     aggregate_completion,
     error_event,
+    error_response,
     grpc_chunk,
-    openai_error,
 )
 from cluster.serving.heap import freeze_startup_heap, heap_stats
 from cluster.serving.metrics import RouterMetrics
@@ -113,6 +113,8 @@ class Router:
             model_info=self._model_info,
             ready=lambda: self.readiness.ready,
             admit=self.admission.check,
+            # admitted generations + health watches + room for checks and reflection
+            max_calls=self.admission.limit + r.max_health_watches + 64,
         )
         await self.grpc.start()
         self.readiness.start()
@@ -144,7 +146,7 @@ class Router:
             len(parsed.prompt_token_ids),
         )
         try:
-            with self.admission.admitted(parsed.request_id):
+            with self.admission.admitted(parsed.request_id, max(parsed.n, parsed.best_of)):
                 async with contextlib.aclosing(self._relay(parsed, t0)) as relayed:
                     async for chunk in relayed:
                         if chunk.token_ids or chunk.text:
@@ -242,12 +244,10 @@ class Router:
             parsed = await self._parse(lambda: from_body(json_object(raw)), len(raw))
             self.parse_ms[kind].append((time.perf_counter() - t0) * 1000)
         except PDServeError as e:
-            status, payload = openai_error(e)
-            return JSONResponse(payload, status_code=status)
+            return error_response(e)
         except Exception:
             logger.exception("HTTP %s request failed before it was parsed", kind)
-            status, payload = openai_error(internal_error(""))
-            return JSONResponse(payload, status_code=status)
+            return error_response(internal_error(""))
         route = "chat" if kind == "chat" else "completions"
         if parsed.stream:
             stream_cls = ChatStream if kind == "chat" else CompletionStream
@@ -263,8 +263,7 @@ class Router:
                 async for chunk in stream:
                     chunks.append(chunk)
         except PDServeError as e:
-            status, payload = openai_error(e)
-            return JSONResponse(payload, status_code=status)
+            return error_response(e)
         aggregate = aggregate_chat if kind == "chat" else aggregate_completion
         return JSONResponse(
             aggregate(parsed, self.model, chunks, self.parser.tokenizer),
@@ -311,16 +310,14 @@ class Router:
             raw = await self._body(request)
             return JSONResponse(await self._parse(lambda: handle(json_object(raw)), len(raw)))
         except PDServeError as e:
-            status, payload = openai_error(e)
-            return JSONResponse(payload, status_code=status)
+            return error_response(e)
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:
         try:
             self.auth.check(request.headers.get("authorization"))
         except PDServeError as e:
-            status, payload = openai_error(e)
-            return JSONResponse(payload, status_code=status)
+            return error_response(e)
         return JSONResponse(
             {
                 "object": "list",

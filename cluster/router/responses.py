@@ -10,10 +10,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import grpc
+from fastapi.responses import JSONResponse
 
 from cluster.common.errors import ErrorCode, PDServeError
 from cluster.common.protocol import StreamChunk, Usage
@@ -30,6 +32,7 @@ _FINISH = {
 _GRPC_STATUS = {
     ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
     ErrorCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorCode.PAYLOAD_TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ErrorCode.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
     ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     ErrorCode.ABORTED: grpc.StatusCode.ABORTED,
@@ -109,6 +112,16 @@ def openai_error(error: PDServeError) -> tuple[int, dict[str, Any]]:
     if error.request_id:
         body["error"]["request_id"] = error.request_id
     return error.code.http_status, body
+
+
+def error_response(error: PDServeError) -> JSONResponse:
+    """An error in OpenAI's shape, with ``Retry-After`` (whole seconds, at least 1) when the
+    error carries a retry delay (an overloaded cluster's 429)."""
+    status, payload = openai_error(error)
+    headers = {}
+    if error.retry_after_s is not None:
+        headers["retry-after"] = str(max(1, math.ceil(error.retry_after_s)))
+    return JSONResponse(payload, status_code=status, headers=headers)
 
 
 def openai_usage(usage: Usage | None) -> dict[str, Any]:

@@ -87,8 +87,13 @@ def as_pdserve_error(e: BaseException, request_id: str = "") -> PDServeError:
     if isinstance(cause, PDServeError):
         return cause
     if isinstance(e, sex.BackPressureError):
+        # Serve's own queue bound, behind the router's admission: no queue figures here, so
+        # the shortest delay a client is worth being told (one second).
         return PDServeError(
-            ErrorCode.RESOURCE_EXHAUSTED, "the cluster is at capacity; retry", request_id
+            ErrorCode.RESOURCE_EXHAUSTED,
+            "the cluster is at capacity; retry",
+            request_id,
+            retry_after_s=1.0,
         )
     if isinstance(e, asyncio.TimeoutError | TimeoutError):
         return PDServeError(

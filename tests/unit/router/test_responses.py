@@ -139,6 +139,7 @@ def test_grpc_chunk_carries_tokens_logprobs_usage() -> None:
         (ErrorCode.INVALID_ARGUMENT, 400, grpc.StatusCode.INVALID_ARGUMENT),
         (ErrorCode.UNAUTHENTICATED, 401, grpc.StatusCode.UNAUTHENTICATED),
         (ErrorCode.RESOURCE_EXHAUSTED, 429, grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (ErrorCode.PAYLOAD_TOO_LARGE, 413, grpc.StatusCode.RESOURCE_EXHAUSTED),
         (ErrorCode.UNAVAILABLE, 503, grpc.StatusCode.UNAVAILABLE),
         (ErrorCode.DEADLINE_EXCEEDED, 504, grpc.StatusCode.DEADLINE_EXCEEDED),
         (ErrorCode.ABORTED, 502, grpc.StatusCode.ABORTED),
