@@ -354,6 +354,7 @@ class Router:
             "retries": self.relay.num_retries,
             "parse_ms": {k: list(v) for k, v in self.parse_ms.items()},
             "ranking_ms": recent_ranking_ms(),  # the decode pool's routing, in this process
+            "paused_faults": self.faults.paused(),
             "in_flight": self.admission.num_inflight,
             "rejected": self.admission.num_rejected,
             "ready": self.readiness.ready,
@@ -366,4 +367,8 @@ class Router:
     def arm_fault(self, spec: str) -> str:
         """Test mode only (``testing.enabled``): arm a router fault point (``common.faults``)."""
         self.faults.arm(spec)
+        return "ok"
+
+    def release_fault(self, name: str) -> str:
+        self.faults.release(name)
         return "ok"

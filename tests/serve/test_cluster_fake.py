@@ -7,6 +7,7 @@ file order and the kill tests come last. Every test ends with the block-integrit
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -31,7 +32,7 @@ from cluster.engine.engine import EngineRequest, LLMEngine
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from tests.helpers import fake_config, greedy, run_until_done
 from tests.serve.cluster_helpers import App, wait_replicas_ready
-from tests.serve_fixtures import ServeCluster
+from tests.serve_fixtures import ServeCluster, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -644,33 +645,139 @@ def start_stream(app: App, req: pb.GenerateRequest) -> tuple[Any, list[Any], thr
     return call, got, t
 
 
-@pytest.mark.parametrize(
-    ("phase", "role", "point", "length"),
-    [
-        ("queued", "decode", "engine.step", 8),
-        ("prefilling", "prefill", "p.after_prefill_before_publish", 40),
-        ("between prefill and decode", "decode", "d.after_alloc_before_pull", 40),
-        ("decoding", "decode", "d.mid_decode_token_k", 40),
-    ],
-)
-def test_cancel_at_each_phase_frees_every_block(
-    app: App, phase: str, role: str, point: str, length: int
-) -> None:
-    app.arm(role, f"{point}=pause")
-    call, got, t = start_stream(app, greedy_req(prompt(7, length), 30, f"cancel-{role}"))
-    try:
+def outcome_counters(app: App) -> collections.Counter[str]:
+    """How the pools ended their requests, summed over the replicas: the engines' completed
+    and aborted requests, the prefill side's leases by how they ended."""
+    out: collections.Counter[str] = collections.Counter()
+    for role in ("decode", "prefill"):
+        for s in app.stats(role).values():
+            engine = s["engine"]
+            out[f"{role}.completed"] += engine["num_finished"] - engine["num_aborted"]
+            out[f"{role}.aborted"] += engine["num_aborted"]
+            if role == "prefill":
+                for reason in ("acked", "aborted", "peer_aborted", "expired"):
+                    out[f"lease.{reason}"] += s["transfer"].get(f"leases_{reason}", 0)
+    return out
+
+
+def delta(before: collections.Counter[str], after: collections.Counter[str]) -> dict[str, int]:
+    return {k: after[k] - before[k] for k in sorted(set(before) | set(after))}
+
+
+# phase: (role paused, fault point, prompt length, the request reaches decode, leases acked).
+CANCEL_PHASES = {
+    "router queue": ("router", "router.before_relay", 8, False, 0),
+    "decode queue": ("decode", "engine.step", 8, True, 0),
+    "prefill queue": ("prefill", "engine.step", 40, True, 0),
+    "prefilling": ("prefill", "p.after_prefill_before_publish", 40, True, 0),
+    "between prefill and decode": ("decode", "d.after_alloc_before_pull", 40, True, 0),
+    "decoding": ("decode", "d.mid_decode_token_k", 40, True, 1),
+}
+LONG = 2000  # tokens a decoding request still has to go when it is held mid-decode
+
+
+def pause_at(app: App, role: str, point: str) -> None:
+    if role == "router":
+        app.router.arm_fault.remote(f"{point}=pause").result(timeout_s=30)
+    else:
+        app.arm(role, f"{point}=pause")
+
+
+def wait_paused(app: App, role: str, point: str) -> None:
+    if role != "router":
         app.wait_paused(role, point)
+        return
+
+    def paused() -> bool:
+        return point in app.router.stats.remote().result(timeout_s=30)["paused_faults"]
+
+    assert wait_until(paused, 30, 0.1), f"the router never paused at {point}"
+
+
+def release_at(app: App, role: str, point: str) -> None:
+    if role == "router":
+        app.router.release_fault.remote(point).result(timeout_s=30)
+    else:
+        app.release(role, point)
+
+
+def hold_decode_engine(app: App) -> None:
+    """With a stream held at ``d.mid_decode_token_k``, the decode engine would go on to finish
+    the request on its own (the fake model takes no time): hold it too, mid-generation, so only
+    an abort can end the request."""
+    app.arm("decode", "engine.step=pause")
+    app.wait_paused("decode", "engine.step")
+
+
+@pytest.mark.parametrize("phase", list(CANCEL_PHASES))
+def test_cancel_at_each_phase_frees_every_block(app: App, phase: str) -> None:
+    """F4/F8: a stream cancelled while its request sits at each phase. A cancel that was
+    ignored would still free the blocks once the request finished, so the test asserts how
+    the pools ended it: aborted on decode and never completed, no lease left to expire, and,
+    in the router's queue, no pool ever saw it."""
+    role, point, length, reaches_decode, acked = CANCEL_PHASES[phase]
+    decoding = point == "d.mid_decode_token_k"
+    before = outcome_counters(app)
+    pause_at(app, role, point)
+    req = greedy_req(prompt(7, length), LONG if decoding else 30, f"cancel-{role}")
+    call, got, t = start_stream(app, req)
+    try:
+        wait_paused(app, role, point)
+        if decoding:
+            hold_decode_engine(app)
         call.cancel()
         t.join(30)
         assert got and isinstance(got[-1], grpc.RpcError)
         assert got[-1].code() == grpc.StatusCode.CANCELLED
     finally:
-        app.release(role, point)
+        if decoding:
+            app.release("decode", "engine.step")
+        release_at(app, role, point)
     app.assert_clean()
+    ended = delta(before, outcome_counters(app))
+    print(f"cancel while {phase}: {ended}")
+    assert ended["decode.completed"] == 0, ended  # the cancelled request never completed
+    assert ended["decode.aborted"] == (1 if reaches_decode else 0), ended
+    assert ended["lease.expired"] == 0, ended  # nothing was left for a lease timeout to end
+    assert ended["lease.acked"] == acked, ended
+    if not reaches_decode:
+        assert not any(ended.values()), ended
+        assert app.router.stats.remote().result(timeout_s=30)["in_flight"] == 0
     # the next request succeeds
     p = prompt(8, length)
     assert tokens(app.generate(greedy_req(p, 6), KEY)) == reference(app, {"x": p}, 6)["x"]
     app.assert_clean()
+
+
+def test_a_deadline_that_expires_mid_decode_ends_the_request_everywhere(app: App) -> None:
+    """B9 mid-stream: a request whose timeout_ms passes while it decodes (stream and engine
+    held mid-generation past the deadline) gets DEADLINE_EXCEEDED after its first tokens, and
+    the decode pool aborts it: it never completes, its blocks are freed, no lease expires."""
+    point = "d.mid_decode_token_k"
+    before = outcome_counters(app)
+    app.arm("decode", f"{point}=pause")
+    req = greedy_req(prompt(9, 40), LONG, "deadline-mid-decode")
+    req.timeout_ms = 3000
+    t0 = time.monotonic()
+    _call, got, t = start_stream(app, req)
+    try:
+        app.wait_paused("decode", point)
+        hold_decode_engine(app)
+        t.join(30)  # the deadline ends the call; nothing releases the pauses before
+        took = time.monotonic() - t0
+    finally:
+        app.release("decode", "engine.step")
+        app.release("decode", point)
+    assert not t.is_alive()
+    assert any(isinstance(m, pb.GenerateResponse) and m.token_ids for m in got), got
+    assert isinstance(got[-1], grpc.RpcError), got[-1]
+    assert got[-1].code() == grpc.StatusCode.DEADLINE_EXCEEDED, got[-1]
+    assert 2.5 < took < 20, took
+    app.assert_clean()
+    ended = delta(before, outcome_counters(app))
+    print(f"deadline mid-decode after {took:.2f} s: {ended}")
+    assert ended["decode.completed"] == 0 and ended["decode.aborted"] == 1, ended
+    assert ended["lease.expired"] == 0 and ended["lease.acked"] == 1, ended
 
 
 def test_tiny_grpc_deadline_cancels_the_work(app: App) -> None:
