@@ -22,10 +22,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import grpc
+import hypothesis
 import openai
 import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import strategies as st
 
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.engine import EngineRequest, LLMEngine
@@ -401,6 +403,91 @@ def test_bad_input_gets_the_right_status_and_touches_no_worker(app: App) -> None
     # 413, never 429: the OpenAI SDKs retry a 429, resending the oversized body
     assert status == 413 and "exceeds" in body["error"]["message"]
     assert worker_calls(app) == before  # nothing reached a pool
+    app.assert_clean()
+
+
+def _fuzz_bodies(vocab: int) -> st.SearchStrategy[dict[str, Any]]:
+    """Completion bodies, valid and not: each field is absent, well-formed, out of range, of
+    the wrong type, or hostile (NaN, integers of 41 and 401 digits, ids past the vocabulary)."""
+    number = st.one_of(
+        st.floats(-3, 3),
+        st.sampled_from([float("nan"), float("inf"), 10**40, -(10**400)]),
+        st.none(),
+    )
+    count = st.one_of(
+        st.integers(-2, 12), st.sampled_from([10**40, 10**400, 2.5, "3", True]), st.none()
+    )
+    return st.fixed_dictionaries(
+        {
+            "prompt": st.one_of(
+                st.text(min_size=1, max_size=24),
+                st.lists(st.integers(-2, vocab + 2), min_size=1, max_size=12),
+                st.sampled_from(["", [], 7, None]),
+            )
+        },
+        optional={
+            "max_tokens": count,
+            "min_tokens": st.integers(-1, 4),
+            "n": st.one_of(st.integers(0, 3), st.just(99)),
+            "temperature": number,
+            "top_p": number,
+            "top_k": st.one_of(st.integers(-3, 50), st.just("x")),
+            "min_p": number,
+            "presence_penalty": number,
+            "frequency_penalty": number,
+            "repetition_penalty": number,
+            "seed": st.one_of(st.integers(-1, 2**64), st.just(10**40)),
+            "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=3)),
+            "logit_bias": st.dictionaries(
+                st.one_of(st.integers(0, vocab + 2).map(str), st.just("x"), st.just("9" * 40)),
+                st.one_of(st.floats(-150, 150), st.just("1")),
+                max_size=3,
+            ),
+            "ignore_eos": st.booleans(),
+            "user": st.text(max_size=8),
+            "frobnicate": st.integers(),
+        },
+    )
+
+
+def test_b4_http_fuzz_never_a_5xx_and_valid_bodies_reach_the_engine(app: App) -> None:
+    """B4 over HTTP: generated completion bodies. Every answer is a 200 that carries tokens
+    the engine generated (within max_tokens) or a 400 whose message names a field of the body
+    (or the body itself); never a 5xx, nothing leaked."""
+    vocab = app.config.testing.fake_model.vocab_size
+    seen: collections.Counter[int] = collections.Counter()
+
+    def generated() -> int:
+        return sum(s["engine"]["num_generated_tokens"] for s in app.stats("decode").values())
+
+    generated_before = generated()
+
+    @hypothesis.settings(
+        max_examples=200,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=list(hypothesis.HealthCheck),
+    )
+    @hypothesis.given(body=_fuzz_bodies(vocab))
+    def check(body: dict[str, Any]) -> None:
+        status, reply = http(app, "/v1/completions", body)
+        seen[status] += 1
+        assert status in (200, 400), (status, body, reply)
+        if status == 200:
+            usage = reply["usage"]
+            assert usage["completion_tokens"] >= len(reply["choices"]) >= 1, reply
+            limit = body.get("max_tokens")
+            if isinstance(limit, int) and not isinstance(limit, bool):
+                assert usage["completion_tokens"] <= limit * len(reply["choices"]), reply
+            return
+        message = reply["error"]["message"]
+        head = message.split(":", 1)[0].split("[", 1)[0]
+        assert head in set(body) | {"body", "prompt_token_ids", "max_tokens"}, (message, body)
+
+    check()
+    print(f"B4 HTTP fuzz: {dict(seen)}")
+    assert seen[200] >= 8 and seen[400] >= 8, seen  # both kinds were exercised
+    assert generated() - generated_before >= seen[200], seen  # the 200s' tokens are the engine's
     app.assert_clean()
 
 
