@@ -19,6 +19,7 @@ reported against, not asserted: see docs/RELIABILITY-COVERAGE.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import statistics
@@ -42,7 +43,7 @@ from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from cluster.serving.options import router_admission_limit
 from tests.helpers import fake_config, greedy, run_until_done
 from tests.serve.cluster_helpers import App
-from tests.serve_fixtures import ServeCluster
+from tests.serve_fixtures import ServeCluster, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -366,6 +367,86 @@ def test_f9_an_abort_storm_leaves_nothing_behind(big: App) -> None:
     outcomes = asyncio.run(burst(big.grpc_target, [greedy_req(p, 8) for p in normal.values()], 4))
     assert [o.code for o in outcomes] == ["OK"] * 100
     assert {rid: o.tokens for rid, o in zip(normal, outcomes)} == expected
+    big.assert_clean()
+
+
+async def cancel_flood(target: str, n: int) -> dict[str, int]:
+    """B8's flood: ``n`` streams over 8 connections, 64 open at a time, three in four cancelled
+    1-3 ms after they were opened, the rest after their first token; their codes counted."""
+    private = [("grpc.use_local_subchannel_pool", 1)]
+    chans = [grpc.aio.insecure_channel(target, options=private) for _ in range(8)]
+    stubs = [pb_grpc.GenerationStub(c) for c in chans]
+    room = asyncio.Semaphore(64)
+    codes: dict[str, int] = {}
+
+    async def open_and_cancel(i: int) -> None:
+        async with room:
+            call = stubs[i % 8].Generate(greedy_req(prompt(i, 20 + i % 30), 200))
+            if i % 4:
+                await asyncio.sleep((i % 4) / 1000)
+            else:  # a quarter mid-stream: after their first token
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await call.read()
+            call.cancel()
+            code = (await call.code()).name
+            codes[code] = codes.get(code, 0) + 1
+
+    await asyncio.gather(*(open_and_cancel(i) for i in range(n)))
+    for c in chans:
+        await c.close()
+    return codes
+
+
+# B8's full flood (10,000 streams) runs nightly; CI opens and cancels 1,000.
+@pytest.mark.parametrize("n", [1000, pytest.param(10_000, marks=pytest.mark.nightly)])
+def test_b8_a_flood_of_opened_and_cancelled_streams_leaves_nothing(big: App, n: int) -> None:
+    """B8 cancel flood (``cancel_flood``): health from another process answers fast all the
+    while (below); afterwards no call is held
+    at the router, every pool is clean, the router's memory grew < 50 MiB (no leaked call
+    contexts), and the next requests are served exactly."""
+    router = psutil.Process(big.router.pid.remote().result(timeout_s=30))
+    rss_before = router.memory_info().rss
+    normal = {f"n{i}": prompt(2000 + i, 30) for i in range(20)}
+    expected = reference(big.config, normal, 8)
+
+    def router_requests() -> int:
+        return int(big.router.stats.remote().result(timeout_s=30)["requests"])
+
+    reached_before = router_requests()
+    probe = start_helper("tests.serve.health_probe", big.grpc_target)
+    t0 = time.monotonic()
+    codes = asyncio.run(cancel_flood(big.grpc_target, n))
+    took = time.monotonic() - t0
+    out, _ = probe.communicate("", timeout=60)
+    assert probe.returncode == 0
+    health = [float(t) for t in json.loads(out.strip().splitlines()[-1])]
+    reached = router_requests() - reached_before
+    health_p99 = p99(health)
+    print(
+        f"B8 flood: {n} streams in {took:.1f} s, {codes}, {reached} reached the router's "
+        f"admission; health {len(health)} checks, p99 {health_p99 * 1000:.0f} ms, "
+        f"max {max(health) * 1000:.0f} ms"
+    )
+    assert sum(codes.values()) == n and set(codes) <= {"CANCELLED", "OK", "RESOURCE_EXHAUSTED"}
+    assert codes.get("CANCELLED", 0) >= n // 2, codes
+    assert reached >= n // 4, reached  # the mid-stream quarter at least: a flood of real calls
+    # The target is p99 < 100 ms; it is printed, not asserted. Here the flood's client takes
+    # one of the 2 cores and the router's event loop the other, and a check waits behind up to
+    # 64 call starts (~1.8 ms each): p99 120-123 ms for 1,000 streams, 338 ms for 10,000
+    # (2026-12-07). Asserted, as B8's other test: p99 < 500 ms (the router stays responsive).
+    assert len(health) >= 20 and health_p99 < 0.5, sorted(health)[-5:]
+
+    def router_idle() -> bool:
+        return big.router.stats.remote().result(timeout_s=30)["in_flight"] == 0
+
+    assert wait_until(router_idle, 15, 0.2), "calls still held at the router"
+    big.assert_clean(timeout=15.0)
+    grew = router.memory_info().rss - rss_before
+    print(f"B8 flood: router RSS {grew / (1 << 20):+.1f} MiB")
+    assert grew < 50 << 20, grew
+    outcomes = asyncio.run(burst(big.grpc_target, [greedy_req(p, 8) for p in normal.values()], 4))
+    assert [o.code for o in outcomes] == ["OK"] * len(normal)
+    assert {rid: o.tokens for rid, o in zip(normal, outcomes, strict=True)} == expected
     big.assert_clean()
 
 
