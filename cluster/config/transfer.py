@@ -55,8 +55,9 @@ class TransferConfig:
     are leased and pulled while later chunks compute. 0: never (one bulk pull after the last
     chunk). Needs chunked prefill on the prefill pool."""
     auth: str = "none"
-    """KV socket authentication: hmac signs each header, curve encrypts and authenticates every
-    frame; required when ``bind_host`` is not loopback."""
+    """KV socket authentication: hmac signs each message (header and KV frames), curve encrypts
+    and authenticates every frame; either also seals the torch_dist rendezvous store; required
+    when ``bind_host`` is not loopback."""
     hmac_secret: str = ""
     """The shared HMAC secret (>= 16 characters); "": ``$PDSERVE_TRANSFER_SECRET``."""
     curve_secret_key: str = ""

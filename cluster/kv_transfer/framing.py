@@ -1,9 +1,10 @@
 """Framing on a transfer socket: ``[identity] [mac] header *frames`` in, typed messages out.
 
 Every inbound message is checked here before anyone acts on it: the part count, the header size
-(before it is even copied out of zmq's buffer), the MAC in hmac mode, then the header schema
-and protocol version (``protocol.decode``). Raw frames stay zmq frames (zero-copy) until a
-transport has validated their count and lengths against its plan.
+(before it is even copied out of zmq's buffer), the MAC in hmac mode (over the header and every
+payload frame: ``security.MessageSigner``), then the header schema and protocol version
+(``protocol.decode``). Raw frames stay zmq frames (zero-copy) until a transport has validated
+their count and lengths against its plan.
 
 A ``WireFaults`` injector (tests only: ``tests/harness/kv_faults.py``) may rewrite each message's
 raw frames on the way out or in; production passes none.
@@ -25,7 +26,7 @@ from cluster.kv_transfer.protocol import (
     decode,
     encode,
 )
-from cluster.kv_transfer.security import MAC_BYTES, HeaderSigner
+from cluster.kv_transfer.security import MAC_BYTES, MAC_FRAME_BYTES, MessageSigner
 
 Buffer = Any  # bytes, memoryview, numpy view or zmq.Frame: anything with the buffer protocol
 # Send flags as plain ints (combining the IntFlag members costs more than the send of a header).
@@ -41,11 +42,15 @@ class WireFaults(Protocol):
 
 
 class InboundError(KVTransferError):
-    """A refused inbound message, with the routing id of who sent it (when known)."""
+    """A refused inbound message, with the routing id of who sent it (when known) and its
+    header when that is authentic (an altered payload: the receiver fails the pull it names)."""
 
-    def __init__(self, reason: str, message: str, identity: bytes) -> None:
+    def __init__(
+        self, reason: str, message: str, identity: bytes, msg: Message | None = None
+    ) -> None:
         super().__init__(reason, message)
         self.identity = identity
+        self.msg = msg
 
 
 @dataclass(slots=True)
@@ -57,7 +62,7 @@ class Inbound:
 
 class Framer:
     def __init__(
-        self, signer: HeaderSigner, *, router: bool, faults: WireFaults | None = None
+        self, signer: MessageSigner, *, router: bool, faults: WireFaults | None = None
     ) -> None:
         self.signer = signer
         self.router = router
@@ -79,8 +84,8 @@ class Framer:
         """
         header = encode(msg)
         prefix: list[bytes] = [identity] if self.router else []
-        if self.signer.enabled:
-            prefix.append(self.signer.sign(header))
+        if self.signer.enabled:  # over what we mean to send: a fault injector alters it after
+            prefix.append(self.signer.sign(header, frames))
         prefix.append(header)
         variants = [list(frames)]
         if self.faults is not None:
@@ -112,24 +117,43 @@ class Framer:
             identity = parts[0].bytes
             parts = parts[1:]
         if self.signer.enabled:
-            if len(parts) < 2 or len(parts[0]) != MAC_BYTES or len(parts[1]) > MAX_HEADER_BYTES:
-                raise KVTransferError(Reason.BAD_AUTH, "missing or malformed MAC frame")
-            header = parts[1].bytes
-            if not self.signer.verify(parts[0].bytes, header):
-                raise KVTransferError(Reason.BAD_AUTH, "header MAC does not verify")
-            payload = parts[2:]
+            header, payload, altered = self._verified(parts)
         else:
             if not parts:
                 raise KVTransferError(Reason.MALFORMED, "empty message")
             if len(parts[0]) > MAX_HEADER_BYTES:
                 raise KVTransferError(Reason.OVERSIZED, f"header of {len(parts[0])} bytes")
-            header = parts[0].bytes
-            payload = parts[1:]
+            header, payload, altered = parts[0].bytes, parts[1:], False
         try:
             msg = decode(header)
         except KVTransferError as e:
             raise InboundError(e.reason, e.detail, identity) from None
+        if altered:
+            raise InboundError(
+                Reason.BAD_AUTH,
+                f"{msg.TAG}: payload MAC does not verify (frames altered, added or dropped on "
+                "the wire)",
+                identity,
+                msg,
+            )
         frames: list[Buffer] = list(payload)
         if self.faults is None:
             return [Inbound(identity, msg, frames)]
         return [Inbound(identity, msg, f) for f in self.faults.apply("recv", msg.TAG, frames)]
+
+    def _verified(self, parts: list[zmq.Frame]) -> tuple[bytes, list[zmq.Frame], bool]:
+        """(header, payload frames, payload altered) of an hmac message whose header is
+        authentic; ``KVTransferError(bad_auth)`` when not even the header can be trusted."""
+        if len(parts) < 2 or len(parts[1]) > MAX_HEADER_BYTES:
+            raise KVTransferError(Reason.BAD_AUTH, "missing or malformed MAC frame")
+        if len(parts[0]) != MAC_FRAME_BYTES:  # checked before copying it out of zmq's buffer
+            older = " (the peer signs headers only: older pdserve?)" * (len(parts[0]) == MAC_BYTES)
+            raise KVTransferError(
+                Reason.BAD_AUTH, f"MAC frame of {len(parts[0])} bytes, not {MAC_FRAME_BYTES}{older}"
+            )
+        header = parts[1].bytes
+        payload = parts[2:]
+        failed = self.signer.check(parts[0].bytes, header, payload)
+        if failed == "header":
+            raise KVTransferError(Reason.BAD_AUTH, "header MAC does not verify")
+        return header, payload, failed == "payload"

@@ -4,7 +4,8 @@
 
 so ``kv_cache[b : b + n]`` is one contiguous region of ``n * layout.bytes_per_block`` bytes that
 a transport sends or fills in place. ``KVPool.allocate(..., shared=True)`` puts the pool in a
-memfd that a same-host receiver maps read-only (the ``shm`` transport: one copy, pool to pool).
+memfd that a same-host receiver maps read-only (the ``shm`` transport: one copy, pool to pool),
+after checking that the path the peer named is such a memfd (``MappedPool``).
 A memfd has no name in /dev/shm, so a SIGKILLed sender leaks nothing: the memory goes away with
 the last process that maps it.
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import re
+import stat
 import zlib
 from collections.abc import Sequence
 
@@ -21,6 +24,10 @@ import numpy as np
 import torch
 
 from cluster.common.kv_layout import KVLayout
+
+# A shared pool's memfd (its name in /proc/<pid>/fd links) and the only path a peer may name.
+MEMFD_NAME = "pdserve-kv-pool"
+_SHARED_PATH = re.compile(r"/proc/([1-9][0-9]{0,9})/fd/([0-9]{1,9})")
 
 # by KVLayout.storage_dtype (int8 KV is raw bytes: int8 values with their fp32 scales)
 TORCH_DTYPES = {
@@ -80,7 +87,7 @@ class KVPool:
         if device != "cpu":
             raise ValueError("a shared KV pool lives in host memory (device must be cpu)")
         nbytes = num_blocks * layout.bytes_per_block
-        fd = os.memfd_create("pdserve-kv-pool", os.MFD_CLOEXEC)
+        fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, nbytes)  # zero-filled
             region = mmap.mmap(fd, nbytes)
@@ -118,16 +125,48 @@ class KVPool:
             self.shm_path = ""
 
 
-class MappedPool:
-    """A same-host sender's shared pool, mapped read-only by a receiver (never written)."""
+def _open_shared(path: str, owner_pid: int, nbytes: int) -> int:
+    """A read-only descriptor of the pool a same-host peer names, once it is sure to be one.
 
-    def __init__(self, path: str, num_blocks: int, bytes_per_block: int) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    The path comes from the peer, so it is confined to how ``KVPool.allocate`` names its pool:
+    ``/proc/<the peer's pid>/fd/<n>``, a memfd (it has no other name, and that link must be
+    followed, so O_NOFOLLOW cannot be used). The target is stat'ed to be a regular file before
+    it is opened (a FIFO or device is never opened), opened non-blocking, and the object opened
+    must be a pdserve pool memfd of the expected size. Anything else: ``ValueError`` naming it.
+    """
+    match = _SHARED_PATH.fullmatch(path)
+    if match is None or int(match[1]) != owner_pid:
+        raise ValueError(
+            f"shared pool path {path!r} is not /proc/{owner_pid}/fd/<n> (the sender's memfd)"
+        )
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise ValueError(f"shared pool {path}: not a regular file (a FIFO, device or socket)")
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    fd = os.open(path, flags)
+    try:
+        st = os.fstat(fd)  # of what was opened: the link may have changed since the stat
+        target = os.readlink(f"/proc/self/fd/{fd}")
+        if not stat.S_ISREG(st.st_mode) or target != f"/memfd:{MEMFD_NAME} (deleted)":
+            raise ValueError(f"shared pool {path}: {target!r} is not a pdserve KV pool memfd")
+        if st.st_size != nbytes:
+            raise ValueError(f"shared pool {path}: {st.st_size} bytes, expected {nbytes}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class MappedPool:
+    """A same-host sender's shared pool, mapped read-only by a receiver (never written).
+
+    ``owner_pid`` is the sender's pid: the only process whose memfd the path may name.
+    """
+
+    def __init__(self, path: str, num_blocks: int, bytes_per_block: int, owner_pid: int) -> None:
+        nbytes = num_blocks * bytes_per_block
+        fd = _open_shared(path, owner_pid, nbytes)
         try:
-            size = os.fstat(fd).st_size
-            if size != num_blocks * bytes_per_block:
-                raise ValueError(f"shared pool {path}: {size} bytes, expected {num_blocks} blocks")
-            self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+            self._map = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
         # [num_blocks, bytes_per_block] uint8, read-only

@@ -47,7 +47,7 @@ from cluster.kv_transfer.pool import KVPool
 from cluster.kv_transfer.protocol import KVTransferError, KVTransferParams, Reason, TransferState
 from cluster.kv_transfer.receiver_conn import PeerConnection
 from cluster.kv_transfer.receiver_link import PeerLink
-from cluster.kv_transfer.security import HeaderSigner, check_auth_config, host_id
+from cluster.kv_transfer.security import MessageSigner, check_auth_config, host_id
 from cluster.kv_transfer.stats import TransferStats
 from cluster.kv_transfer.transports.base import PeerInfo, ReceiverContext, RecvPull
 
@@ -88,7 +88,7 @@ class KVReceiver:
         )
         self.zmq_ctx: zmq.Context[Any] = zmq.Context(io_threads=1)
         self.zmq_ctx.linger = 0  # a dropped receiver must never block in term()
-        self.framer = Framer(HeaderSigner.from_config(config), router=False, faults=faults)
+        self.framer = Framer(MessageSigner.from_config(config), router=False, faults=faults)
         self._conns: dict[tuple[str, str, int], PeerConnection] = {}
         self._closing: list[PeerConnection] = []
         self._poller = zmq.Poller()

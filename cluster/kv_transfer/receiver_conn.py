@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import zmq
 
-from cluster.kv_transfer.framing import Inbound
+from cluster.kv_transfer.framing import Inbound, InboundError
 from cluster.kv_transfer.handshake import check_reply, open_transport
 from cluster.kv_transfer.plan import plan_frames
 from cluster.kv_transfer.protocol import (
@@ -164,14 +164,24 @@ class PeerConnection:
             except zmq.Again:
                 return
             except KVTransferError as e:
-                self.ctx.stats.rejected(e.reason)
-                if self.state == self.HANDSHAKING and e.reason == Reason.BAD_VERSION:
-                    self.fail(e.reason, f"the sender speaks another protocol ({e.detail})")
-                elif self.state == self.HANDSHAKING and e.reason == Reason.LAYOUT_MISMATCH:
-                    self.fail(e.reason, f"KV layout differs: {e.detail}")
+                self._refused(e)
                 continue
             for inbound in batch:
                 self._handle(inbound)
+
+    def _refused(self, e: KVTransferError) -> None:
+        """A message the framing refused: counted; some also end the handshake or a pull."""
+        self.ctx.stats.rejected(e.reason)
+        if self.state == self.HANDSHAKING and e.reason == Reason.BAD_VERSION:
+            self.fail(e.reason, f"the sender speaks another protocol ({e.detail})")
+        elif self.state == self.HANDSHAKING and e.reason == Reason.LAYOUT_MISMATCH:
+            self.fail(e.reason, f"KV layout differs: {e.detail}")
+        elif isinstance(e, InboundError) and isinstance(e.msg, Chunk | Ready):
+            # An authentic header whose KV frames were altered: fail its pull now, nothing
+            # written (a forged header is only counted: it names nothing we can trust).
+            pull = self.pulls.get(e.msg.pull_id)
+            if pull is not None and pull.state is State.TRANSFERRING:
+                self.fail_pull(pull, e.reason, e.detail)
 
     def on_monitor(self) -> None:
         for kind in self.link.monitor_events():

@@ -46,7 +46,7 @@ from cluster.kv_transfer.leases import Lease, LeaseState, LeaseTable
 from cluster.kv_transfer.pool import KVPool
 from cluster.kv_transfer.protocol import KVTransferError, KVTransferParams, Message, Reason
 from cluster.kv_transfer.security import (
-    HeaderSigner,
+    MessageSigner,
     check_auth_config,
     host_id,
     start_server_auth,
@@ -108,7 +108,7 @@ class KVSender:
         self._zmq.linger = 0  # a dropped sender must never block in term()
         self._sock: zmq.Socket[Any] = sender_socket(self._zmq, config)
         self._auth: Any = None
-        self._framer = Framer(HeaderSigner.from_config(config), router=True, faults=faults)
+        self._framer = Framer(MessageSigner.from_config(config), router=True, faults=faults)
         self._ctx = SenderContext(
             pool=pool,
             config=config,

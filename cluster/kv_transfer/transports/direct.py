@@ -6,7 +6,10 @@ segments from the source pool into its destination blocks, acks, and reports DON
 the sender confirms the lease was still held at the ack (``needs_confirm``).
 
   * ``shm``: the sender's pool lives in a memfd (``KVPool.allocate(shared=True)``); a receiver
-    on the same host maps it read-only through ``/proc/<pid>/fd/<n>``.
+    on the same host maps it read-only through ``/proc/<pid>/fd/<n>``: only that path, with the
+    sender's pid, naming a pdserve pool memfd of the expected size, opened without blocking
+    (``pool.MappedPool``); any other name fails the transport (``no_transport``), so the pair
+    falls back to the next one.
   * ``loopback``: sender and receiver in one process (tests); the source pool is found in an
     in-process registry by the sender's instance id.
 """
@@ -87,7 +90,7 @@ class DirectReadReceiver(ReceiverSide):
 
 def _open_shm(ctx: ReceiverContext, reply: HelloReply) -> ReceiverSide:
     try:
-        mapped = MappedPool(reply.shm_name, reply.num_blocks, ctx.pool.bytes_per_block)
+        mapped = MappedPool(reply.shm_name, reply.num_blocks, ctx.pool.bytes_per_block, reply.pid)
     except (OSError, ValueError) as e:
         raise KVTransferError(Reason.NO_TRANSPORT, f"shm: cannot map the sender pool: {e}") from e
     assert mapped.bytes is not None

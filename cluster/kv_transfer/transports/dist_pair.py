@@ -1,9 +1,10 @@
 """One (sender, receiver) pair's 2-rank torch.distributed group and the thread that runs it.
 
-Built on demand through a rendezvous store (never a global group). The blocking calls of a pair
-run in order on its own thread, each wait with a deadline, so neither the sender's serving
-thread nor the receiver's I/O thread ever blocks on a peer. A failed call aborts the group; the
-pair is then dead and the next pull builds a new generation.
+Built on demand through a rendezvous store (never a global group), sealed when auth is on
+(``rendezvous.SealedStore``). The blocking calls of a pair run in order on its own thread, each
+wait with a deadline, so neither the sender's serving thread nor the receiver's I/O thread ever
+blocks on a peer. A failed call aborts the group; the pair is then dead and the next pull builds
+a new generation.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cluster.kv_transfer.security import StoreSealer
 from cluster.kv_transfer.transports.base import Completion
+from cluster.kv_transfer.transports.rendezvous import SealedStore
 
 logger = logging.getLogger(__name__)
 
@@ -37,13 +40,14 @@ class DistPair:
         timeout_s: float,
         host: str,
         device: torch.device,
+        sealer: StoreSealer | None = None,
     ) -> None:
         self.rank = rank
         self.timeout_s = timeout_s
         self.failed = ""
         self._jobs: queue.SimpleQueue[tuple[Job, Completion] | None] = queue.SimpleQueue()
         self._pg: Any = None
-        self._build = (store_factory, prefix, host, device)
+        self._build = (store_factory, prefix, host, device, sealer)
         self._thread = threading.Thread(target=self._run, name=f"kv-dist-{prefix}", daemon=True)
         self._thread.start()
 
@@ -75,21 +79,27 @@ class DistPair:
         remaining = max(0.001, deadline - time.monotonic())
         work.wait(datetime.timedelta(seconds=remaining))
 
+    def _open_group(self) -> Any:
+        store_factory, prefix, host, device, sealer = self._build
+        # A private client connection per pair: store clients are not safe to share between
+        # threads building groups at the same time.
+        client = store_factory().clone()
+        if sealer is not None and sealer.enabled:  # values MAC'd (S10)
+            store: Any = SealedStore(client, prefix, sealer)
+        else:
+            store = dist.PrefixStore(prefix, client)
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        if device.type == "cuda":
+            return dist.ProcessGroupNCCL(store, self.rank, 2, timeout=timeout)  # type: ignore[call-arg]
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        return dist.ProcessGroupGloo(store, self.rank, 2, opts)
+
     def _run(self) -> None:
-        store_factory, prefix, host, device = self._build
         try:
-            # A private client connection per pair: store clients are not safe to share
-            # between threads building groups at the same time.
-            store = dist.PrefixStore(prefix, store_factory().clone())
-            timeout = datetime.timedelta(seconds=self.timeout_s)
-            if device.type == "cuda":
-                self._pg = dist.ProcessGroupNCCL(store, self.rank, 2, timeout=timeout)  # type: ignore[call-arg]
-            else:
-                opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-                opts._timeout = timeout
-                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-                self._pg = dist.ProcessGroupGloo(store, self.rank, 2, opts)
-        except Exception as e:
+            self._pg = self._open_group()
+        except Exception as e:  # e.g. a rendezvous value that fails its MAC (bad_auth)
             self.failed = self.failed or f"pair setup failed: {e}"[:300]
         while True:
             item = self._jobs.get()

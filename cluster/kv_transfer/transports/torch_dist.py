@@ -1,7 +1,9 @@
 """``torch_dist``: torch.distributed point-to-point send/recv (NCCL on GPUs, gloo on CPU).
 
 No global process group: each (sender, receiver) pair gets its own 2-rank group, built on demand
-through the sender's rendezvous ``TCPStore`` under the prefix ``pdserve-kv/<receiver>/<gen>/``.
+through the sender's rendezvous ``TCPStore`` under the prefix ``<namespace><receiver>/<gen>/``
+(with auth on, the namespace is derived from the secret and every value is MAC'd:
+``rendezvous.SealedStore``).
 A pair's blocking collectives run in order on the pair's own thread, never on the serving or
 I/O thread. The pull's control still rides zmq: the sender answers ``Ready`` and posts one
 ``send`` per planned frame; the receiver posts the matching ``recv`` straight into its
@@ -33,6 +35,7 @@ from cluster.kv_transfer.protocol import (
     Ready,
     Reason,
 )
+from cluster.kv_transfer.security import StoreSealer, rendezvous_secret
 from cluster.kv_transfer.transports.base import (
     Completion,
     PeerInfo,
@@ -60,6 +63,7 @@ class DistSender(SenderSide):
     def __init__(self, ctx: SenderContext, peer: PeerInfo) -> None:
         self.ctx = ctx
         self.peer = peer
+        self.sealer = StoreSealer(rendezvous_secret(ctx.config))
         self.generation = 0
         self.pair: DistPair | None = None
 
@@ -71,10 +75,11 @@ class DistSender(SenderSide):
         self.pair = DistPair(
             lambda: store,
             rank=0,
-            prefix=f"pdserve-kv/{self.peer.instance_id}/{generation}/",
+            prefix=f"{self.sealer.namespace}{self.peer.instance_id}/{generation}/",
             timeout_s=self.ctx.config.transfer_timeout_s,
             host=_host(self.ctx.config),
             device=self.ctx.pool.tensor.device,
+            sealer=self.sealer,
         )
 
     def check_pull(self, pull: Any) -> None:
@@ -121,6 +126,7 @@ class DistReceiver(ReceiverSide):
         host, _, port = reply.dist_store.rpartition(":")
         self._store_addr = (host, int(port))
         self._store: Any = None
+        self.sealer = StoreSealer(rendezvous_secret(ctx.config))
         self.generation = 0
         self.pair: DistPair | None = None
         self._pending: list[Message] = []
@@ -142,10 +148,11 @@ class DistReceiver(ReceiverSide):
         self.pair = DistPair(
             self._store_client,
             rank=1,
-            prefix=f"pdserve-kv/{self.ctx.local.instance_id}/{self.generation}/",
+            prefix=f"{self.sealer.namespace}{self.ctx.local.instance_id}/{self.generation}/",
             timeout_s=self.ctx.config.transfer_timeout_s,
             host=_host(self.ctx.config),
             device=self.ctx.pool.tensor.device,
+            sealer=self.sealer,
         )
         self._pending.append(DistSetup(self.generation))
 

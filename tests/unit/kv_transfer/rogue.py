@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import threading
@@ -55,7 +56,8 @@ class RogueClient:
 class RogueSender:
     """A ROUTER that handshakes like a sender and answers each pull with ``respond``.
 
-    ``respond(pull_request) -> list of raw multipart messages`` (headers already encoded).
+    ``respond(pull_request) -> list of raw multipart messages`` (headers already encoded);
+    ``reply_fields`` overrides fields of its ``HelloReply`` (e.g. offer shm with a hostile path).
     """
 
     def __init__(
@@ -65,6 +67,7 @@ class RogueSender:
         *,
         num_blocks: int = 64,
         hello_layout: KVLayout | None = None,
+        reply_fields: dict[str, Any] | None = None,
     ) -> None:
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.ctx.linger = 0
@@ -76,6 +79,7 @@ class RogueSender:
         self.hello_layout = hello_layout or layout
         self.respond = respond
         self.num_blocks = num_blocks
+        self.reply_fields = reply_fields or {}
         self.seen: list[Message] = []
         self.identities: list[bytes] = []  # receivers that connected, in order
         self._outbox: queue.SimpleQueue[list[bytes]] = queue.SimpleQueue()
@@ -119,6 +123,7 @@ class RogueSender:
                     self.hello_layout,
                     ("zmq",), self.num_blocks, "", "", 1 << 20,
                 )  # fmt: skip
+                reply = dataclasses.replace(reply, **self.reply_fields)
                 self.sock.send_multipart([identity, encode(reply)])
             elif msg.TAG == "pull":
                 for out in self.respond(msg):

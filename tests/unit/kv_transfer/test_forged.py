@@ -1,9 +1,11 @@
-"""Forged messages from rogue peers (reliability matrix K3, K4, K5, K9, S2): refused with a reason
-before any write, counted, and the real sender or receiver keeps serving afterwards."""
+"""Forged messages from rogue peers (reliability matrix K3, K4, K5, K9, S2, S10): refused with a
+reason before any write, counted, and the real sender or receiver keeps serving afterwards."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import pickle
 import time
 from collections.abc import Callable
@@ -26,6 +28,7 @@ from cluster.kv_transfer.protocol import (
     Reason,
     encode,
 )
+from cluster.kv_transfer.security import host_id
 from tests.unit.kv_transfer.conftest import SenderHandle
 from tests.unit.kv_transfer.helpers import (
     SEED,
@@ -98,6 +101,40 @@ def test_a_valid_rogue_answer_lands(make_receiver: Callable[..., KVReceiver]) ->
         assert_landed(receiver.pool, [3, 4], [10, 11], before)
     finally:
         rogue.close()
+
+
+def test_a_hostile_shm_path_is_refused_without_blocking_and_the_pair_falls_back(
+    make_receiver: Callable[..., KVReceiver], tmp_path: Path
+) -> None:
+    """S10: a same-host rogue offers shm naming a FIFO with no writer (opening it would block
+    the receiver's I/O thread). The receiver refuses the path at once and uses zmq instead;
+    with shm alone the pull fails fast with no_transport naming the problem."""
+    fifo = tmp_path / "pdserve-kv-pool"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # keeps the link alive, never a writer
+    hostile = {
+        "transports": ("shm", "zmq"),
+        "host_id": host_id(),
+        "pid": os.getpid(),
+        "shm_name": f"/proc/{os.getpid()}/fd/{reader}",
+    }
+    rogue = RogueSender(SMALL, lambda p: [_chunk(p, 0, _good_frame(p))], reply_fields=hostile)
+    try:
+        receiver = make_receiver(transfer_config(transports=("shm", "zmq")))
+        before = crcs(receiver.pool)
+        t0 = time.monotonic()
+        assert receiver.pull(rogue.params([3, 4]), [10, 11]).transport == "zmq"
+        assert time.monotonic() - t0 < 0.5
+        assert_landed(receiver.pool, [3, 4], [10, 11], before)
+        only_shm = make_receiver(transfer_config(transports=("shm",)))
+        with pytest.raises(KVTransferError, match="not a regular file") as e:
+            only_shm.pull(rogue.params([3, 4], "rogue-2"), [10, 11])
+        assert e.value.reason == Reason.NO_TRANSPORT
+    finally:
+        with contextlib.suppress(OSError):  # release an open that did block (the unfixed case)
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        rogue.close()
+        os.close(reader)
 
 
 def test_layout_mismatch_fails_fast_at_the_handshake(
