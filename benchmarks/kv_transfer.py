@@ -16,7 +16,11 @@ process into a decode pool here. Arms, interleaved, in an order shuffled afresh 
     each repetition) from pools twice the largest transfer, so almost no two blocks adjoin;
   * ``int8_shm``, ``int8_zmq_ipc``: the contiguous pulls of the same tokens in the int8 KV layout
     (``cache.kv_dtype: int8``: head_dim int8 values and one fp32 scale per token and KV head,
-    68 bytes a row instead of 256 at head dim 64), from a second sender child.
+    68 bytes a row instead of 256 at head dim 64), from a second sender child;
+  * ``hmac_zmq_tcp``, ``curve_zmq_tcp``: the contiguous zmq tcp pull with ``transfer.auth:
+    hmac`` (an HMAC-SHA256 over each message's header and payload, signed and checked) and with
+    ``transfer.auth: curve`` (zmq CURVE: every frame encrypted and authenticated), each from a
+    sender child of its own: what authenticating the KV costs against ``zmq_tcp``.
 
 Why shuffled, not rotated: with the order rotated, every arm always ran right after the same
 other arm, and what that arm left behind moved it. In one shuffled run here (60 repetitions),
@@ -82,7 +86,11 @@ ARMS = (
     "zmq_tcp_frag",
     "int8_shm",
     "int8_zmq_ipc",
+    "hmac_zmq_tcp",
+    "curve_zmq_tcp",
 )
+AUTHS = ("hmac", "curve")  # the arms' prefixes that name a transfer.auth mode
+HMAC_SECRET = "pdserve-bench-kv-transfer-secret"  # the hmac arm's (both sides, this run only)
 POOL_FACTOR = 2  # pool blocks per block of the largest transfer (room to fragment)
 DEFAULT_LAYOUT = KVLayout("SmolLM2-135M-Instruct", "float32", 16, 30, 3, 64)
 SMOKE_LAYOUT = KVLayout("pdserve-smoke", "float32", 16, 2, 2, 16)
@@ -96,7 +104,21 @@ TARGETS = {
     "transfer_share_of_prefill_512": "<= 0.05",
     "transfer_share_of_prefill_1024": "<= 0.05",
     "int8_transfer_ms_ratio_512": "<= 0.35",
+    "hmac_zmq_tcp_vs_none_512": ">= 0.8",
+    "curve_zmq_tcp_vs_none_512": ">= 0.8",
 }
+
+
+def auth_spec(auth: str) -> dict[str, str]:
+    """The transfer settings of an authenticated arm (a fresh CURVE keypair per run)."""
+    if auth == "hmac":
+        return {"auth": "hmac", "hmac_secret": HMAC_SECRET}
+    public, secret = zmq.curve_keypair()
+    return {
+        "auth": "curve",
+        "curve_public_key": public.decode("ascii"),
+        "curve_secret_key": secret.decode("ascii"),
+    }
 
 
 def arm_order(rep: int) -> tuple[str, ...]:
@@ -163,17 +185,22 @@ class _Peers:
 
     def __init__(self, shape: _Shape, prefill_cores: tuple[int, ...]) -> None:
         layout, q_layout, cfg = shape.layout, shape.q_layout, shape.cfg
+        auths = {auth: auth_spec(auth) for auth in AUTHS}
         self.senders = {
-            lay.dtype: SenderProcess(
+            name: SenderProcess(
                 {
                     "layout": dataclasses.asdict(lay),
                     "num_blocks": shape.pool_blocks,
                     "shared": True,
-                    "transfer": shape.transfer_spec,
+                    "transfer": spec,
                     "cpus": list(prefill_cores),
                 }
             )
-            for lay in (layout, q_layout)
+            for name, lay, spec in (
+                (layout.dtype, layout, shape.transfer_spec),
+                (q_layout.dtype, q_layout, shape.transfer_spec),
+                *((auth, layout, {**shape.transfer_spec, **spec}) for auth, spec in auths.items()),
+            )
         }
         self.raw = subprocess.Popen(
             [
@@ -204,6 +231,12 @@ class _Peers:
             ),
             "int8_shm": KVReceiver(shm_cfg, q_pool),
             "int8_zmq_ipc": KVReceiver(ipc_cfg, q_pool),
+            **{
+                f"{auth}_zmq_tcp": KVReceiver(
+                    dataclasses.replace(cfg, transports=("zmq",), ipc=False, **spec), self.pool
+                )
+                for auth, spec in auths.items()
+            },
         }
         for r in self.receivers.values():
             r.start()
@@ -239,12 +272,18 @@ class _Arms:
         if arm.endswith("_frag"):
             src = self.frag_rng.sample(range(self.shape.pool_blocks), len(ids))
             dst = self.frag_rng.sample(range(self.shape.pool_blocks), len(ids))
-        sender = self.peers.senders["int8" if arm.startswith("int8_") else self.shape.layout.dtype]
+        prefix = arm.split("_")[0]
+        sender = self.peers.senders[
+            prefix if prefix in ("int8", *AUTHS) else self.shape.layout.dtype
+        ]
         params = sender.register(f"{arm}-{next(self.counter)}", src, num_tokens=n)
         t0 = time.perf_counter()
         result = self.peers.receivers[arm.removesuffix("_frag")].pull(params, dst)
         elapsed = time.perf_counter() - t0
-        assert result.transport == arm.removeprefix("int8_").split("_")[0]
+        assert (
+            result.transport
+            == (arm.split("_", 1)[1] if prefix in ("int8", *AUTHS) else arm).split("_")[0]
+        )
         return elapsed
 
     def memcpy(self, nbytes: int) -> float:
@@ -331,6 +370,9 @@ def _report(
         "shm_vs_memcpy_512_frag": med[("memcpy", 512)] / med[("shm_frag", 512)],
         # the wire between processes: int8 KV blocks (scales inside) vs fp32, zmq ipc
         "int8_transfer_ms_ratio_512": med[("int8_zmq_ipc", 512)] / med[("zmq_ipc", 512)],
+        # authenticated (hmac over header and payload) vs not, zmq tcp: a throughput ratio
+        "hmac_zmq_tcp_vs_none_512": med[("zmq_tcp", 512)] / med[("hmac_zmq_tcp", 512)],
+        "curve_zmq_tcp_vs_none_512": med[("zmq_tcp", 512)] / med[("curve_zmq_tcp", 512)],
     }
     details: dict[str, Any] = {
         "layout": dataclasses.asdict(shape.layout),

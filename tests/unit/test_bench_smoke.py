@@ -41,6 +41,8 @@ EXPECTED_KEYS = {
         "zmq_ipc_vs_raw_512_frag",
         "shm_vs_memcpy_512_frag",
         "int8_transfer_ms_ratio_512",
+        "hmac_zmq_tcp_vs_none_512",
+        "curve_zmq_tcp_vs_none_512",
     },
     "kv-stream": {"stream_tax_ratio", "stream_compute_ratio"},
 }

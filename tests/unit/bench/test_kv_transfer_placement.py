@@ -50,7 +50,8 @@ def test_the_two_sides_run_on_cores_of_their_own_and_the_cores_come_back(
         prefill, decode = split
         assert (tuple(cores["prefill_side"]), tuple(cores["decode_side"])) == split
         assert set(prefill).isdisjoint(decode) and set(prefill) | set(decode) == set(before)
-        assert [s["cpus"] for s in specs] == [list(prefill)] * 2  # both sender children
+        # every sender child: fp32, int8, and the hmac and curve arms'
+        assert [s["cpus"] for s in specs] == [list(prefill)] * 4
         assert binds == [decode, before]  # bound for the arms, then every core back
     masks = []
     for tid in thread_ids():
