@@ -8,6 +8,8 @@ gRPC health service from a child process until the block ends, and hands back th
     with HealthPoller(http_url, grpc_target) as poller:
         ...  # the load
     poller.latencies["http"], poller.latencies["grpc"]
+
+``kinds`` picks what it polls (both by default; a gRPC-only load test polls ``("grpc",)``).
 """
 
 from __future__ import annotations
@@ -23,15 +25,25 @@ PERIOD_S = 0.01
 
 
 class HealthPoller:
-    def __init__(self, http_url: str, grpc_target: str) -> None:
+    def __init__(
+        self, http_url: str, grpc_target: str, kinds: tuple[str, ...] = ("http", "grpc")
+    ) -> None:
         self.http_url = http_url
         self.grpc_target = grpc_target
+        self.kinds = kinds
         self.latencies: dict[str, list[float]] = {}
         self._proc: subprocess.Popen[str] | None = None
 
     def __enter__(self) -> HealthPoller:
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.health_poller", self.http_url, self.grpc_target],
+            [
+                sys.executable,
+                "-m",
+                "tests.health_poller",
+                self.http_url,
+                self.grpc_target,
+                ",".join(self.kinds),
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -54,14 +66,14 @@ class HealthPoller:
         return times[int(0.99 * (len(times) - 1))]
 
 
-def _main(http_url: str, grpc_target: str) -> None:
+def _main(http_url: str, grpc_target: str, kinds: str) -> None:
     import threading
 
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     stop = threading.Event()
-    latencies: dict[str, list[float]] = {"http": [], "grpc": []}
+    latencies: dict[str, list[float]] = {kind: [] for kind in kinds.split(",")}
     channel = grpc.insecure_channel(grpc_target)
     health = health_pb2_grpc.HealthStub(channel)
 
@@ -94,4 +106,4 @@ def _main(http_url: str, grpc_target: str) -> None:
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1], sys.argv[2])
+    _main(sys.argv[1], sys.argv[2], sys.argv[3])

@@ -41,6 +41,7 @@ from cluster.engine.engine import EngineRequest, LLMEngine
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from cluster.serving.options import router_admission_limit
+from tests.health_poller import HealthPoller
 from tests.helpers import fake_config, greedy, run_until_done
 from tests.serve.cluster_helpers import App
 from tests.serve_fixtures import ServeCluster, wait_until
@@ -397,8 +398,8 @@ async def cancel_flood(target: str, n: int) -> dict[str, int]:
     return codes
 
 
-# B8's full flood (10,000 streams) runs nightly; CI opens and cancels 1,000.
-@pytest.mark.parametrize("n", [1000, pytest.param(10_000, marks=pytest.mark.nightly)])
+# B8's full flood (10,000 streams) runs nightly; CI opens and cancels 2,000.
+@pytest.mark.parametrize("n", [2000, pytest.param(10_000, marks=pytest.mark.nightly)])
 def test_b8_a_flood_of_opened_and_cancelled_streams_leaves_nothing(big: App, n: int) -> None:
     """B8 cancel flood (``cancel_flood``): health from another process answers fast all the
     while (below); afterwards no call is held
@@ -413,13 +414,11 @@ def test_b8_a_flood_of_opened_and_cancelled_streams_leaves_nothing(big: App, n: 
         return int(big.router.stats.remote().result(timeout_s=30)["requests"])
 
     reached_before = router_requests()
-    probe = start_helper("tests.serve.health_probe", big.grpc_target)
     t0 = time.monotonic()
-    codes = asyncio.run(cancel_flood(big.grpc_target, n))
+    with HealthPoller(big.cluster.http_url, big.grpc_target, ("grpc",)) as poller:
+        codes = asyncio.run(cancel_flood(big.grpc_target, n))
     took = time.monotonic() - t0
-    out, _ = probe.communicate("", timeout=60)
-    assert probe.returncode == 0
-    health = [float(t) for t in json.loads(out.strip().splitlines()[-1])]
+    health = poller.latencies["grpc"]
     reached = router_requests() - reached_before
     health_p99 = p99(health)
     print(
@@ -432,7 +431,7 @@ def test_b8_a_flood_of_opened_and_cancelled_streams_leaves_nothing(big: App, n: 
     assert reached >= n // 4, reached  # the mid-stream quarter at least: a flood of real calls
     # The target is p99 < 100 ms; it is printed, not asserted. Here the flood's client takes
     # one of the 2 cores and the router's event loop the other, and a check waits behind up to
-    # 64 call starts (~1.8 ms each): p99 120-123 ms for 1,000 streams, 338 ms for 10,000
+    # 64 call starts (~1.8 ms each): p99 120-186 ms for 1,000-2,000 streams, 219-338 ms for 10,000
     # (2026-12-07). Asserted, as B8's other test: p99 < 500 ms (the router stays responsive).
     assert len(health) >= 20 and health_p99 < 0.5, sorted(health)[-5:]
 
