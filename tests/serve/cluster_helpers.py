@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import time
 from typing import Any
 
@@ -163,6 +164,25 @@ class App:
             handle, n = self.pool(role)
             for _ in range(4 * n):  # routing spreads the calls over the replicas
                 assert handle.check_integrity.remote().result(timeout_s=30) == "ok"
+
+
+def outcome_counters(app: App) -> collections.Counter[str]:
+    """How the pools ended their requests, summed over the replicas: the engines' completed
+    and aborted requests, the prefill side's leases by how they ended."""
+    out: collections.Counter[str] = collections.Counter()
+    for role in ("decode", "prefill"):
+        for s in app.stats(role).values():
+            engine = s["engine"]
+            out[f"{role}.completed"] += engine["num_finished"] - engine["num_aborted"]
+            out[f"{role}.aborted"] += engine["num_aborted"]
+            if role == "prefill":
+                for reason in ("acked", "aborted", "peer_aborted", "expired"):
+                    out[f"lease.{reason}"] += s["transfer"].get(f"leases_{reason}", 0)
+    return out
+
+
+def delta(before: collections.Counter[str], after: collections.Counter[str]) -> dict[str, int]:
+    return {k: after[k] - before[k] for k in sorted(set(before) | set(after))}
 
 
 def wait_replicas_ready(app: App, role: str, exclude_pid: int, timeout: float = 90) -> None:

@@ -33,7 +33,7 @@ from cluster.common.sampling_params import SamplingParams
 from cluster.engine.engine import EngineRequest, LLMEngine
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from tests.helpers import fake_config, greedy, run_until_done
-from tests.serve.cluster_helpers import App, wait_replicas_ready
+from tests.serve.cluster_helpers import App, delta, outcome_counters, wait_replicas_ready
 from tests.serve_fixtures import ServeCluster, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -730,25 +730,6 @@ def start_stream(app: App, req: pb.GenerateRequest) -> tuple[Any, list[Any], thr
     t = threading.Thread(target=drain, daemon=True)
     t.start()
     return call, got, t
-
-
-def outcome_counters(app: App) -> collections.Counter[str]:
-    """How the pools ended their requests, summed over the replicas: the engines' completed
-    and aborted requests, the prefill side's leases by how they ended."""
-    out: collections.Counter[str] = collections.Counter()
-    for role in ("decode", "prefill"):
-        for s in app.stats(role).values():
-            engine = s["engine"]
-            out[f"{role}.completed"] += engine["num_finished"] - engine["num_aborted"]
-            out[f"{role}.aborted"] += engine["num_aborted"]
-            if role == "prefill":
-                for reason in ("acked", "aborted", "peer_aborted", "expired"):
-                    out[f"lease.{reason}"] += s["transfer"].get(f"leases_{reason}", 0)
-    return out
-
-
-def delta(before: collections.Counter[str], after: collections.Counter[str]) -> dict[str, int]:
-    return {k: after[k] - before[k] for k in sorted(set(before) | set(after))}
 
 
 # phase: (role paused, fault point, prompt length, the request reaches decode, leases acked).

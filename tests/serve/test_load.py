@@ -43,7 +43,7 @@ from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from cluster.serving.options import router_admission_limit
 from tests.health_poller import HealthPoller
 from tests.helpers import fake_config, greedy, run_until_done
-from tests.serve.cluster_helpers import App
+from tests.serve.cluster_helpers import App, delta, outcome_counters
 from tests.serve_fixtures import ServeCluster, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -359,12 +359,21 @@ def test_f9_an_abort_storm_leaves_nothing_behind(big: App) -> None:
             await c.close()
         return most
 
+    before = outcome_counters(big)
     started = asyncio.run(storm())
     print(f"F9: {started} of 500 requests in flight when all were cancelled")
     assert started >= 450
     t0 = time.monotonic()
     big.assert_clean(timeout=15.0)  # the target is 2 s: generous here, the figure printed
     print(f"F9: every pool clean {time.monotonic() - t0:.2f} s after the storm")
+    # Ignored cancels would free the blocks too, once the 200 tokens were done: the decode pool
+    # must have aborted the streams it had (347 of 469 here: the rest were still on their way
+    # to it) and completed at most a few that finished first (0 here).
+    ended = delta(before, outcome_counters(big))
+    print(f"F9: {ended}")
+    assert ended["decode.aborted"] >= 0.5 * started, ended
+    assert ended["decode.completed"] <= 50, ended
+    assert ended["lease.expired"] == 0, ended
     outcomes = asyncio.run(burst(big.grpc_target, [greedy_req(p, 8) for p in normal.values()], 4))
     assert [o.code for o in outcomes] == ["OK"] * 100
     assert {rid: o.tokens for rid, o in zip(normal, outcomes)} == expected
@@ -453,6 +462,7 @@ def test_b8_a_flood_of_opened_and_cancelled_streams_leaves_nothing(big: App, n: 
 @pytest.mark.parametrize("n", [100, pytest.param(300, marks=pytest.mark.nightly)])
 def test_l4_clients_that_drop_mid_stream_leave_nothing_behind(big: App, n: int) -> None:
     body = {"max_tokens": 400, "min_tokens": 400, "ignore_eos": True, "stream": True}
+    before = outcome_counters(big)
     socks: list[socket.socket] = []
     try:
         for i in range(n):
@@ -480,6 +490,10 @@ def test_l4_clients_that_drop_mid_stream_leave_nothing_behind(big: App, n: int) 
     t0 = time.monotonic()
     # 0 blocks, 0 leases: the target is 2 s; generous here (2 shared cores), the figure printed
     big.assert_clean(timeout=15.0)
-    print(f"L4: {n} dropped streams, every pool clean {time.monotonic() - t0:.2f} s later")
+    ended = delta(before, outcome_counters(big))
+    print(f"L4: {n} dropped streams, every pool clean {time.monotonic() - t0:.2f} s later: {ended}")
+    # each dropped client's request aborted, not left to finish its 400 tokens
+    assert ended["decode.aborted"] == n and ended["decode.completed"] == 0, ended
+    assert ended["lease.expired"] == 0, ended
     with urllib.request.urlopen(big.cluster.http_url + "/health", timeout=10) as r:
         assert r.status == 200
