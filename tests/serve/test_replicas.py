@@ -10,6 +10,8 @@ F15, F16; issue 12.5). Two replicas of every deployment, so that the survivors s
     retry budget of 3; Serve replaces it.
   * F15: the prefill pool scaled down while 10 leases are published: all 10 are pulled (0 KV
     failures), and the removed replica exits once they are.
+  * F14: the decode pool scaled down while ten streams through the router decode: every client
+    gets its full, exact output, and the drained replica exits clean.
 """
 
 from __future__ import annotations
@@ -333,6 +335,83 @@ def test_f15_prefill_scale_down_with_published_leases_loses_none(
         print(f"F15: drained replica gone {time.monotonic() - done:.1f} s after the last pull")
         assert time.monotonic() - done <= max(cfg.transfer.lease_s, 30.0)
         assert decode_h.check_integrity.remote().result(timeout_s=30) == "ok"
+    finally:
+        channel.close()
+        serve.delete(name)
+
+
+def test_f14_decode_scale_down_with_ten_streams_through_the_router_loses_none(
+    serve_cluster: ServeCluster, app: App
+) -> None:
+    """F14: ten streams through the router, about half on each of two decode replicas; the
+    decode pool is scaled down to one (a redeploy with only its replica count changed) while
+    they decode. The draining replica finishes its streams in place within its graceful
+    timeout (no live migration yet, issue 40): every client gets its full, exact output, no
+    stream breaks, and the drained replica exits with nothing held."""
+    app.close()  # its own deployment, as F15
+    name = "pdserve-drain-decode"
+    cfg = fake_config(
+        **{
+            **CFG,
+            "router.num_replicas": 1,
+            "prefill.num_replicas": 1,
+            "decode.graceful_shutdown_timeout_s": 60.0,
+            "router.grpc_port": free_port(),
+        }
+    )
+    opts, plain = deployment_options(cfg), cfg.to_dict()
+
+    def build(num_decode: int) -> Any:
+        prefill = PrefillServer.options(**opts["PrefillServer"])
+        decode = DecodeServer.options(**{**opts["DecodeServer"], "num_replicas": num_decode})
+        router = Router.options(**opts["Router"])
+        for d in (prefill, decode, router):  # a scale-down, not a rolling update (see F15)
+            d._version = "f14"
+        return router.bind(plain, decode.bind(plain, prefill.bind(plain)))
+
+    serve.run(build(2), name=name, route_prefix="/")
+    channel = grpc.insecure_channel(f"127.0.0.1:{cfg.router.grpc_port}")
+    stub = pb_grpc.GenerationStub(channel)
+    decode_h = serve.get_deployment_handle("DecodeServer", name)
+    try:
+        pids = set()
+        for _ in range(100):
+            pids.add(decode_h.stats.remote().result(timeout_s=30)["pid"])
+            if len(pids) == 2:
+                break
+        assert len(pids) == 2
+        prompts = {f"f14-{i}": prompt(700 + i, 8 + 6 * i) for i in range(10)}  # local, remote
+        expected = reference(cfg, prompts, 200)  # 200 steps of 20 ms: ~4 s of decoding
+        streams = {rid: Stream(stub, request(p, 200, rid)) for rid, p in prompts.items()}
+        assert wait_until(lambda: all(len(s.tokens) >= 3 for s in streams.values()), 60, 0.05)
+        scale_down = threading.Thread(
+            target=serve.run, args=(build(1),), kwargs={"name": name, "route_prefix": "/"}
+        )
+        scale_down.start()
+
+        def stopping() -> bool:
+            dep = serve.status().applications[name].deployments["DecodeServer"]
+            return dep.replica_states.get("STOPPING", 0) > 0
+
+        assert wait_until(stopping, 60, 0.05), "the decode pool did not start draining"
+        in_flight = sum(s.ended == 0.0 for s in streams.values())
+        scale_down.join(120)
+        for s in streams.values():
+            s.thread.join(120)
+        print(f"F14: {in_flight} of 10 streams in flight when a decode replica began draining")
+        assert in_flight >= 5, in_flight  # the drain overlapped the streams
+        errors = {rid: s.error for rid, s in streams.items() if s.error is not None}
+        assert not errors, errors
+        assert {rid: s.tokens for rid, s in streams.items()} == expected
+
+        def exited() -> bool:
+            return sum(psutil_alive(pid) for pid in pids) == 1
+
+        assert wait_until(exited, 90, 0.2), "the drained decode replica did not exit"
+        assert decode_h.check_integrity.remote().result(timeout_s=30) == "ok"
+        assert wait_until(
+            lambda: decode_h.stats.remote().result(timeout_s=30)["kv_used_blocks"] == 0, 15, 0.2
+        )
     finally:
         channel.close()
         serve.delete(name)
