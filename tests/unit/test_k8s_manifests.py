@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import yaml
+import zmq
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -258,9 +259,29 @@ def _import(path: str) -> Any:
 # ---------------------------------------------------------------------------------------------
 # The pdserve config in the ConfigMap, loaded and built into the app (no Ray started)
 
+
+def _curve_keypair() -> tuple[str, str]:
+    public, secret = zmq.curve_keypair()
+    return public.decode("ascii"), secret.decode("ascii")
+
+
+# What the Secret `pdserve-secrets` puts in every Ray container's environment (a fresh CURVE
+# keypair per run: the default transfer.auth, curve, needs it; the HMAC secret serves hmac).
+_CURVE_PUBLIC, _CURVE_SECRET = _curve_keypair()
 SECRET_ENV = {
+    "PDSERVE_CURVE_PUBLIC_KEY": _CURVE_PUBLIC,
+    "PDSERVE_CURVE_SECRET_KEY": _CURVE_SECRET,
     "PDSERVE_TRANSFER_SECRET": "0123456789abcdef" * 4,
     "PDSERVE_API_KEYS": "test-key-one-123,test-key-two-456",
+}
+# Environment variable -> (key of the Secret, required). The CURVE keypair is required (curve is
+# the default; a pod without it fails at container creation), the HMAC secret optional (read only
+# with transfer.auth: hmac).
+SECRET_KEYS = {
+    "PDSERVE_API_KEYS": ("api-keys", True),
+    "PDSERVE_CURVE_PUBLIC_KEY": ("curve-public-key", True),
+    "PDSERVE_CURVE_SECRET_KEY": ("curve-secret-key", True),
+    "PDSERVE_TRANSFER_SECRET": ("transfer-secret", False),
 }
 
 
@@ -287,7 +308,7 @@ def loaded(
     local.write_text(cm["data"][config_path.name])
     args = {**app["args"], "config_path": str(local)}
     with pytest.MonkeyPatch.context() as mp:
-        for key in ("PDSERVE_CONFIG", "PDSERVE_ADVERTISE_HOST", "PDSERVE_CURVE_SECRET_KEY"):
+        for key in ("PDSERVE_CONFIG", "PDSERVE_ADVERTISE_HOST", *SECRET_ENV):
             mp.delenv(key, raising=False)
         for key, value in SECRET_ENV.items():
             mp.setenv(key, value)
@@ -540,6 +561,21 @@ def test_every_ray_container_reads_the_same_config(
 # The ConfigMap's config and how the pods carry it out
 
 
+def _secret_ref(env: dict[str, dict[str, Any]], name: str) -> dict[str, Any]:
+    ref = env[name].get("valueFrom", {}).get("secretKeyRef")
+    assert ref, f"{name} does not come from a Secret"
+    return ref
+
+
+def _raw_config(objs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the ConfigMap's pdserve config as parsed YAML, the app's serveConfigV2 args)."""
+    rs = _one(objs, "RayService")
+    args = _app_config(rs)["args"]
+    config_path = Path(args["config_path"])
+    text = _config_map_for(objs, rs, config_path)["data"][config_path.name]
+    return yaml.safe_load(text), args
+
+
 def test_config_transfer_and_secrets(
     variant: tuple[str, list[dict[str, Any]]], loaded: Loaded
 ) -> None:
@@ -559,31 +595,33 @@ def test_config_transfer_and_secrets(
         bound = repr(dep.init_args) + repr(dep.init_kwargs)
         assert not any(s in bound for s in secrets), f"{dep.name} is handed a secret"
     with pytest.MonkeyPatch.context() as mp:  # without the Secret, start-up refuses
-        for key in (*SECRET_ENV, "PDSERVE_CURVE_SECRET_KEY", "PDSERVE_CURVE_PUBLIC_KEY"):
+        for key in SECRET_ENV:
             mp.delenv(key, raising=False)
         with pytest.raises(ValueError, match="PDSERVE_"):
             check_auth_config(t)
     with pytest.MonkeyPatch.context() as mp:
         for key, value in SECRET_ENV.items():
             mp.setenv(key, value)
-        check_auth_config(t)  # the secret arrives through the environment, as in the pods
+        check_auth_config(t)  # the secrets arrive through the environment, as in the pods
         assert api_keys(cfg.router) == tuple(SECRET_ENV["PDSERVE_API_KEYS"].split(","))
     # Secrets come from the Secret, never from the ConfigMap text.
-    rs = _one(variant[1], "RayService")
-    config_path = Path(_app_config(rs)["args"]["config_path"])
-    raw = yaml.safe_load(_config_map_for(variant[1], rs, config_path)["data"][config_path.name])
-    for section, key in (("transfer", "hmac_secret"), ("transfer", "curve_secret_key")):
-        assert not raw.get(section, {}).get(key), f"{section}.{key} must come from the Secret"
+    raw, _args = _raw_config(variant[1])
+    for key in ("hmac_secret", "curve_secret_key", "curve_public_key"):
+        assert not raw.get("transfer", {}).get(key), f"transfer.{key} must come from the Secret"
     assert not raw.get("router", {}).get("api_keys")
 
+    # Every Ray container reads every key of the Secret, required or optional as SECRET_KEYS
+    # says, and the example Secret documents each key a container references.
     secret = _docs(K8S / "secret.example.yaml")[0]
-    needed = {
-        "hmac": {"PDSERVE_TRANSFER_SECRET"},
-        "curve": {"PDSERVE_CURVE_SECRET_KEY", "PDSERVE_CURVE_PUBLIC_KEY"},
-    }[t.auth] | {"PDSERVE_API_KEYS"}
-    for group_name, group in _groups(rs):
+    for group_name, group in _groups(_one(variant[1], "RayService")):
         env = _env(_ray_container(group))
-        assert needed <= set(env), f"{group_name} lacks {needed - set(env)}"
+        assert set(SECRET_KEYS) <= set(env), f"{group_name} lacks {set(SECRET_KEYS) - set(env)}"
+        for name, (key, required) in SECRET_KEYS.items():
+            ref = _secret_ref(env, name)
+            assert ref["key"] == key, (group_name, name)
+            assert ref.get("optional", False) is not required, (
+                f"{group_name}: {name} must be {'required' if required else 'optional'}"
+            )
         for e in env.values():
             ref = e.get("valueFrom", {}).get("secretKeyRef")
             if ref:
@@ -599,41 +637,150 @@ def test_config_transfer_and_secrets(
     assert all("CHANGE-ME" in v for v in secret["stringData"].values())
 
 
-def test_curve_is_one_config_line_away(
-    variant: tuple[str, list[dict[str, Any]]], loaded: Loaded, tmp_path: Path
+def test_curve_is_the_default_and_needs_the_secrets_keypair(
+    variant: tuple[str, list[dict[str, Any]]], loaded: Loaded
 ) -> None:
-    """``transfer.auth: curve`` (KV encrypted on the wire, issue 12.10): every Ray container
-    already reads the CURVE keypair from the Secret (optional keys, unused with HMAC), so the
-    ConfigMap's one line is the whole switch, and start-up refuses CURVE without the keys."""
-    from cluster.config import load_config
+    """``transfer.auth: curve`` is the k8s default (KV encrypted on the wire; cheaper than HMAC
+    in P4): start-up refuses it without the Secret's CURVE keypair, even with the HMAC secret
+    present, and takes it with a fresh keypair as the docs generate it."""
     from cluster.kv_transfer.security import check_auth_config, generate_curve_keypair
 
-    rs = _one(variant[1], "RayService")
-    config_path = Path(_app_config(rs)["args"]["config_path"])
-    raw = yaml.safe_load(_config_map_for(variant[1], rs, config_path)["data"][config_path.name])
-    raw["transfer"]["auth"] = "curve"
-    local = tmp_path / config_path.name
-    local.write_text(yaml.safe_dump(raw))
-    curve = load_config(local).transfer
-    assert curve.auth == "curve" and not curve.curve_secret_key and not curve.curve_public_key
+    raw, _args = _raw_config(variant[1])
+    assert raw["transfer"]["auth"] == "curve"
+    t = loaded.config.transfer
+    assert t.auth == "curve" and not t.curve_public_key and not t.curve_secret_key
     public, secret_key = generate_curve_keypair()
-    from_secret = {"PDSERVE_CURVE_PUBLIC_KEY": public, "PDSERVE_CURVE_SECRET_KEY": secret_key}
+    assert len(public) == len(secret_key) == 40 and public != secret_key
+    keypair = {"PDSERVE_CURVE_PUBLIC_KEY": public, "PDSERVE_CURVE_SECRET_KEY": secret_key}
+    others = {k: v for k, v in SECRET_ENV.items() if k not in keypair}
+    example = _docs(K8S / "secret.example.yaml")[0]["stringData"]
     with pytest.MonkeyPatch.context() as mp:
-        for key in from_secret:
-            mp.delenv(key, raising=False)
-        with pytest.raises(ValueError, match="PDSERVE_CURVE_"):
-            check_auth_config(curve)
-        for key, value in from_secret.items():
+        for key, value in others.items():  # API keys and the HMAC secret: not enough
             mp.setenv(key, value)
-        check_auth_config(curve)
+        for key in keypair:
+            mp.delenv(key, raising=False)
+        with pytest.raises(ValueError, match="PDSERVE_CURVE_PUBLIC_KEY"):
+            check_auth_config(t)
+        for missing in keypair:  # either half alone is refused, naming the missing one
+            for key, value in keypair.items():
+                if key == missing:
+                    mp.delenv(key, raising=False)
+                else:
+                    mp.setenv(key, value)
+            with pytest.raises(ValueError, match=missing):
+                check_auth_config(t)
+        # The example Secret's placeholders, applied unchanged, do not start a cluster.
+        mp.setenv("PDSERVE_CURVE_PUBLIC_KEY", example["curve-public-key"])
+        mp.setenv("PDSERVE_CURVE_SECRET_KEY", example["curve-secret-key"])
+        with pytest.raises(ValueError, match="PDSERVE_CURVE_"):
+            check_auth_config(t)
+        for key, value in keypair.items():
+            mp.setenv(key, value)
+        check_auth_config(t)
+
+
+KEYPAIR_COMMAND = re.compile(r'read -r pub sec < <\(python -c "[^"]*"\)')
+
+
+def test_the_documented_keypair_commands_give_a_working_pair(tmp_path: Path) -> None:
+    """The commands secret.example.yaml and README.md give for the Secret's CURVE keypair, run
+    as written (bash, pdserve's Python first on PATH), and ``python -m
+    cluster.kv_transfer.security``, each give a matching pair that start-up accepts."""
+    import subprocess
+    import sys
+
+    from cluster.config import TransferConfig, load_config
+    from cluster.kv_transfer.security import check_auth_config
+
+    def accepted(public: str, secret_key: str) -> None:
+        assert len(public) == len(secret_key) == 40, (public, secret_key)
+        assert zmq.curve_public(secret_key.encode("ascii")).decode("ascii") == public
+        check_auth_config(
+            TransferConfig(auth="curve", curve_public_key=public, curve_secret_key=secret_key)
+        )
+
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    commands = []
+    for doc in ("secret.example.yaml", "README.md"):
+        text = (K8S / doc).read_text()
+        if doc.endswith(".yaml"):  # the commands are in comments there
+            text = "\n".join(re.sub(r"^#\s*", "", line) for line in text.splitlines())
+        found = KEYPAIR_COMMAND.findall(text)
+        assert found, f"{doc} documents no keypair command"
+        commands += found
+    for command in commands:
+        out = subprocess.run(
+            ["bash", "-c", f'{command}\nprintf "%s\\n%s\\n" "$pub" "$sec"'],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        public, secret_key = out.stdout.splitlines()
+        accepted(public, secret_key)
+
+    out = subprocess.run(
+        [sys.executable, "-m", "cluster.kv_transfer.security"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    snippet = tmp_path / "snippet.yaml"
+    snippet.write_text(out.stdout)
+    t = load_config(snippet).transfer
+    assert t.auth == "curve"
+    accepted(t.curve_public_key, t.curve_secret_key)
+
+
+def _differences(a: Any, b: Any, where: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [
+            d
+            for k in sorted(set(a) | set(b), key=str)
+            for d in _differences(a.get(k), b.get(k), f"{where}.{k}" if where else str(k))
+        ]
+    return [] if a == b else [where]
+
+
+def test_hmac_is_one_config_line_away(
+    variant: tuple[str, list[dict[str, Any]]], loaded: Loaded, tmp_path: Path
+) -> None:
+    """``transfer.auth: hmac`` (authenticated, not encrypted; one shared secret): every Ray
+    container already reads $PDSERVE_TRANSFER_SECRET from the Secret (an optional key, unused
+    with CURVE), so the ConfigMap's one line is the whole config switch, and start-up refuses
+    hmac without the secret (the CURVE keypair does not stand in for it)."""
+    from cluster.config import load_config
+    from cluster.kv_transfer.security import MIN_HMAC_SECRET, check_auth_config
+
+    raw, args = _raw_config(variant[1])
+    raw["transfer"]["auth"] = "hmac"
+    local = tmp_path / Path(args["config_path"]).name
+    local.write_text(yaml.safe_dump(raw))
+    config = load_config(local, args.get("overrides"))
+    assert _differences(loaded.config.to_dict(), config.to_dict()) == ["transfer.auth"]
+    t = config.transfer
+    assert t.auth == "hmac" and not t.hmac_secret
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in SECRET_ENV.items():
+            mp.setenv(key, value)
+        mp.delenv("PDSERVE_TRANSFER_SECRET")
+        with pytest.raises(ValueError, match="PDSERVE_TRANSFER_SECRET"):
+            check_auth_config(t)
+        mp.setenv("PDSERVE_TRANSFER_SECRET", "x" * (MIN_HMAC_SECRET - 1))
+        with pytest.raises(ValueError, match="PDSERVE_TRANSFER_SECRET"):
+            check_auth_config(t)
+        mp.setenv("PDSERVE_TRANSFER_SECRET", SECRET_ENV["PDSERVE_TRANSFER_SECRET"])
+        check_auth_config(t)
     secret = _docs(K8S / "secret.example.yaml")[0]
-    for group_name, group in _groups(rs):
-        env = _env(_ray_container(group))
-        for name in from_secret:
-            ref = env[name]["valueFrom"]["secretKeyRef"]
-            assert ref["name"] == secret["metadata"]["name"], (group_name, name)
-            assert ref["key"] in secret["stringData"], (group_name, name)
-            assert ref.get("optional") is True, f"{group_name}: {name} must stay optional (HMAC)"
+    for group_name, group in _groups(_one(variant[1], "RayService")):
+        ref = _secret_ref(_env(_ray_container(group)), "PDSERVE_TRANSFER_SECRET")
+        assert ref["name"] == secret["metadata"]["name"], group_name
+        assert ref["key"] in secret["stringData"], group_name
+        assert ref.get("optional") is True, f"{group_name}: the HMAC secret must stay optional"
 
 
 def test_pools_land_on_their_worker_groups(
