@@ -248,6 +248,40 @@ def test_f16_a_killed_router_replica_costs_under_1_percent(app: App) -> None:
     app.assert_clean()
 
 
+def pinned_app(cfg: Any, version: str, **replicas: int) -> Any:
+    """The app with a fixed code version, as a `serve deploy` config update has: redeployed
+    with only a replica count changed (``replicas``: prefill=, decode=), Serve scales that pool
+    instead of replacing every replica of the app (serve.run gives each call a random version:
+    a rolling update, not a scale-down)."""
+    opts, plain = deployment_options(cfg), cfg.to_dict()
+    prefill = PrefillServer.options(**{**opts["PrefillServer"], **_count(replicas, "prefill")})
+    decode = DecodeServer.options(**{**opts["DecodeServer"], **_count(replicas, "decode")})
+    router = Router.options(**opts["Router"])
+    for d in (prefill, decode, router):
+        d._version = version
+    return router.bind(plain, decode.bind(plain, prefill.bind(plain)))
+
+
+def _count(replicas: dict[str, int], role: str) -> dict[str, int]:
+    return {"num_replicas": replicas[role]} if role in replicas else {}
+
+
+def scale_down_in_background(app: Any, name: str, deployment: str) -> threading.Thread:
+    """Redeploy ``app`` from a thread (serve.run returns once the drained replica is gone) and
+    return once a replica of ``deployment`` is STOPPING."""
+    thread = threading.Thread(
+        target=serve.run, args=(app,), kwargs={"name": name, "route_prefix": "/"}
+    )
+    thread.start()
+
+    def stopping() -> bool:
+        dep = serve.status().applications[name].deployments[deployment]
+        return dep.replica_states.get("STOPPING", 0) > 0
+
+    assert wait_until(stopping, 60, 0.05), f"{deployment} did not start draining"
+    return thread
+
+
 def test_f15_prefill_scale_down_with_published_leases_loses_none(
     serve_cluster: ServeCluster, app: App
 ) -> None:
@@ -265,20 +299,7 @@ def test_f15_prefill_scale_down_with_published_leases_loses_none(
             "router.grpc_port": free_port(),
         }
     )
-    opts, plain = deployment_options(cfg), cfg.to_dict()
-
-    def build(num_prefill: int) -> Any:
-        prefill = PrefillServer.options(**{**opts["PrefillServer"], "num_replicas": num_prefill})
-        decode = DecodeServer.options(**opts["DecodeServer"])
-        router = Router.options(**opts["Router"])
-        # A fixed code version, as a `serve deploy` config update has: the redeploy then only
-        # changes the replica count (serve.run gives each call a random one, and Serve would
-        # replace every replica of the app: a rolling update, not a scale-down).
-        for d in (prefill, decode, router):
-            d._version = "f15"
-        return router.bind(plain, decode.bind(plain, prefill.bind(plain)))
-
-    serve.run(build(2), name=name, route_prefix="/")
+    serve.run(pinned_app(cfg, "f15", prefill=2), name=name, route_prefix="/")
     channel = grpc.insecure_channel(f"127.0.0.1:{cfg.router.grpc_port}")
     stub = pb_grpc.GenerationStub(channel)
     prefill_h = serve.get_deployment_handle("PrefillServer", name)
@@ -304,18 +325,10 @@ def test_f15_prefill_scale_down_with_published_leases_loses_none(
             )  # routing spreads the calls over the two replicas
 
         assert wait_until(lambda: leases() >= 8, 60, 0.1), "the leases were not published"
-        # Scale down (serve.run returns once the drained replica is gone, which waits for its
-        # leases: so from a thread); once a prefill replica is STOPPING, let the pulls go.
-        scale_down = threading.Thread(
-            target=serve.run, args=(build(1),), kwargs={"name": name, "route_prefix": "/"}
+        # Once a prefill replica is STOPPING (it waits for its leases), let the pulls go.
+        scale_down = scale_down_in_background(
+            pinned_app(cfg, "f15", prefill=1), name, "PrefillServer"
         )
-        scale_down.start()
-
-        def stopping() -> bool:
-            dep = serve.status().applications[name].deployments["PrefillServer"]
-            return dep.replica_states.get("STOPPING", 0) > 0
-
-        assert wait_until(stopping, 60, 0.1), "the prefill pool did not start draining"
         decode_h.release_fault.remote("d.after_alloc_before_pull").result(timeout_s=30)
         scale_down.join(120)
         for s in streams.values():
@@ -359,17 +372,7 @@ def test_f14_decode_scale_down_with_ten_streams_through_the_router_loses_none(
             "router.grpc_port": free_port(),
         }
     )
-    opts, plain = deployment_options(cfg), cfg.to_dict()
-
-    def build(num_decode: int) -> Any:
-        prefill = PrefillServer.options(**opts["PrefillServer"])
-        decode = DecodeServer.options(**{**opts["DecodeServer"], "num_replicas": num_decode})
-        router = Router.options(**opts["Router"])
-        for d in (prefill, decode, router):  # a scale-down, not a rolling update (see F15)
-            d._version = "f14"
-        return router.bind(plain, decode.bind(plain, prefill.bind(plain)))
-
-    serve.run(build(2), name=name, route_prefix="/")
+    serve.run(pinned_app(cfg, "f14", decode=2), name=name, route_prefix="/")
     channel = grpc.insecure_channel(f"127.0.0.1:{cfg.router.grpc_port}")
     stub = pb_grpc.GenerationStub(channel)
     decode_h = serve.get_deployment_handle("DecodeServer", name)
@@ -384,16 +387,9 @@ def test_f14_decode_scale_down_with_ten_streams_through_the_router_loses_none(
         expected = reference(cfg, prompts, 200)  # 200 steps of 20 ms: ~4 s of decoding
         streams = {rid: Stream(stub, request(p, 200, rid)) for rid, p in prompts.items()}
         assert wait_until(lambda: all(len(s.tokens) >= 3 for s in streams.values()), 60, 0.05)
-        scale_down = threading.Thread(
-            target=serve.run, args=(build(1),), kwargs={"name": name, "route_prefix": "/"}
+        scale_down = scale_down_in_background(
+            pinned_app(cfg, "f14", decode=1), name, "DecodeServer"
         )
-        scale_down.start()
-
-        def stopping() -> bool:
-            dep = serve.status().applications[name].deployments["DecodeServer"]
-            return dep.replica_states.get("STOPPING", 0) > 0
-
-        assert wait_until(stopping, 60, 0.05), "the decode pool did not start draining"
         in_flight = sum(s.ended == 0.0 for s in streams.values())
         scale_down.join(120)
         for s in streams.values():
