@@ -42,6 +42,13 @@ class RouterConfig:
     """HTTP requests Serve's proxy queues for a router replica."""
     max_streams_per_connection: int = 100
     """gRPC calls open at once on one client connection."""
+    ttft_slo_ms: float = 0.0
+    """The time to first token a request admitted by a router replica should meet (p99): the
+    replica learns from its own first tokens how TTFT grows with the prompt tokens and requests
+    waiting ahead (``ttft_model`` in its stats), and refuses at once (RESOURCE_EXHAUSTED / 429,
+    with the retry delay) a request predicted to start later, unless nothing is waiting. 0, the
+    default: off, as in the servers users come from (a burst queues, bounded only by
+    ``max_ongoing_requests``); set it to your SLO to shed load instead of queueing it."""
     max_health_watches: int = 256
     """gRPC health ``Watch`` streams open at once on a router replica; beyond, and beyond 4 on
     one connection, a ``Watch`` is refused (RESOURCE_EXHAUSTED). All watches share one poll of
@@ -105,6 +112,7 @@ class RouterConfig:
         streams = self.max_streams_per_connection
         check(streams >= 1, "router.max_streams_per_connection", "must be >= 1")
         check(self.max_health_watches >= 1, "router.max_health_watches", "must be >= 1")
+        check(self.ttft_slo_ms >= 0, "router.ttft_slo_ms", "must be >= 0 (0: off)")
         check(
             self.graceful_shutdown_timeout_s > 0,
             "router.graceful_shutdown_timeout_s",

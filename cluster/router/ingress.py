@@ -106,7 +106,9 @@ class Router:
             period_s=r.readiness_period_s,
             timeout_s=max(2.0, 4 * r.readiness_period_s),
         )
-        self.admission = Admission(router_admission_limit(self.config))
+        self.admission = Admission(
+            router_admission_limit(self.config), ttft_slo_s=r.ttft_slo_ms / 1000
+        )
         self.grpc = GrpcListener(
             r,
             generate=self._grpc_generate,
@@ -146,13 +148,16 @@ class Router:
             len(parsed.prompt_token_ids),
         )
         try:
-            with self.admission.admitted(parsed.request_id, max(parsed.n, parsed.best_of)):
+            with self.admission.admitted(
+                parsed.request_id, parsed.num_samples, len(parsed.prompt_token_ids)
+            ) as ticket:
                 async with contextlib.aclosing(self._relay(parsed, t0)) as relayed:
                     async for chunk in relayed:
                         if chunk.token_ids or chunk.text:
                             self.readiness.saw_progress()
                             if first is None:
                                 first = time.monotonic()
+                                self.admission.first_token(ticket)
                         if chunk.usage is not None:
                             usage = chunk.usage
                         yield chunk
@@ -243,6 +248,10 @@ class Router:
             from_body = self.parser.from_chat if kind == "chat" else self.parser.from_completion
             parsed = await self._parse(lambda: from_body(json_object(raw)), len(raw))
             self.parse_ms[kind].append((time.perf_counter() - t0) * 1000)
+            # Before a stream's headers go out: a refusal is a 429, not an error event.
+            self.admission.check(
+                parsed.request_id, parsed.num_samples, len(parsed.prompt_token_ids)
+            )
         except PDServeError as e:
             return error_response(e)
         except Exception:
@@ -357,6 +366,8 @@ class Router:
             "paused_faults": self.faults.paused(),
             "in_flight": self.admission.num_inflight,
             "rejected": self.admission.num_rejected,
+            "rejected_slo": self.admission.num_rejected_slo,
+            "ttft_model": self.admission.model.state(),
             "ready": self.readiness.ready,
             "heap": heap_stats(),
         }

@@ -129,13 +129,18 @@ class ParsedRequest:
     client_logprobs: bool = True  # False: logprobs only asked for ranking best_of (not shown)
     echo: str | None = None  # completions, echo: the prompt's text, which each choice starts with
 
+    @property
+    def num_samples(self) -> int:
+        """Sequences the request decodes (what admission counts)."""
+        return max(self.n, self.best_of)
+
     def to_call(self, router_queue_ms: float) -> GenerateCall:
         return GenerateCall(
             request_id=self.call_id,
             prompt_token_ids=self.prompt_token_ids,
             block_hashes=self.block_hashes,
             params=self.params,
-            n=max(self.n, self.best_of),
+            n=self.num_samples,
             deadline=self.deadline,
             router_queue_ms=router_queue_ms,
         )

@@ -8,6 +8,7 @@ admission's arithmetic."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -26,6 +27,7 @@ from cluster.router.admission import MAX_RETRY_AFTER_S, Admission
 from cluster.router.grpc_server import RETRY_PUSHBACK, WATCHES_PER_CONNECTION, GrpcListener
 from cluster.router.requests import read_body
 from cluster.router.responses import error_response, grpc_status, openai_error
+from cluster.router.ttft_model import TtftModel
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -96,6 +98,80 @@ def test_a_request_with_n_samples_holds_n_places() -> None:
         assert adm.num_inflight == 16
         with pytest.raises(PDServeError):
             adm.check("d")
+
+
+# -- the TTFT SLO: a model of the queue learnt from the router's own first tokens ---------------
+
+
+def true_ttft(tokens: int, requests: int, i: int) -> float:
+    """A made-up system: 20 ms fixed, 0.5 ms a prompt token, 10 ms a request, +-4 ms noise."""
+    return 0.02 + 0.0005 * tokens + 0.01 * requests + 0.004 * ((i * 7919 % 11) / 5 - 1)
+
+
+def trained(n: int = 300) -> TtftModel:
+    model = TtftModel()
+    for i in range(n):
+        tokens, requests = 50 + (i * 37) % 2000, 1 + (i * 13) % 40
+        model.observe(tokens, requests, true_ttft(tokens, requests, i))
+    return model
+
+
+def test_the_ttft_model_learns_what_the_queue_costs() -> None:
+    model = TtftModel()
+    for _ in range(15):
+        model.observe(100, 1, 0.07)
+        assert model.predict(100, 1) is None  # not before min_samples first tokens
+    state = trained().state()
+    assert state["per_token_s"] == pytest.approx(0.0005, rel=0.05), state
+    assert state["per_request_s"] == pytest.approx(0.01, rel=0.1), state
+    assert state["fixed_s"] == pytest.approx(0.02, abs=0.005), state
+    assert 0.0 < state["spread_s"] < 0.006, state
+    # a p99 estimate: above the mean by about 2.33 residual spreads
+    predicted = trained().predict(1000, 10)
+    assert predicted is not None
+    assert 0.62 < predicted < 0.62 + 3 * 0.006, predicted
+
+
+def test_the_slo_refuses_what_would_start_late_and_says_when_to_retry() -> None:
+    clock = FakeClock()
+    adm = Admission(100, clock, ttft_slo_s=0.5, model=trained())
+    with contextlib.ExitStack() as stack:
+        tickets = []
+        predicted = adm.predicted_ttft_s(400)
+        while predicted is not None and predicted <= 0.5:  # 400-token prompts, no first token
+            tickets.append(stack.enter_context(adm.admitted(f"a{len(tickets)}", 1, 400)))
+            predicted = adm.predicted_ttft_s(400)
+        assert predicted is not None and 2 <= len(tickets) <= 10, (predicted, tickets)
+        # one more 400-token prompt would start after 0.5 s: refused, before any work
+        with pytest.raises(PDServeError) as e:
+            adm.check("late", 1, 400)
+        assert e.value.code == ErrorCode.RESOURCE_EXHAUSTED
+        assert "router.ttft_slo_ms=500" in e.value.message
+        assert e.value.retry_after_s == pytest.approx(predicted - 0.5)
+        assert adm.num_rejected_slo == 1 and adm.num_inflight == len(tickets)
+        adm.check("short", 1, 10)  # a short prompt still fits
+        # a first token: the model learns its TTFT, its prompt leaves the queue
+        samples = adm.model.num_samples
+        clock.t += true_ttft(tickets[0].tokens, tickets[0].requests, 0)  # as the model expects
+        adm.first_token(tickets[0])
+        adm.first_token(tickets[0])  # once only
+        assert adm.model.num_samples == samples + 1
+        assert adm.waiting_tokens == 400 * (len(tickets) - 1)
+        adm.check("now-fits", 1, 400)
+    # the rest ended without a first token: out of the queue, nothing learnt from them
+    assert adm.waiting_tokens == 0 and adm.waiting_requests == 0 and adm.num_inflight == 0
+    assert adm.model.num_samples == samples + 1
+
+
+def test_the_slo_never_refuses_into_an_idle_router_and_is_off_at_0() -> None:
+    alone = Admission(100, ttft_slo_s=0.05, model=trained())
+    assert (alone.predicted_ttft_s(5000) or 0) > 0.05
+    with alone.admitted("huge", 1, 5000):  # nothing waits: as fast as it gets, admitted
+        pass
+    off = Admission(100, ttft_slo_s=0.0, model=trained())
+    with off.admitted("a", 1, 5000), off.admitted("b", 1, 5000):
+        off.check("c", 1, 5000)
+    assert off.num_rejected == 0
 
 
 # -- HTTP: 413 for oversize, Retry-After on 429 -------------------------------------------------
