@@ -66,6 +66,18 @@ class LayerOps(Protocol):
         """Fused qkv rows -> rotated q [N, Hq, D], rotated k and v [N, Hkv, D]."""
         ...
 
+    def qk_norm(
+        self,
+        qkv: torch.Tensor,
+        norms: tuple[torch.Tensor, torch.Tensor],
+        hq: int,
+        hkv: int,
+        d: int,
+        eps: float,
+    ) -> None:
+        """RMSNorm over each head of q and of k in the fused rows, in place (Qwen3)."""
+        ...
+
     def write_kv(
         self,
         kv_cache: torch.Tensor,
@@ -125,6 +137,19 @@ class TorchOps:
         cos, sin = state
         q, k, v = split_qkv(qkv, hq, hkv, d)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def qk_norm(
+        self,
+        qkv: torch.Tensor,
+        norms: tuple[torch.Tensor, torch.Tensor],
+        hq: int,
+        hkv: int,
+        d: int,
+        eps: float,
+    ) -> None:
+        q, k, _ = split_qkv(qkv, hq, hkv, d)
+        q.copy_(rms_norm(q, norms[0], eps))
+        k.copy_(rms_norm(k, norms[1], eps))
 
     def write_kv(
         self,
@@ -245,6 +270,8 @@ def whole_forward(model: Any, kernels: NativeKernels) -> DecodeForward | None:
     for lw in model.layers:
         mats = [_described(m) for m in (lw.qkv, lw.o, lw.gate_up, lw.down)]
         if any(m is None for m in mats) or not model.cos.is_contiguous():
+            return None
+        if lw.qk_norm is not None:  # the one-call step has no q/k norm: the layer loop runs
             return None
         qkv, o, gate_up, down = mats
         assert qkv and o and gate_up and down

@@ -1,7 +1,8 @@
-"""Llama-family decoder (Llama, Qwen2, Mistral, SmolLM) with paged attention.
+"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral, SmolLM) with paged attention.
 
 GQA, RoPE with its scaling variants (inverse frequencies from transformers' own RoPE code),
-RMSNorm, SwiGLU, optional q/k/v bias (Qwen2), tied or untied embeddings. q/k/v and gate/up
+RMSNorm, SwiGLU, optional q/k/v bias (Qwen2), optional per-head q/k RMSNorm before RoPE
+(Qwen3), tied or untied embeddings. q/k/v and gate/up
 projections are fused into one matmul each. Numerics follow transformers' implementation so
 greedy outputs match a transformers run token for token (fp32).
 """
@@ -35,6 +36,7 @@ class LlamaArch:
     tie_word_embeddings: bool
     qkv_bias: bool
     max_position_embeddings: int
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE
 
 
 @dataclass
@@ -47,6 +49,7 @@ class LayerWeights:
     post_norm: torch.Tensor  # [H]
     gate_up: Weight  # [2 * I, H]
     down: Weight  # [H, I]
+    qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None  # q and k norms [D] (Qwen3)
 
     def matrices(self) -> list[Weight]:
         return [self.qkv, self.o, self.gate_up, self.down]
@@ -108,6 +111,7 @@ class LlamaModel:
         for lw in self.layers:
             tensors += [lw.input_norm, lw.post_norm]
             tensors += [lw.qkv_bias] if lw.qkv_bias is not None else []
+            tensors += list(lw.qk_norm) if lw.qk_norm is not None else []
         for m in self.matrices():
             if isinstance(m, PackedWeight):
                 for s in m.segments:
@@ -138,6 +142,8 @@ class LlamaModel:
             return h
         for i, lw in enumerate(self.layers):
             qkv = ops.norm_linear(h, lw.input_norm, eps, lw.qkv, lw.qkv_bias)  # [N, (Hq+2Hkv)*D]
+            if lw.qk_norm is not None:  # Qwen3: each head's q and k normalized, in place
+                ops.qk_norm(qkv, lw.qk_norm, hq, hkv, d, eps)
             q, k, v = ops.rope(qkv, rope, hq, hkv, d)  # [N, Hq, D], [N, Hkv, D], [N, Hkv, D]
             ops.write_kv(kv_cache, i, k, v, meta, self.kv_codec)
             attn = paged_attention(q, k, v, kv_cache, i, meta, self.scale, self.kv_codec)

@@ -17,11 +17,17 @@ from cluster.engine.models.packed import Weight
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 
@@ -65,6 +71,21 @@ _CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
         "vocab_size": 151936,
         "rms_norm_eps": 1e-06,
         "tie_word_embeddings": False,
+        "max_position_embeddings": 32768,
+        "hidden_act": "silu",
+        "use_sliding_window": False,
+    },
+    "Qwen3ForCausalLM": {
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "head_dim": 128,
+        "intermediate_size": 22016,
+        "vocab_size": 151936,
+        "rms_norm_eps": 1e-06,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
         "max_position_embeddings": 32768,
         "hidden_act": "silu",
         "use_sliding_window": False,
@@ -195,6 +216,7 @@ def arch_from_config(hf_config: Any, arch_name: str) -> LlamaArch:
         qkv_bias=arch_name == "Qwen2ForCausalLM"
         or bool(getattr(hf_config, "attention_bias", False)),
         max_position_embeddings=int(hf_config.max_position_embeddings),
+        qk_norm=arch_name == "Qwen3ForCausalLM",
     )
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise ValueError(f"model: unsupported activation {hf_config.hidden_act!r} (need silu)")
@@ -274,6 +296,11 @@ def load_llama(
                     [w(f"{p}mlp.gate_proj.weight"), w(f"{p}mlp.up_proj.weight")]
                 ).contiguous(),
                 down=w(f"{p}mlp.down_proj.weight"),
+                qk_norm=(
+                    (w(f"{p}self_attn.q_norm.weight"), w(f"{p}self_attn.k_norm.weight"))
+                    if arch.qk_norm
+                    else None
+                ),
             )
         )
     embed = w("embed_tokens.weight")

@@ -73,16 +73,26 @@ def build_tiny_llama(
     max_position_embeddings: int = 2048,
     tie_word_embeddings: bool = True,
     initializer_range: float = 0.3,
+    family: str = "llama",
     **config_overrides: Any,
 ) -> Path:
-    """Write a random Llama checkpoint directory; returns its path."""
+    """Write a random checkpoint directory of a Llama-family architecture (``family``: llama,
+    qwen3); returns its path. Qwen3's q/k norms get random weights too (transformers starts
+    them at 1, which would leave them untested)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
+    classes = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    }
+    if family not in classes:
+        raise ValueError(f"tiny model: unknown family {family!r}; known: {', '.join(classes)}")
+    config_cls, model_cls = (getattr(transformers, name) for name in classes[family])
     path = Path(out)
     path.mkdir(parents=True, exist_ok=True)
     vocab_size = build_tokenizer(path)
-    config = LlamaConfig(
+    config = config_cls(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -99,7 +109,11 @@ def build_tiny_llama(
         **config_overrides,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.uniform_(0.5, 1.5)
     model.save_pretrained(path)
     return path
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoConfig, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from cluster.config.model_paths import resolve_max_model_len
 from cluster.engine.models.loader import (
@@ -25,6 +25,7 @@ CLASSES = {
     "LlamaForCausalLM": LlamaConfig,
     "MistralForCausalLM": MistralConfig,
     "Qwen2ForCausalLM": Qwen2Config,
+    "Qwen3ForCausalLM": Qwen3Config,
 }
 
 
@@ -70,6 +71,8 @@ SMALL = {"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128, 
         {"architectures": ["MistralForCausalLM"], **SMALL, "max_position_embeddings": 32768},
         {"architectures": ["MistralForCausalLM"], **SMALL, "sliding_window": None},
         {"architectures": ["Qwen2ForCausalLM"], **SMALL, "sliding_window": 64},
+        {"architectures": ["Qwen3ForCausalLM"], **SMALL},  # head_dim 128 by its default
+        {"model_type": "qwen3", **SMALL, "head_dim": 24, "tie_word_embeddings": True},
         {
             "architectures": ["Qwen2ForCausalLM"],
             **SMALL,

@@ -77,15 +77,29 @@ def test_every_variant_equals_the_torch_path(
             torch.testing.assert_close(outs[name][layer], ref, atol=2e-5, rtol=1e-5, msg=name)
 
 
-def test_engine_backends_agree(tiny_model_dir: Path) -> None:
+@pytest.fixture(scope="module")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from cluster.engine.models.tiny import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-qwen3"), family="qwen3", head_dim=24)
+
+
+@pytest.mark.parametrize(
+    ("family", "weights"), [("llama", "dense"), ("qwen3", "dense"), ("qwen3", "int8")]
+)
+def test_engine_backends_agree(request: pytest.FixtureRequest, family: str, weights: str) -> None:
+    """Native and torch layer ops give the same tokens: for Qwen3 the q/k norms run before the
+    native RoPE, and the one-call decode step (which has no q/k norm) stands aside."""
+    model_dir = request.getfixturevalue("tiny_model_dir" if family == "llama" else "tiny_qwen3_dir")
     outs = {}
     for backend in ("native", "torch"):
         try:
             eng = LLMEngine(
                 make_config(
                     **{
-                        "model.path": str(tiny_model_dir),
+                        "model.path": str(model_dir),
                         "model.kernels": backend,
+                        "model.weights": weights,
                         "model.num_threads": 2,
                         "cache.num_blocks": 256,
                     }

@@ -1,4 +1,5 @@
-"""The paged engine against a transformers greedy loop, on a tiny random Llama.
+"""The paged engine against a transformers greedy loop, on tiny random models of each dense
+family (Llama; Qwen3, whose per-head q/k norms and explicit head_dim the Llama path lacks).
 
 Same checks as the real-model integration test: a batch of prompts of different lengths
 submitted together, small chunks, prefix-cache hits, preemption. Each run ends idle and clean.
@@ -32,9 +33,23 @@ def _engine(model_dir: Path, **overrides: Any) -> LLMEngine:
     return LLMEngine(tiny_config(model_dir, **{"cache.num_blocks": 512, **overrides}))
 
 
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def model_dir(
+    request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    if request.param == "llama":
+        return tiny_model_dir
+    from cluster.engine.models.tiny import build_tiny_llama
+
+    # head_dim 24, not hidden / heads = 16: Qwen3 configs name theirs
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-qwen3"), family="qwen3", head_dim=24)
+
+
 @pytest.fixture(scope="module")
-def setup(tiny_model_dir: Path) -> tuple[dict[str, list[int]], dict[str, Reference], Any]:
+def setup(model_dir: Path) -> tuple[dict[str, list[int]], dict[str, Reference], Any]:
     from tests.reference import load_hf
+
+    tiny_model_dir = model_dir
 
     eng = _engine(tiny_model_dir)
     tok = eng.tokenizer
@@ -76,9 +91,9 @@ def test_batched_chunked_prefill_matches_reference(setup: Any) -> None:
     assert eng.stats()["num_steps"] > NUM_NEW
 
 
-def test_prefix_cache_hits_match_reference(tiny_model_dir: Path, setup: Any) -> None:
+def test_prefix_cache_hits_match_reference(model_dir: Path, setup: Any) -> None:
     prompts, refs, _ = setup
-    eng = _engine(tiny_model_dir)
+    eng = _engine(model_dir)
     first = _run(eng, prompts, suffix="-a")
     captured = capture_logits(eng)
     second = _run(eng, prompts, suffix="-b")
@@ -94,20 +109,20 @@ def test_prefix_cache_hits_match_reference(tiny_model_dir: Path, setup: Any) -> 
     )
 
 
-def test_preemption_matches_reference(tiny_model_dir: Path, setup: Any) -> None:
+def test_preemption_matches_reference(model_dir: Path, setup: Any) -> None:
     prompts, refs, _ = setup
     # 20 blocks of 16 tokens cannot hold the batch (about 60 blocks at the end): preemption.
-    eng = _engine(tiny_model_dir, **{"cache.num_blocks": 20, "scheduler.max_num_seqs": 16})
+    eng = _engine(model_dir, **{"cache.num_blocks": 20, "scheduler.max_num_seqs": 16})
     captured = capture_logits(eng)
     tokens = _run(eng, prompts)
     assert eng.scheduler.num_preemptions > 0
     check_run_against_references(eng, prompts, refs, tokens, captured)
 
 
-def test_unchunked_large_budget_matches_reference(tiny_model_dir: Path, setup: Any) -> None:
+def test_unchunked_large_budget_matches_reference(model_dir: Path, setup: Any) -> None:
     prompts, refs, _ = setup
     eng = _engine(
-        tiny_model_dir,
+        model_dir,
         **{"scheduler.chunk_size": None, "scheduler.max_num_batched_tokens": 2048},
     )
     captured = capture_logits(eng)
