@@ -1,6 +1,7 @@
-"""int8 KV through the prefill -> decode hand-off (tiny real model, in one process, real KV
-transfer): the int8 blocks and their scales move as they are, and pools whose KV layouts differ
-are refused before any work with an error naming both layouts. Every test ends clean."""
+"""int8 KV, and Qwen3's, through the prefill -> decode hand-off (tiny real models, in one
+process, real KV transfer): the int8 blocks and their scales move as they are, and pools whose
+KV layouts differ are refused before any work with an error naming both layouts. Every test
+ends clean."""
 
 from __future__ import annotations
 
@@ -138,6 +139,33 @@ def test_pools_with_different_kv_dtypes_are_refused_at_the_hand_off(
         assert pools.client.calls == 1
         assert pools.prefill.num_prefills == 0  # refused before computing anything
         assert pools.decode.stats()["transfer"].get("transfers_ok", 0) == 0
+        pools.wait_idle_clean()
+    finally:
+        pools.close()
+
+
+def test_qwen3_remote_prefill_decodes_like_a_local_one(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Qwen3 through the hand-off: its KV (q/k normalized before RoPE, head_dim 24) prefilled by
+    one pool, pulled over zmq and decoded by the other, gives the tokens of a local run."""
+    from cluster.engine.models.tiny import build_tiny_llama
+
+    model_dir = build_tiny_llama(tmp_path_factory.mktemp("qwen3-pd"), family="qwen3", head_dim=24)
+    cfg = _cfg(model_dir, "float32")
+    prompts = {f"q{i}": _prompt(25 + 19 * i, i) for i in range(3)}
+    local = LLMEngine(cfg)
+    for rid, p in prompts.items():
+        local.add(EngineRequest(rid, p, greedy(12)))
+    expected = run_until_done(local)
+    pools = Pools(cfg, cfg)
+    try:
+        for rid, p in prompts.items():
+            chunks = pools.generate(rid, p, 12)
+            assert chunks[-1].usage is not None and chunks[-1].usage.prefill_mode == "remote"
+            assert _tokens(chunks) == expected[rid], rid
+        assert pools.decode.engine.kv_layout.head_dim == 24
+        assert pools.decode.stats()["transfer"]["transfers_ok"] == len(prompts)
         pools.wait_idle_clean()
     finally:
         pools.close()
