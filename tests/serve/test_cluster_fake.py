@@ -733,13 +733,17 @@ def start_stream(app: App, req: pb.GenerateRequest) -> tuple[Any, list[Any], thr
 
 
 # phase: (role paused, fault point, prompt length, the request reaches decode, leases acked).
-CANCEL_PHASES = {
-    "router queue": ("router", "router.before_relay", 8, False, 0),
-    "decode queue": ("decode", "engine.step", 8, True, 0),
-    "prefill queue": ("prefill", "engine.step", 40, True, 0),
-    "prefilling": ("prefill", "p.after_prefill_before_publish", 40, True, 0),
-    "between prefill and decode": ("decode", "d.after_alloc_before_pull", 40, True, 0),
-    "decoding": ("decode", "d.mid_decode_token_k", 40, True, 1),
+# Between prefill and decode the pause may be released before the cancel reaches the decode
+# replica (the test releases once the client saw CANCELLED): then the pull runs and its lease
+# is acked before the request is aborted (1 in one CI run beside the other worker), else the
+# lease is aborted. Either way the request is aborted and nothing is left to expire.
+CANCEL_PHASES: dict[str, tuple[str, str, int, bool, tuple[int, ...]]] = {
+    "router queue": ("router", "router.before_relay", 8, False, (0,)),
+    "decode queue": ("decode", "engine.step", 8, True, (0,)),
+    "prefill queue": ("prefill", "engine.step", 40, True, (0,)),
+    "prefilling": ("prefill", "p.after_prefill_before_publish", 40, True, (0,)),
+    "between prefill and decode": ("decode", "d.after_alloc_before_pull", 40, True, (0, 1)),
+    "decoding": ("decode", "d.mid_decode_token_k", 40, True, (1,)),
 }
 LONG = 2000  # tokens a decoding request still has to go when it is held mid-decode
 
@@ -807,7 +811,7 @@ def test_cancel_at_each_phase_frees_every_block(app: App, phase: str) -> None:
     assert ended["decode.completed"] == 0, ended  # the cancelled request never completed
     assert ended["decode.aborted"] == (1 if reaches_decode else 0), ended
     assert ended["lease.expired"] == 0, ended  # nothing was left for a lease timeout to end
-    assert ended["lease.acked"] == acked, ended
+    assert ended["lease.acked"] in acked, ended
     if not reaches_decode:
         assert not any(ended.values()), ended
         assert app.router.stats.remote().result(timeout_s=30)["in_flight"] == 0
