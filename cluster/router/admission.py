@@ -25,7 +25,6 @@ together, and none is told to wait longer than ``MAX_RETRY_AFTER_S``.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -42,9 +41,10 @@ _DECAY = 0.9  # weight of the older durations in the mean
 
 @dataclass(slots=True)
 class Ticket:
-    """An admitted request: what was waiting when it came (its own prompt included)."""
+    """An admitted request: its own prompt and samples, and what was waiting when it came."""
 
-    key: int
+    prompt_tokens: int
+    weight: int  # samples
     tokens: int  # prompt tokens without a first token, its own included
     requests: int  # samples without a first token, its own included
     start: float
@@ -68,9 +68,7 @@ class Admission:
         self.mean_duration_s = _PRIOR_DURATION_S
         self._clock = clock
         self._refused_since_free = 0
-        self._keys = itertools.count()
-        self._waiting: dict[int, tuple[int, int]] = {}  # ticket -> (prompt tokens, samples)
-        self.waiting_tokens = 0
+        self.waiting_tokens = 0  # of the admitted requests without a first token
         self.waiting_requests = 0
 
     def retry_after_s(self) -> float:
@@ -123,12 +121,12 @@ class Admission:
     ) -> Iterator[Ticket]:
         self.check(request_id, weight, prompt_tokens)
         ticket = Ticket(
-            next(self._keys),
+            prompt_tokens,
+            weight,
             self.waiting_tokens + prompt_tokens,
             self.waiting_requests + weight,
             self._clock(),
         )
-        self._waiting[ticket.key] = (prompt_tokens, weight)
         self.waiting_tokens += prompt_tokens
         self.waiting_requests += weight
         self.num_inflight += weight
@@ -152,9 +150,8 @@ class Admission:
         if not ticket.waiting:
             return
         ticket.waiting = False
-        tokens, weight = self._waiting.pop(ticket.key)
-        self.waiting_tokens -= tokens
-        self.waiting_requests -= weight
+        self.waiting_tokens -= ticket.prompt_tokens
+        self.waiting_requests -= ticket.weight
 
 
 def _bounded(delay: float) -> float:

@@ -72,8 +72,6 @@ class TtftModel:
         self.num_samples = 0
         self._zz = [[0.0] * 3 for _ in range(3)]  # decayed sums of z z^T and z y
         self._zy = [0.0] * 3
-        self._sq_err = 0.0  # decayed sum of squared residuals (of the fit before each point)
-        self._weight = 0.0  # decayed count
         self._fit: tuple[float, float, float] = self.prior
         self._residuals: collections.deque[float] = collections.deque(maxlen=RESIDUALS)
 
@@ -90,10 +88,8 @@ class TtftModel:
         z = self._z(tokens, requests)
         err = seconds - self._mean(tokens, requests)
         d = self.decay
-        self._sq_err = d * self._sq_err + err * err
         if self.num_samples >= self.min_samples:  # against a fit, not against the prior
             self._residuals.append(err)
-        self._weight = d * self._weight + 1.0
         for i in range(3):
             self._zy[i] = d * self._zy[i] + z[i] * seconds
             for j in range(3):
@@ -110,8 +106,9 @@ class TtftModel:
 
     @property
     def spread_s(self) -> float:
-        """The residuals' decayed RMS (seconds)."""
-        return math.sqrt(self._sq_err / self._weight) if self._weight else 0.0
+        """The recent residuals' RMS (seconds; reported in the router's stats)."""
+        n = len(self._residuals)
+        return math.sqrt(sum(r * r for r in self._residuals) / n) if n else 0.0
 
     def predict(self, tokens: int, requests: int) -> float | None:
         """The p99 TTFT of a request arriving with ``tokens`` and ``requests`` waiting (its own

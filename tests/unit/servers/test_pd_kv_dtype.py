@@ -82,23 +82,33 @@ def _tokens(chunks: list[StreamChunk]) -> list[int]:
     return [t for c in chunks for t in c.token_ids]
 
 
+def _local_run(cfg: Any, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
+    """The reference: the same config, each prompt prefilled where it decodes."""
+    local = LLMEngine(cfg)
+    for rid, p in prompts.items():
+        local.add(EngineRequest(rid, p, greedy(max_tokens)))
+    return run_until_done(local)
+
+
+def _assert_remote_like_local(
+    pools: Pools, prompts: dict[str, list[int]], expected: dict[str, list[int]], max_tokens: int
+) -> None:
+    for rid, p in prompts.items():
+        chunks = pools.generate(rid, p, max_tokens)
+        assert chunks[-1].usage is not None and chunks[-1].usage.prefill_mode == "remote", rid
+        assert _tokens(chunks) == expected[rid], rid
+
+
 @pytest.mark.parametrize("transport", ["zmq", "shm"])
 def test_int8_kv_remote_prefill_decodes_like_a_local_one(
     tiny_model_dir: Path, transport: str
 ) -> None:
     cfg = _cfg(tiny_model_dir, "int8", transport)
     prompts = {f"r{i}": _prompt(30 + 17 * i, i) for i in range(4)}
-    local = LLMEngine(cfg)  # the reference: the same KV dtype, prefilled where it decodes
-    for rid, p in prompts.items():
-        local.add(EngineRequest(rid, p, greedy(12)))
-    expected = run_until_done(local)
+    expected = _local_run(cfg, prompts, 12)  # the same KV dtype
     pools = Pools(cfg, cfg)
     try:
-        for rid, p in prompts.items():
-            chunks = pools.generate(rid, p, 12)
-            assert chunks[-1].usage is not None
-            assert chunks[-1].usage.prefill_mode == "remote", rid
-            assert _tokens(chunks) == expected[rid], rid
+        _assert_remote_like_local(pools, prompts, expected, 12)
         stats = pools.decode.stats()["transfer"]
         assert stats["transfers_ok"] == len(prompts)
         layout = pools.decode.engine.kv_layout
@@ -154,16 +164,10 @@ def test_qwen3_remote_prefill_decodes_like_a_local_one(
     model_dir = build_tiny_llama(tmp_path_factory.mktemp("qwen3-pd"), family="qwen3", head_dim=24)
     cfg = _cfg(model_dir, "float32")
     prompts = {f"q{i}": _prompt(25 + 19 * i, i) for i in range(3)}
-    local = LLMEngine(cfg)
-    for rid, p in prompts.items():
-        local.add(EngineRequest(rid, p, greedy(12)))
-    expected = run_until_done(local)
+    expected = _local_run(cfg, prompts, 12)
     pools = Pools(cfg, cfg)
     try:
-        for rid, p in prompts.items():
-            chunks = pools.generate(rid, p, 12)
-            assert chunks[-1].usage is not None and chunks[-1].usage.prefill_mode == "remote"
-            assert _tokens(chunks) == expected[rid], rid
+        _assert_remote_like_local(pools, prompts, expected, 12)
         assert pools.decode.engine.kv_layout.head_dim == 24
         assert pools.decode.stats()["transfer"]["transfers_ok"] == len(prompts)
         pools.wait_idle_clean()
