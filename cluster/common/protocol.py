@@ -40,6 +40,7 @@ class GenerateCall:
     deadline: float | None = None  # wall clock; None: none
     router_queue_ms: float = 0.0
     exclude_replicas: tuple[str, ...] = ()  # replicas that failed this request already
+    resume: ResumeState | None = None  # live migration: take over a request decoding elsewhere
 
     def remaining_s(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.time()
@@ -112,6 +113,42 @@ class PrefillReply:
     def first(self) -> FirstToken:
         """Sample 0's first token."""
         return self.first_tokens[0]
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeState:
+    """A decoding request leaving a drained decode replica (live migration): what the decode
+    replica that takes it over needs, sent in a ``GenerateCall`` by the router. ``kv`` leases
+    the KV of the prompt and of every output token but the last on the source replica; the
+    sampling state is the seed and the tokens the client has (sampling is keyed by seed and
+    output index; stop strings, detokenizer and grammar are replayed from the tokens) plus the
+    speculation's history; the rest carries the usage figures so far."""
+
+    source_replica: str  # the replica it leaves (excluded from the call)
+    output_token_ids: tuple[int, ...]
+    seed: int
+    kv: KVTransferParams
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    spec_track: tuple[float, float, int, int] | None = None
+    prefill_mode: str = "remote"
+    cached_tokens: int = 0
+    phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    num_migrations: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.output_token_ids:
+            raise ValueError("output_token_ids: a migrating request has decoded at least one")
+
+
+@dataclass(frozen=True, slots=True)
+class Migrating:
+    """Decode replica -> router: this request leaves the replica (it is being drained); call
+    the decode pool with ``resume``. The stream then ends once the new replica pulled the KV,
+    or goes on here (its chunks follow) when no replica took it."""
+
+    request_id: str
+    resume: ResumeState
 
 
 @dataclass(frozen=True, slots=True)

@@ -210,8 +210,16 @@ class DecodePoolConfig(PoolConfig):
     decode replica (no transfer); longer ones go to the prefill pool. 0: always remote."""
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     """Speculative decoding (drafts verified exactly); off by default."""
+    migrate_on_drain: bool = True
+    """A decode replica going away (scale-down, upgrade, ``pdserve drain``) moves its decoding
+    requests to another decode replica (live migration: their KV is pulled, the client streams
+    go on); off: they finish where they are, within the graceful shutdown timeout."""
+    migration_claim_s: float = 3.0
+    """A migrating request's KV lease must be claimed (a target replica with room starts its
+    pull) within this long, or the request decodes on where it is."""
 
     def __post_init__(self) -> None:
         self._validate("decode")
         self.speculative._validate("decode.speculative")
         check(self.local_prefill_threshold >= 0, "decode.local_prefill_threshold", "must be >= 0")
+        check(self.migration_claim_s > 0, "decode.migration_claim_s", "must be > 0")

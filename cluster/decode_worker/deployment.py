@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,6 +23,7 @@ from ray import serve
 from cluster.common.protocol import (
     Accepted,
     GenerateCall,
+    Migrating,
     PrefillCall,
     PrefillProgress,
     PrefillReply,
@@ -30,11 +32,18 @@ from cluster.common.protocol import (
 from cluster.config import ClusterConfig, config_from_dict
 from cluster.decode_worker.worker import DecodeWorker
 from cluster.serving.calls import Keepalive, retrying_stream, streaming_handle
-from cluster.serving.replica import PoolReplica, bind_pool_replica, current_replica_id
+from cluster.serving.replica import (
+    PoolReplica,
+    bind_pool_replica,
+    current_replica_id,
+    serve_stopping_probe,
+)
 from cluster.serving.routers import recent_ranking_ms
 from cluster.serving.signals import decode_autoscaling_stats
 
 PREFILL_READY_TIMEOUT_S = 1.5  # within the router's readiness probe timeout (>= 2 s)
+STOPPING_POLL_S = 0.2  # how often a decode replica checks whether Serve began stopping it
+logger = logging.getLogger(__name__)
 
 
 class ServePrefillClient:
@@ -95,10 +104,35 @@ class DecodeServer(PoolReplica):
         replica_id = current_replica_id()
         worker = DecodeWorker(cfg, self.prefill_client, instance_id=replica_id).start()
         super().__init__(cfg, replica_id, worker)
+        self._stopping = serve_stopping_probe() if cfg.decode.migrate_on_drain else None
+        self._watch_task: asyncio.Task[None] | None = None
+
+    def _started(self) -> None:
+        super()._started()
+        if self._watch_task is None and self._stopping is not None:
+            self._watch_task = asyncio.get_running_loop().create_task(self._watch_stopping())
+
+    async def _watch_stopping(self) -> None:
+        """Serve began stopping this replica (scale-down, upgrade): drain it at once, moving
+        its decoding requests to the other replicas, rather than wait for them to finish."""
+        assert self._stopping is not None
+        while not self._stopping():
+            await asyncio.sleep(STOPPING_POLL_S)
+        logger.info("decode replica %s is stopping: draining it", self.replica_id)
+        try:
+            await self.worker.drain()
+        except Exception:  # its streams then finish here, within the graceful timeout
+            logger.exception("draining decode replica %s failed", self.replica_id)
+
+    async def drain(self) -> dict[str, Any]:
+        """Operators (``pdserve drain``): stop taking calls and move this replica's decoding
+        requests to the others (live migration); the replica stays up, idle, until removed."""
+        self._started()
+        return {"replica_id": self.replica_id, **await self.worker.drain()}
 
     async def generate(
         self, call: GenerateCall
-    ) -> AsyncIterator[Accepted | StreamChunk | Keepalive]:
+    ) -> AsyncIterator[Accepted | StreamChunk | Migrating | Keepalive]:
         self._started()
         yield Accepted(self.replica_id)
         async with contextlib.aclosing(self.with_keepalives(self.worker.generate(call))) as items:

@@ -28,16 +28,20 @@ from cluster.common.protocol import (
     PHASES,
     FirstToken,
     GenerateCall,
+    Migrating,
     PrefillCall,
     PrefillProgress,
     PrefillReply,
+    ResumeState,
     StreamChunk,
     Usage,
 )
 from cluster.config import ClusterConfig
 from cluster.decode_worker.kv_pull import KVPull
+from cluster.decode_worker.migration import Departure, Departures
 from cluster.engine.client import Added, EngineClient
 from cluster.engine.engine import EngineRequest, RequestOutput
+from cluster.engine.request import PrefillMode, Resume
 from cluster.engine.step_loop import EngineDeadError
 from cluster.kv_transfer import KVReceiver, KVTransferError
 from cluster.serving.calls import within_deadline
@@ -71,6 +75,8 @@ class DecodeContext:
     # Every stream in progress here (each one's ``stage``): where requests wait, for operators
     # and for tests that look for a stream left behind.
     live: set[RequestHandoff] = dataclasses.field(default_factory=set)
+    departures: Departures | None = None  # live migration away from here (None: never)
+    replica_id: str = ""
 
 
 class RequestHandoff:
@@ -80,7 +86,8 @@ class RequestHandoff:
         self.seed = seed
         self.rid = call.request_id
         self.arrival = time.monotonic()
-        self.outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.outputs: asyncio.Queue[RequestOutput | Departure] = asyncio.Queue()
+        self.local_cached_tokens = 0  # this engine's prefix-cache hit, from its outputs
         self.prefill_mode = "local"  # "remote" once the engine says so; "local" on a recompute
         self.phases = dict.fromkeys(PHASES, 0.0)  # milliseconds, for the final chunk's usage
         self.phases["router_queue_ms"] = call.router_queue_ms
@@ -98,13 +105,26 @@ class RequestHandoff:
         self.failure: str | None = None  # why the hand-off failed the request, in client words
         self.prompt_logprobs: list[Any] | None = None  # sample 0's, sent with each one's first
         self.started: set[int] = set()  # samples whose first chunk went out
-        self.stage = "adding"  # adding, blocks, prefill, first_token, pull, decode, ending
+        # adding, blocks, prefill, first_token, pull, migrate_in, decode, migrating, ending
+        self.stage = "adding"
+        self.departure: Departure | None = None  # leaving for another replica (migration)
+        self.decode_ms_before = 0.0  # decoding time on the replicas it came from
+        self.resumed_tokens = 0  # outputs it came with (migration)
+        if call.resume is not None:  # taken over from another replica: continue its figures
+            self.prefill_mode = call.resume.prefill_mode
+            self.phases.update(call.resume.phases)
+            self.decode_ms_before = call.resume.phases.get("decode_ms", 0.0)
+            self.resumed_tokens = len(call.resume.output_token_ids)
+            self.started.add(0)
 
-    async def stream(self) -> AsyncGenerator[StreamChunk, None]:
+    async def stream(self) -> AsyncGenerator[StreamChunk | Migrating, None]:
         self.ctx.live.add(self)
         try:
             self.added = await self._add()
-            if self.added.remote:
+            if self.call.resume is not None:
+                await self._take_over(self.call.resume)
+                self.first_token_at = time.monotonic()
+            elif self.added.remote:
                 async with contextlib.aclosing(self._remote(self.added)) as chunks:
                     async for chunk in chunks:
                         yield chunk
@@ -112,9 +132,9 @@ class RequestHandoff:
                 self.ctx.counters["local_prefills"] += 1
             if not self.finished:  # a remote first token may already have ended it
                 self.stage = "decode"
-                async with contextlib.aclosing(self._decode()) as chunks:
-                    async for chunk in chunks:
-                        yield chunk
+                async with contextlib.aclosing(self._decode()) as items:
+                    async for item in items:
+                        yield item
         except EngineDeadError:  # a step failed (entry 2): the router retries or aborts
             raise PDServeError(
                 ErrorCode.UNAVAILABLE, "the decode replica is unavailable", self.rid
@@ -127,8 +147,14 @@ class RequestHandoff:
 
     async def _end(self) -> None:
         """Leave nothing behind: the reservation, the pull (and with it the prefill side's
-        lease), the request in the engine, the prefill call."""
+        lease), a migration's lease, the request in the engine, the prefill call."""
         try:
+            if self.departure is not None and self.ctx.departures is not None:
+                ctx = self.ctx
+                assert ctx.departures is not None
+                if await ctx.departures.abandon(ctx.engine, self.rid, self.departure, ctx.counters):
+                    self.finished = True  # moved: nothing of it left here to abort
+                self.departure = None
             if self.added is not None and self.added.reservation is not None:
                 self.added.reservation.cancel()
             if self.pull is not None:  # tells the prefill side to free its blocks, and waits
@@ -146,14 +172,24 @@ class RequestHandoff:
 
     async def _add(self) -> Added:
         ctx = self.ctx
+        resume = self.call.resume
+        prefill: PrefillMode = "auto" if ctx.prefill_client is not None else "local"
         request = EngineRequest(
             self.rid,
             self.call.prompt_token_ids,
             self.call.params,
-            prefill="auto" if ctx.prefill_client is not None else "local",
+            prefill="remote" if resume is not None else prefill,
             seed=self.seed,
             arrival_time=self.arrival,
             n=self.call.n,
+            resume=None
+            if resume is None
+            else Resume(
+                resume.output_token_ids,
+                resume.num_draft_tokens,
+                resume.num_accepted_tokens,
+                resume.spec_track,
+            ),
         )
         try:
             return await ctx.engine.add(request, self._sink(asyncio.get_running_loop()))
@@ -188,7 +224,7 @@ class RequestHandoff:
         # KV that has somewhere to go. (Prefilling while waiting for blocks here deadlocks two
         # full pools: these blocks reserved for prompts that cannot prefill, that pool full of
         # prompts waiting for blocks here.)
-        await self._before_deadline(asyncio.shield(added.reservation))
+        await self.before_deadline(asyncio.shield(added.reservation))
         self.stage = "prefill"
         self.prefill_stream = ctx.prefill_client.prefill(self._prefill_call())
         reply = await self._reply(self.prefill_stream, pull)
@@ -227,7 +263,7 @@ class RequestHandoff:
         None when the call failed and the request was handed to ``_fail_or_recompute``."""
         try:
             while True:
-                item = await self._before_deadline(prefill_stream.__anext__())
+                item = await self.before_deadline(prefill_stream.__anext__())
                 if not isinstance(item, PrefillProgress):
                     return item
                 pull.offer(item.kv)
@@ -267,12 +303,12 @@ class RequestHandoff:
         assert pull is not None and kv is not None
         pull.hold(kv)  # heartbeat the lease while the request waits for blocks
         self.stage = "pull"
-        await self._before_deadline(asyncio.shield(pull.reservation))
+        await self.before_deadline(asyncio.shield(pull.reservation))
         self.phases["decode_queue_ms"] = (time.monotonic() - self.arrival) * 1000
         await ctx.faults.hit_async("d.after_alloc_before_pull")
         t0 = time.monotonic()
         try:
-            reused = await self._before_deadline(pull.finish(kv))
+            reused = await self.before_deadline(pull.finish(kv))
         except KVTransferError as e:
             await pull.cancel()
             ctx.counters["transfer_failures"] += 1
@@ -312,9 +348,17 @@ class RequestHandoff:
 
     # -- the engine's outputs -----------------------------------------------------------------
 
-    async def _decode(self) -> AsyncGenerator[StreamChunk, None]:
+    async def _decode(self) -> AsyncGenerator[StreamChunk | Migrating, None]:
         while True:
-            outs = await self._next_outputs()
+            outs, departure = await self._next_outputs()
+            if departure is not None:
+                if outs:
+                    for chunk in await self._chunks(outs):
+                        yield chunk
+                yield Migrating(self.rid, self._resume_state(departure))
+                if await self._depart(departure):
+                    return
+                continue
             error = outs.pop() if outs[-1].error is not None else None
             if outs:
                 for chunk in await self._chunks(outs):
@@ -344,21 +388,132 @@ class RequestHandoff:
             logger.error("request %s: %s", self.rid, error.error)
         return PDServeError(code, self.failure or "the decode replica failed", self.rid)
 
-    async def _next_outputs(self) -> list[RequestOutput]:
-        """The next output, and every one already queued behind it (to its last, or an error):
-        when this replica falls behind its engine, one chunk carries several steps' tokens, so
-        the per-item cost of the streams (here, Ray, the router) does not grow with the load."""
-        outs = [await self._before_deadline(self.outputs.get())]
-        while not outs[-1].finished and not self.outputs.empty():
-            outs.append(self.outputs.get_nowait())
-        return outs
+    async def _next_outputs(self) -> tuple[list[RequestOutput], Departure | None]:
+        """The next output, and every one already queued behind it (to its last, an error, or
+        a departure: the request is migrating): when this replica falls behind its engine, one
+        chunk carries several steps' tokens, so the per-item cost of the streams (here, Ray,
+        the router) does not grow with the load."""
+        outs: list[RequestOutput] = []
+        while True:
+            item = await self.before_deadline(self.outputs.get()) if not outs else None
+            if item is None:
+                if self.outputs.empty():
+                    return outs, None
+                item = self.outputs.get_nowait()
+            if isinstance(item, Departure):
+                return outs, item
+            outs.append(item)
+            if item.finished:
+                return outs, None
+
+    async def depart(self) -> bool:
+        """Drain: move this request to another decode replica (``migration``); False when it
+        cannot move now (not decoding, several samples, already leaving, ending)."""
+        departures = self.ctx.departures
+        if (
+            departures is None
+            or self.stage != "decode"
+            or self.finished
+            or self.call.n != 1
+            or self.departure is not None
+        ):
+            return False
+        departure = await departures.start(
+            self.ctx.engine, self.rid, lambda: self.stage == "ending"
+        )
+        if departure is None:
+            return False
+        self.departure = departure
+        self.outputs.put_nowait(departure)  # after every output already queued
+        return True
+
+    async def _depart(self, departure: Departure) -> bool:
+        """The router was told (``Migrating``): True once the target pulled the KV (the request
+        is freed here, this stream ends); False: no replica took it, it decodes on here."""
+        assert self.ctx.departures is not None
+        self.stage = "migrating"
+        await self.before_deadline(asyncio.shield(departure.ended))
+        ctx = self.ctx
+        moved = await self.ctx.departures.finish(ctx.engine, self.rid, departure, ctx.counters)
+        self.departure = None
+        if moved:
+            self.finished = True
+        else:
+            self.stage = "decode"
+        return moved
+
+    def _resume_state(self, departure: Departure) -> ResumeState:
+        """What the replica taking this request over needs (``Migrating``)."""
+        ex = departure.export
+        phases = dict(self.phases)
+        if self.first_token_at is not None:
+            decode_s = time.monotonic() - self.first_token_at
+            phases["decode_ms"] = self.decode_ms_before + decode_s * 1000
+        previous = self.call.resume.num_migrations if self.call.resume is not None else 0
+        return ResumeState(
+            source_replica=self.ctx.replica_id,
+            output_token_ids=ex.output_token_ids,
+            seed=ex.seed,
+            kv=departure.kv,
+            num_draft_tokens=ex.num_draft_tokens,
+            num_accepted_tokens=ex.num_accepted_tokens,
+            spec_track=ex.spec_track,
+            prefill_mode=self.prefill_mode,
+            cached_tokens=self.cached_tokens_so_far(),
+            phases=phases,
+            num_migrations=previous + 1,
+        )
+
+    async def _take_over(self, resume: ResumeState) -> None:
+        """Migration, target side: the request's KV from the replica it leaves into the blocks
+        reserved here (the engine has it, with the tokens the client has: ``_add``); no room
+        within ``decode.migration_claim_s``, or a failed pull, fails the call (UNAVAILABLE),
+        and ``_end`` aborts the lease so the source decodes on."""
+        ctx, added = self.ctx, self.added
+        assert added is not None and added.reservation is not None
+        pull = self.pull = KVPull(ctx.receiver, added.reservation)
+        pull.hold(resume.kv)  # heartbeats claim the lease at once
+        self.stage = "migrate_in"
+        try:
+            async with asyncio.timeout(ctx.config.decode.migration_claim_s):
+                await self.before_deadline(asyncio.shield(added.reservation))
+        except TimeoutError:
+            raise PDServeError(
+                ErrorCode.UNAVAILABLE, "no room here for the migrating request", self.rid
+            ) from None
+        await ctx.faults.hit_async("d.migrate_in_before_pull")
+        t0 = time.monotonic()
+        try:
+            reused = await self.before_deadline(pull.finish(resume.kv))
+        except KVTransferError as e:
+            await pull.cancel()
+            ctx.counters["transfer_failures"] += 1
+            logger.warning("request %s: migration pull failed: %s", self.rid, e)
+            raise PDServeError(
+                ErrorCode.UNAVAILABLE, f"the migration's KV transfer failed ({e.reason})", self.rid
+            ) from None
+        ctx.counters["pulled_blocks"] += pull.num_pulled
+        ctx.counters["reused_blocks"] += reused
+        ctx.counters["migrated_in"] += 1
+        await ctx.engine.kv_arrived(self.rid, ())
+        self.phases["transfer_ms"] += (time.monotonic() - t0) * 1000
+
+    def cached_tokens_so_far(self) -> int:
+        """The prompt tokens whose compute a cache saved, as the final usage reports them."""
+        if self.call.resume is not None:
+            return self.call.resume.cached_tokens
+        if self.prefill_mode == "remote" and self.remote_cached_tokens is not None:
+            return self.remote_cached_tokens
+        return self.local_cached_tokens
 
     def _record_tpot(self, out: RequestOutput) -> None:
-        if self.first_token_at is not None and out.num_output_tokens > 1:
+        num_here = out.num_output_tokens - max(1, self.resumed_tokens)  # decoded by this engine
+        if self.first_token_at is not None and num_here > 0:
             decode_s = time.monotonic() - self.first_token_at
-            self.ctx.recent_tpot.add(decode_s * 1000 / (out.num_output_tokens - 1))
+            self.ctx.recent_tpot.add(decode_s * 1000 / num_here)
 
     def _chunk(self, out: RequestOutput) -> StreamChunk:
+        self.local_cached_tokens = out.num_cached_tokens or self.local_cached_tokens
         if self.first_token_at is None and out.new_token_ids:
             self.first_token_at = time.monotonic()
             if self.prefill_mode == "local":
@@ -387,21 +542,22 @@ class RequestHandoff:
         """Once every sample ended: the prompt counts once, the outputs of all samples."""
         ended = self.ended.values()
         # A remote prefill's compute was saved by the prefill replica's cache; a local one's (or
-        # a recompute's) by this replica's.
-        remote = self.remote_cached_tokens if self.prefill_mode == "remote" else None
+        # a recompute's) by this replica's; a migrated request's, where it started.
+        self.local_cached_tokens = out.num_cached_tokens
         if self.first_token_at is not None:
-            self.phases["decode_ms"] = (time.monotonic() - self.first_token_at) * 1000
+            decode_s = time.monotonic() - self.first_token_at
+            self.phases["decode_ms"] = self.decode_ms_before + decode_s * 1000
         return Usage(
             prompt_tokens=out.num_prompt_tokens,
             completion_tokens=sum(o.num_output_tokens for o in ended),
-            cached_tokens=out.num_cached_tokens if remote is None else remote,
+            cached_tokens=self.cached_tokens_so_far(),
             prefill_mode=self.prefill_mode,
             phases=dict(self.phases),
             draft_tokens=sum(o.num_draft_tokens for o in ended),
             accepted_draft_tokens=sum(o.num_accepted_tokens for o in ended),
         )
 
-    async def _before_deadline(self, aw: Any) -> Any:
+    async def before_deadline(self, aw: Any) -> Any:
         return await within_deadline(aw, self.call.deadline, self.rid)
 
 

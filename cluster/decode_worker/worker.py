@@ -22,20 +22,33 @@ The decode replica owns each request's prefill/decode hand-off (``generate(call)
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import random
+import time
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
+import torch
+
+from cluster.common.errors import ErrorCode, PDServeError
 from cluster.common.faults import FaultPoints
-from cluster.common.protocol import GenerateCall, StreamChunk
+from cluster.common.kv_layout import KVLayout
+from cluster.common.protocol import GenerateCall, Migrating, StreamChunk
 from cluster.config import ClusterConfig
+from cluster.decode_worker.migration import Departures
 from cluster.decode_worker.request_handoff import DecodeContext, PrefillClient, RequestHandoff
 from cluster.engine.client import EngineClient
 from cluster.engine.engine import LLMEngine
-from cluster.kv_transfer import KVPool, KVReceiver
+from cluster.engine.runner_registry import create_runner
+from cluster.kv_transfer import KVPool, KVReceiver, KVSender
 from cluster.serving.signals import RecentWindow
+
+logger = logging.getLogger(__name__)
+DRAIN_PERIOD_S = 0.25  # a drain looks again this often for requests that reached decoding
 
 __all__ = ["DecodeWorker", "PrefillClient"]
 
@@ -52,13 +65,33 @@ class DecodeWorker:
     ) -> None:
         self.config = config.for_pool("decode")
         self.faults = FaultPoints.from_config(self.config.testing)
+        self._pool: KVPool | None = None
+        runner = create_runner(self.config, kv_allocator=self._allocate_pool)
         self.engine = EngineClient(
-            LLMEngine(self.config, role="decode"),
+            LLMEngine(self.config, runner=runner, role="decode"),
             name="decode-engine",
             before_step=lambda: self.faults.hit("engine.step"),
         )
-        pool = KVPool(self.engine.kv_cache, self.engine.kv_layout)
-        self.receiver = KVReceiver(self.config.transfer, pool, instance_id=instance_id)
+        pool = self._pool or KVPool(self.engine.kv_cache, self.engine.kv_layout)
+        self.instance_id = instance_id or uuid.uuid4().hex
+        self.receiver = KVReceiver(self.config.transfer, pool, instance_id=self.instance_id)
+        # Live migration: this replica's requests' KV, leased to the decode replica taking
+        # them over when this one is drained.
+        self.departures: Departures | None = None
+        self.sender: KVSender | None = None
+        if self.config.decode.migrate_on_drain:
+            self.sender = KVSender(
+                self.config.transfer,
+                pool,
+                on_release=self._on_release,
+                instance_id=f"{self.instance_id}-out",
+                epoch=time.time_ns(),
+                fault_points=self.faults,
+            )
+            self.departures = Departures(self.sender, self.config.decode.migration_claim_s)
+        self.draining = False
+        self._drain_task: asyncio.Task[None] | None = None
+        self._departed: set[str] = set()  # requests a drain tried to move (once each)
         self.prefill_client = prefill_client
         self._rng = random.Random()
         # Recent time per output token of finished requests, one of the autoscaling signals.
@@ -72,6 +105,9 @@ class DecodeWorker:
             "pulled_blocks": 0,
             "streamed_parts": 0,
             "reused_blocks": 0,
+            "migrated_out": 0,  # moved to another decode replica (their KV pulled)
+            "migrations_resumed": 0,  # paused to move, no replica took them: decoded on here
+            "migrated_in": 0,  # taken over from a drained decode replica
         }
         self._ctx = DecodeContext(
             self.config,
@@ -81,26 +117,95 @@ class DecodeWorker:
             self.faults,
             self.counters,
             self.recent_tpot,
+            departures=self.departures,
+            replica_id=self.instance_id,
         )
+
+    def _allocate_pool(
+        self, layout: KVLayout, num_blocks: int, device: torch.device
+    ) -> torch.Tensor:
+        # Another replica on this host may map it to take a migrating request (shm: one copy).
+        shared = (
+            device.type == "cpu"
+            and "shm" in self.config.transfer.transports
+            and self.config.decode.migrate_on_drain
+        )
+        self._pool = KVPool.allocate(layout, num_blocks, shared=shared, device=device.type)
+        return self._pool.tensor
+
+    def _on_release(self, request_id: str, reason: str) -> None:
+        if self.departures is not None:
+            self.departures.on_release(request_id, reason)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> DecodeWorker:
         self.receiver.start()
+        if self.sender is not None:
+            self.sender.start()
         self.engine.start()
         return self
 
     def close(self) -> None:
+        if self._drain_task is not None:
+            self._drain_task.cancel()
+        if self.sender is not None:
+            self.sender.close()  # releases migration leases (reason "closed")
         self.engine.stop()
         self.receiver.close()
 
     def is_alive(self) -> bool:
-        return self.engine.is_alive() and self.receiver.is_alive()
+        alive = self.engine.is_alive() and self.receiver.is_alive()
+        return alive and (self.sender is None or self.sender.is_alive())
+
+    # -- drain --------------------------------------------------------------------------------
+
+    async def drain(self) -> dict[str, int]:
+        """Stop taking calls; move every decoding request to another decode replica (live
+        migration, ``decode.migrate_on_drain``), and keep moving those that reach decoding
+        later, until none is left. Returns the first pass: how many started to move, and how
+        many stay (not decoding yet, several samples, or migration off)."""
+        self.draining = True
+        moving = await self._depart_all()
+        if self._drain_task is None and self.departures is not None:
+            self._drain_task = asyncio.create_task(self._keep_draining())
+        return {"migrating": moving, "staying": len(self._ctx.live) - moving}
+
+    async def _depart_all(self) -> int:
+        moving = 0
+        for handoff in list(self._ctx.live):
+            if handoff.rid in self._departed or handoff.stage != "decode":
+                continue
+            if await handoff.depart():
+                self._departed.add(handoff.rid)
+                moving += 1
+        return moving
+
+    async def _keep_draining(self) -> None:
+        while self._ctx.live:
+            await asyncio.sleep(DRAIN_PERIOD_S)
+            try:
+                await self._depart_all()
+            except Exception:  # an engine gone: its streams fail on their own
+                logger.exception("draining: moving requests failed")
+                return
 
     # -- the call -----------------------------------------------------------------------------
 
-    async def generate(self, call: GenerateCall) -> AsyncIterator[StreamChunk]:
-        seed = call.params.seed if call.params.seed is not None else self._rng.getrandbits(63)
+    async def generate(self, call: GenerateCall) -> AsyncIterator[StreamChunk | Migrating]:
+        if self.draining:  # before any work: the caller retries on another replica
+            resume = call.resume
+            if resume is not None and resume.source_replica == self.instance_id and self.departures:
+                self.departures.refuse(call.request_id)  # it came back: it stays here
+            raise PDServeError(
+                ErrorCode.UNAVAILABLE, "this decode replica is draining", call.request_id
+            )
+        if call.resume is not None:
+            seed = call.resume.seed
+        elif call.params.seed is not None:
+            seed = call.params.seed
+        else:
+            seed = self._rng.getrandbits(63)
         # Closed here, not left to the garbage collector, however this stream ends.
         async with contextlib.aclosing(RequestHandoff(self._ctx, call, seed).stream()) as chunks:
             async for chunk in chunks:
@@ -113,6 +218,8 @@ class DecodeWorker:
             "role": "decode",
             "engine": self.engine.stats(),
             "transfer": self.receiver.stats(),
+            "migration_transfer": self.sender.stats() if self.sender is not None else {},
+            "draining": self.draining,
             "recent_tpot_ms": self.recent_tpot.median(),
             "peak_running": self.engine.peak_running,
             "handoff_stages": dict(Counter(h.stage for h in self._ctx.live)),

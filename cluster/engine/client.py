@@ -32,7 +32,7 @@ import torch
 from cluster.common.kv_layout import KVLayout
 from cluster.common.protocol import FirstToken
 from cluster.engine.engine import EngineRequest, LLMEngine
-from cluster.engine.handoff import KVReservation
+from cluster.engine.handoff import KVReservation, MigrationExport
 from cluster.engine.step_loop import EngineLoop, Sink
 
 
@@ -136,6 +136,17 @@ class EngineClient:
                 lambda eng: eng.kv_failed(request_id, recompute, error, first_tokens)
             )
         )
+
+    async def migrate_out(self, request_id: str) -> MigrationExport | None:
+        """Decode role: pause a decoding request for live migration (``LLMEngine.migrate_out``).
+        Its outputs of earlier steps reach its sink before this returns."""
+        export: MigrationExport | None = await self._call(lambda eng: eng.migrate_out(request_id))
+        return export
+
+    def migration_ended(self, request_id: str, moved: bool) -> Future[bool]:
+        """A paused request's migration is over: freed here (``moved``) or decoding on (any
+        thread)."""
+        return self._loop.call(lambda eng: eng.migration_ended(request_id, moved))
 
     def abort(self, request_id: str) -> Future[bool]:
         """End a request wherever it is; frees its blocks (any thread, fire-and-forget)."""

@@ -35,12 +35,13 @@ from cluster.engine.engine_stats import EngineCounters, engine_stats
 from cluster.engine.handoff import (
     DecodeHandoff,
     KVReservation,
+    MigrationExport,
     PrefillDecision,
     create_handoff,
 )
 from cluster.engine.outputs import EmittedTokens, OutputProcessor, RequestOutput
 from cluster.engine.parallel import SampleGroups, check_n, sample_ids
-from cluster.engine.request import EngineRequest, Request, RequestStatus
+from cluster.engine.request import EngineRequest, Request, RequestStatus, Resume
 from cluster.engine.runner import ModelRunner, RunnerOutput
 from cluster.engine.runner_registry import create_runner
 from cluster.engine.scheduler import ScheduledBatch, Scheduler
@@ -52,6 +53,7 @@ __all__ = [
     "EngineRequest",
     "KVReservation",
     "LLMEngine",
+    "MigrationExport",
     "PrefillDecision",
     "RequestOutput",
 ]
@@ -95,6 +97,7 @@ class LLMEngine:
             RequestStatus.PREEMPTED: self.scheduler,
             RequestStatus.WAITING_FOR_KV: self.handoff,
             RequestStatus.WAITING_FOR_LEADER: self.samples,
+            RequestStatus.MIGRATING: self.handoff,
         }
         self._pending_outputs: list[RequestOutput] = []
         self._reservations: list[KVReservation] = []
@@ -109,12 +112,15 @@ class LLMEngine:
     def add(self, request: EngineRequest) -> PrefillDecision:
         """Validate and queue a request (``n`` samples: ``parallel``); ValueError names a field."""
         req = self._new_request(request)
+        resumed = self._check_resume(request, req)
         decision = self.handoff.admit(req, request.prefill)
         if not decision.remote:
             self.scheduler.add(req)
         for r in (req, *self.samples.add(req, self.handoff.num_samples(req, request.n))):
             self.requests[r.request_id] = r
             self.outputs.add(r)
+        if request.resume is not None:
+            self._take_resumed(req, request.resume, resumed)
         self.counters.num_prompt_tokens += req.num_prompt_tokens
         if decision.remote:  # its blocks now, not after a step: the prefill call waits for them
             self._reservations.extend(self.scheduler.reserve_between_steps())
@@ -150,6 +156,46 @@ class LLMEngine:
             req.arrival_time = request.arrival_time
         return req
 
+    def _check_resume(self, request: EngineRequest, req: Request) -> list[int]:
+        """A migrated request's output tokens (``resume``), checked before any state changes:
+        a single-sample request whose KV comes from outside, with tokens left to generate."""
+        if request.resume is None:
+            return []
+        tokens = [int(t) for t in request.resume.token_ids]
+        if not tokens:
+            raise ValueError("resume.token_ids: a migrated request has output tokens")
+        if request.prefill != "remote" or not isinstance(self.handoff, DecodeHandoff):
+            raise ValueError("resume.token_ids: a migrated request needs the decode role, remote")
+        if request.n != 1:
+            raise ValueError("resume.token_ids: only a single-sample request migrates (n = 1)")
+        if len(tokens) >= req.params.max_tokens:
+            raise ValueError(
+                f"resume.token_ids: {len(tokens)} tokens leave nothing of max_tokens "
+                f"({req.params.max_tokens}) to generate"
+            )
+        if not all(0 <= t < self.vocab_size for t in tokens):
+            raise ValueError("resume.token_ids: a token id is outside the vocabulary")
+        if request.resume.spec_track is not None:
+            self.speculator.check_track(request.resume.spec_track)
+        return tokens
+
+    def _take_resumed(self, req: Request, resume: Resume, tokens: list[int]) -> None:
+        """Replay a migrated request's outputs (the client has them): stop checks, detokenizer
+        and grammar reach the state the source engine had; no output goes out."""
+        em = EmittedTokens(list(tokens), [0.0] * len(tokens), [[] for _ in tokens])
+        status, n = self.outputs.append_all(req, em)
+        self.outputs.delta(req, em, n, status)  # its text is the one the client has
+        if status is not None or req.output_token_ids != tokens:  # never expected: same code
+            rid = req.request_id
+            self.abort_request(rid)  # nobody listens yet: its final output goes nowhere
+            self._pending_outputs = [o for o in self._pending_outputs if o.request_id != rid]
+            raise ValueError("resume.token_ids: the tokens end or change the request here")
+        req.num_draft_tokens = max(0, int(resume.num_draft_tokens))
+        req.num_accepted_tokens = min(req.num_draft_tokens, max(0, int(resume.num_accepted_tokens)))
+        if resume.spec_track is not None:
+            self.speculator.import_track(req.request_id, resume.spec_track)
+        self.counters.num_migrated_in += 1
+
     def abort_request(self, request_id: str, error: str | None = None) -> bool:
         """End a request, all its samples, wherever they are (queued, running, awaiting KV, held);
         frees their blocks (a streamed prompt's pins: ``release``, a lease may be reading them)."""
@@ -178,10 +224,12 @@ class LLMEngine:
         first tokens (sample 0's, then the samples' drawn with it: ``PrefillReply``), which the
         client already has: they are taken in without an output (a sample one of them ended
         is returned, it gets no output either). Unless sample 0's ended the request (there was
-        no KV to pull then), its reserved blocks now hold the prompt's KV: it may decode."""
+        no KV to pull then), its reserved blocks now hold the prompt's KV: it may decode.
+        A migrated request (its outputs taken in at ``add``) has no first tokens to give."""
         handoff = self._decode_handoff()
         req = self._awaiting_kv(request_id)
-        ended = self._take_first_tokens(request_id, first_tokens)
+        resumed = bool(req.output_token_ids) and not first_tokens
+        ended = [] if resumed else self._take_first_tokens(request_id, first_tokens)
         if not req.is_finished:  # (a token that ended it there but not here failed it)
             self.scheduler.add(handoff.kv_arrived(request_id))
         return ended
@@ -209,6 +257,57 @@ class LLMEngine:
             req.num_computed_tokens = req.num_cached_tokens = 0
             self.scheduler.add(req)
         return ended
+
+    def migrate_out(self, request_id: str) -> MigrationExport | None:
+        """Pause a decoding request for live migration: off the running batch, its blocks kept
+        (``MIGRATING``) until ``migration_ended``. None when it cannot move now (not decoding,
+        several samples, prompt logprobs still owed, not here)."""
+        handoff = self._decode_handoff()
+        req = self.requests.get(request_id)
+        if (
+            req is None
+            or req.status != RequestStatus.RUNNING
+            or req.is_prefilling
+            or req.num_uncomputed_tokens != 1
+            or self.samples.samples(request_id) != [request_id]
+        ):
+            return None
+        self.scheduler.remove(req)
+        handoff.migrate(req)
+        n = req.num_tokens - 1
+        table = self.block_manager.block_table(request_id)[: self.block_manager.blocks_needed(n)]
+        bs = self.block_manager.block_size
+        hashes = req.update_block_hashes(bs)[: n // bs]
+        return MigrationExport(
+            request_id=request_id,
+            prompt_token_ids=tuple(req.prompt_token_ids),
+            output_token_ids=tuple(req.output_token_ids),
+            seed=req.seed,
+            block_ids=tuple(table),
+            block_hashes=tuple(hashes),
+            num_kv_tokens=n,
+            num_draft_tokens=req.num_draft_tokens,
+            num_accepted_tokens=req.num_accepted_tokens,
+            spec_track=self.speculator.export_track(request_id),
+        )
+
+    def migration_ended(self, request_id: str, moved: bool) -> bool:
+        """A paused request's migration is over: ``moved`` (its KV was pulled, another replica
+        decodes it) frees it here without an output; otherwise it decodes on here. False when
+        it is not migrating (aborted meanwhile)."""
+        req = self.requests.get(request_id)
+        if req is None or req.status != RequestStatus.MIGRATING:
+            return False
+        self.handoff.remove(req)
+        if moved:
+            req.status = RequestStatus.FINISHED_ABORTED
+            self.block_manager.free(request_id)
+            self._forget(req)
+            self.counters.num_migrated_out += 1
+        else:
+            self.scheduler.add(req)  # its table and KV are intact: it rejoins the batch
+            self.counters.num_migrations_resumed += 1
+        return True
 
     def _decode_handoff(self) -> DecodeHandoff:
         if not isinstance(self.handoff, DecodeHandoff):

@@ -21,6 +21,9 @@ class EngineCounters:
     num_generated_tokens: int = 0
     num_finished: int = 0
     num_aborted: int = 0
+    num_migrated_out: int = 0  # live migration: handed over to another decode replica
+    num_migrated_in: int = 0  # taken over from another one
+    num_migrations_resumed: int = 0  # paused for one that did not take it: decoded on here
     step_times: list[float] = field(default_factory=list)
 
 
@@ -48,6 +51,9 @@ def engine_stats(
         "num_generated_tokens": c.num_generated_tokens,
         "num_finished": c.num_finished,
         "num_aborted": c.num_aborted,
+        "num_migrated_out": c.num_migrated_out,
+        "num_migrated_in": c.num_migrated_in,
+        "num_migrations_resumed": c.num_migrations_resumed,
         "prefix_cache_hit_rate": (
             c.num_cached_prompt_tokens / c.num_prompt_tokens if c.num_prompt_tokens else 0.0
         ),

@@ -50,6 +50,27 @@ class KVReservation:
     num_hit_blocks: int  # leading blocks already cached here: they need no transfer
 
 
+@dataclass(frozen=True, slots=True)
+class MigrationExport:
+    """Decode role: a running request paused for live migration (``LLMEngine.migrate_out``):
+    what another decode replica needs to take it over. ``block_ids`` hold the KV of the first
+    ``num_kv_tokens`` tokens (the prompt, then every output token but the last); the sampling
+    state is the seed and the output tokens (sampling is keyed by seed and output index; the
+    stop-string, detokenizer and grammar state are replayed from the tokens), plus the adaptive
+    speculation's acceptance track."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    seed: int
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[int, ...]  # of the full blocks among the first num_kv_tokens
+    num_kv_tokens: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    spec_track: tuple[float, float, int, int] | None
+
+
 class Handoff:
     """Colocated: every request is prefilled and decoded by this engine; nothing crosses."""
 
@@ -169,6 +190,7 @@ class DecodeHandoff(Handoff):
         self.threshold = config.decode.local_prefill_threshold
         self.kv_waiting: deque[Request] = deque()  # no blocks yet
         self.kv_reserved: dict[str, Request] = {}  # blocks reserved, KV in flight
+        self.migrating: dict[str, Request] = {}  # paused, leased to another decode replica
 
     def admit(self, req: Request, prefill: PrefillMode) -> PrefillDecision:
         num_cached = self.num_cached_blocks(req) * self.block_size
@@ -193,11 +215,15 @@ class DecodeHandoff(Handoff):
         bm = self.block_manager
         while self.kv_waiting and num_running + len(self.kv_reserved) < max_num_seqs:
             req = self.kv_waiting[0]
-            hits = bm.match_prefix(req.update_block_hashes(self.block_size), req.prompt_token_ids)
-            # The prompt's blocks and room for the first token's KV: a prompt that fills its
-            # last block needs one more block to decode at all, and kv-arrived requests that
-            # cannot take a step are not running, so nothing could be preempted to make room.
-            needed = bm.blocks_needed(req.num_prompt_tokens + 1) - len(hits)
+            # The imported tokens' blocks (a prompt's; a migrated request's prompt and outputs
+            # but the last), those cached here first, and room for the next token's KV: a
+            # prompt that fills its last block needs one more block to decode at all, and
+            # kv-arrived requests that cannot take a step are not running, so nothing could be
+            # preempted to make room.
+            num_kv = req.num_kv_tokens_to_import
+            hashes = req.update_block_hashes(self.block_size)[: num_kv // self.block_size]
+            hits = bm.match_prefix(hashes, req.all_token_ids)
+            needed = bm.blocks_needed(num_kv + 1) - len(hits)
             if not bm.can_allocate(needed + keep_free, hits):
                 break
             self.kv_waiting.popleft()
@@ -208,9 +234,9 @@ class DecodeHandoff(Handoff):
         return out
 
     def kv_arrived(self, request_id: str) -> Request:
-        """The prompt's KV is in the reserved blocks: publish them; the request may decode."""
+        """The imported KV is in the reserved blocks: publish them; the request may decode."""
         req = self.kv_reserved.pop(request_id)
-        req.num_computed_tokens = req.num_prompt_tokens
+        req.num_computed_tokens = req.num_kv_tokens_to_import
         self.block_manager.cache_blocks(
             request_id,
             req.update_block_hashes(self.block_size),
@@ -219,16 +245,29 @@ class DecodeHandoff(Handoff):
         )
         return req
 
+    def migrate(self, req: Request) -> None:
+        """Keep a running request (taken off the scheduler) paused while another decode
+        replica pulls its KV."""
+        req.status = RequestStatus.MIGRATING
+        self.migrating[req.request_id] = req
+
     def remove(self, req: Request) -> None:
-        if self.kv_reserved.pop(req.request_id, None) is None:
+        if req.status == RequestStatus.MIGRATING:
+            del self.migrating[req.request_id]
+        elif self.kv_reserved.pop(req.request_id, None) is None:
             self.kv_waiting.remove(req)  # ValueError: not kept here (a bug in the caller)
 
     def requests(self) -> Iterable[Request]:
         yield from self.kv_waiting
         yield from self.kv_reserved.values()
+        yield from self.migrating.values()
 
     def stats(self) -> dict[str, int]:
-        return {"num_waiting_for_kv": len(self.kv_waiting) + len(self.kv_reserved), "num_held": 0}
+        return {
+            "num_waiting_for_kv": len(self.kv_waiting) + len(self.kv_reserved),
+            "num_held": 0,
+            "num_migrating": len(self.migrating),
+        }
 
 
 HandoffFactory = Callable[[ClusterConfig, BlockManager], Handoff]

@@ -17,6 +17,7 @@ __all__ = [
     "PrefillMode",
     "Request",
     "RequestStatus",
+    "Resume",
     "SamplingParams",
 ]
 
@@ -38,6 +39,21 @@ class EngineRequest:
     seed: int | None = None  # None: ``params.seed``, else one the engine draws
     arrival_time: float | None = None  # monotonic; None: when the engine takes it
     n: int = 1  # samples of the prompt (``parallel``), streamed to one sink
+    resume: Resume | None = None  # a request taken over from another decode replica
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """Live migration (decode role, ``prefill="remote"``): what a request brings from the decode
+    replica it leaves. ``token_ids``, the outputs that replica streamed, are taken in without an
+    output; the KV of the prompt and of all of them but the last is pulled into the reserved
+    blocks (``LLMEngine.kv_arrived``). The draft counts and the acceptance track carry the
+    speculation's history over."""
+
+    token_ids: Sequence[int]
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    spec_track: tuple[float, float, int, int] | None = None
 
 
 class RequestStatus(enum.IntEnum):
@@ -49,14 +65,17 @@ class RequestStatus(enum.IntEnum):
     WAITING_FOR_LEADER = 2  # a sample (n > 1), kept until its leader's prompt KV is computed
     RUNNING = 3  # the scheduler's running batch
     PREEMPTED = 4  # the scheduler's waiting queue, to be recomputed
-    FINISHED_STOPPED = 5
-    FINISHED_LENGTH = 6
-    FINISHED_ABORTED = 7
-    FINISHED_ERROR = 8
+    # decode role: paused, its blocks leased to another decode replica that is taking it over
+    # (live migration); kept by the hand-off until that pull is acked (it ends) or not (resumes)
+    MIGRATING = 5
+    FINISHED_STOPPED = 6
+    FINISHED_LENGTH = 7
+    FINISHED_ABORTED = 8
+    FINISHED_ERROR = 9
 
     @property
     def is_finished(self) -> bool:
-        return self > RequestStatus.PREEMPTED
+        return self > RequestStatus.MIGRATING
 
     @property
     def finish_reason(self) -> FinishReason | None:
@@ -142,6 +161,12 @@ class Request:
     @property
     def finish_reason(self) -> FinishReason | None:
         return self.status.finish_reason
+
+    @property
+    def num_kv_tokens_to_import(self) -> int:
+        """Decode role: tokens whose KV a pull brings (the prompt's; a migrated request's, all
+        but its last token, whose KV its next step computes)."""
+        return self.num_tokens - 1 if self.output_token_ids else self.num_prompt_tokens
 
     def update_block_hashes(self, block_size: int) -> list[int]:
         """Extend the hash chain to every full block of the known tokens; returns all hashes."""

@@ -70,12 +70,15 @@ class LeaseTable:
         block_ids: tuple[int, ...],
         *,
         open: bool = False,
+        first_s: float | None = None,
     ) -> Lease:
+        """``first_s``: the first deadline, if not ``lease_s`` (renewals give ``lease_s``)."""
         if request_id in self._by_request:
             raise ValueError(f"request_id: {request_id!r} already has an active lease")
         if transfer_id in self._leases or transfer_id in self._finished:
             raise ValueError(f"transfer_id: {transfer_id!r} was already used")
-        lease = Lease(request_id, transfer_id, block_ids, self.clock() + self.lease_s, open=open)
+        first = self.lease_s if first_s is None else first_s
+        lease = Lease(request_id, transfer_id, block_ids, self.clock() + first, open=open)
         self._leases[transfer_id] = lease
         self._by_request[request_id] = transfer_id
         return lease

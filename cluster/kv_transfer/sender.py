@@ -159,14 +159,16 @@ class KVSender:
         num_tokens: int,
         block_hashes: Sequence[int] = (),
         streamed: bool = False,
+        claim_s: float | None = None,
     ) -> KVTransferParams:
         """Lease ``block_ids`` (source pool ids, prompt order) for ``request_id``'s pull;
-        ``streamed``: the prefill still runs, ``extend`` grows the lease until ``last``."""
+        ``streamed``: the prefill still runs, ``extend`` grows the lease until ``last``;
+        ``claim_s``: it expires this soon unless a heartbeat or a pull renews it first."""
         ids = self._check_blocks(block_ids, num_tokens)
         transfer_id = uuid.uuid4().hex
         params = self._params(request_id, transfer_id, ids, num_tokens, block_hashes)
         with self._lock:
-            self._leases.add(request_id, transfer_id, ids, open=streamed)
+            self._leases.add(request_id, transfer_id, ids, open=streamed, first_s=claim_s)
             self._stats.set_gauge("leases_active", len(self._leases))
         self._stats.inc("leases_registered")
         return params

@@ -23,7 +23,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, ClassVar, Protocol, TypeVar
 
 from cluster.common.faults import FaultPoints
@@ -101,6 +101,24 @@ def bind_pool_replica(
     pool: PoolConfig = config.prefill if role == "prefill" else config.decode
     threads = config.for_pool(role).model.num_threads
     return bind_replica(role, pool.cpu_binding, threads, quiet=retry)
+
+
+def serve_stopping_probe() -> Callable[[], bool] | None:
+    """A check that says when Ray Serve has begun stopping this replica (scale-down, upgrade):
+    Serve then waits for the open calls before it calls ``__del__``, with no hook of its own in
+    between, so a replica that wants to act first (a decode replica moving its requests away)
+    polls this. Reads the replica actor's own flag; None outside a Serve replica or on a Serve
+    without it (then nothing acts early: calls finish within the graceful timeout, as before)."""
+    try:
+        from ray._private.worker import global_worker
+
+        actor = global_worker.actors.get(global_worker.actor_id)
+        impl = getattr(actor, "_replica_impl", None)
+    except Exception:
+        return None
+    if impl is None or not isinstance(getattr(impl, "_shutting_down", None), bool):
+        return None
+    return lambda: bool(impl._shutting_down)
 
 
 def current_replica_id() -> str:

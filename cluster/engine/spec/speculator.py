@@ -225,6 +225,25 @@ class Speculator:
     def forget(self, request_id: str) -> None:
         self._tracks.pop(request_id, None)
 
+    def export_track(self, request_id: str) -> tuple[float, float, int, int] | None:
+        """A request's acceptance history, for the replica that takes it over (migration)."""
+        t = self._tracks.get(request_id)
+        return None if t is None else (t.accepted, t.tried, t.pause_steps, t.num_pauses)
+
+    @staticmethod
+    def check_track(track: tuple[float, float, int, int]) -> None:
+        """ValueError unless ``track`` is an acceptance history (``export_track``'s shape)."""
+        accepted, tried, pause_steps, num_pauses = track
+        if not (0.0 <= accepted <= tried and tried > 0.0 and pause_steps >= 0 <= num_pauses):
+            raise ValueError(f"spec_track: {track!r} is not an acceptance history")
+
+    def import_track(self, request_id: str, track: tuple[float, float, int, int]) -> None:
+        self.check_track(track)
+        accepted, tried, pause_steps, num_pauses = track
+        self._tracks[request_id] = _Acceptance(
+            float(accepted), float(tried), max(0, int(pause_steps)), max(0, int(num_pauses))
+        )
+
     def stats(self) -> dict[str, Any]:
         drafted = self.num_draft_tokens
         return {
