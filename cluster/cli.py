@@ -127,6 +127,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_drain(args: argparse.Namespace) -> int:
+    from cluster.app import APP_NAME
+    from cluster.serve_main import drain_decode_replica
+
+    return drain_decode_replica(
+        args.replica, address=args.address, app_name=args.app or APP_NAME, timeout_s=args.timeout
+    )
+
+
 # The benchmarks are a distribution of their own (benchmarks/ in the source tree), not in the
 # pdserve wheel: `pdserve bench` loads them when it runs, and says how to install them if absent.
 BENCHMARKS_MODULE = "benchmarks"
@@ -253,6 +262,18 @@ def _add_serve(sub: Any) -> None:
     srv.set_defaults(func=cmd_serve)
 
 
+def _add_drain(sub: Any) -> None:
+    drain = sub.add_parser(
+        "drain",
+        help="move a decode replica's running requests to the others (live migration)",
+    )
+    drain.add_argument("--replica", default=None, help="the decode replica id; none: list them")
+    drain.add_argument("--address", default="auto", help="the Ray cluster (default: auto)")
+    drain.add_argument("--app", default=None, help="the Serve application (default: pdserve)")
+    drain.add_argument("--timeout", type=float, default=60.0, help="seconds to reach it")
+    drain.set_defaults(func=cmd_drain)
+
+
 def _add_bench(sub: Any) -> None:
     bench = sub.add_parser("bench", help="run a benchmark (see docs/benchmarks/index.md)")
     bench.add_argument("name", help="benchmark name, or 'all'")
@@ -301,7 +322,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_model, _add_generate, _add_serve, _add_bench, _add_profile, _add_plan):
+    adders = (
+        _add_model,
+        _add_generate,
+        _add_serve,
+        _add_drain,
+        _add_bench,
+        _add_profile,
+        _add_plan,
+    )
+    for add in adders:
         add(sub)
     return parser
 

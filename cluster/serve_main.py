@@ -160,3 +160,48 @@ def serve_forever(
                 ray.shutdown()
                 print("pdserve: Ray stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def drain_decode_replica(
+    replica_id: str | None, *, address: str, app_name: str, timeout_s: float = 60.0
+) -> int:
+    """``pdserve drain``: ask the named decode replica of a running cluster to move its decoding
+    requests to the other decode replicas (live migration) and stop taking calls. Without a
+    replica id, lists the pool's replicas. The pool's router picks who answers each call, so
+    this asks until the named one did (or ``timeout_s``)."""
+    import logging
+    import time
+
+    import ray
+    from ray import serve
+
+    ray.init(
+        address=address,
+        log_to_driver=False,
+        logging_level=logging.ERROR,
+        ignore_reinit_error=True,
+    )
+    handle = serve.get_deployment_handle("DecodeServer", app_name)
+    deadline = time.monotonic() + timeout_s
+    if replica_id is None:
+        seen: dict[str, dict[str, Any]] = {}
+        listing_until = time.monotonic() + 3.0  # calls spread over the replicas meanwhile
+        while not seen or time.monotonic() < listing_until:
+            info = handle.replica_info.remote().result(timeout_s=timeout_s)
+            seen[info["replica_id"]] = info
+        for info in seen.values():
+            print(
+                f"{info['replica_id']}  running {info['running']}"
+                f"{'  (draining)' if info['draining'] else ''}"
+            )
+        print("pdserve drain --replica ID: moves that replica's requests to the others")
+        return 0
+    while time.monotonic() < deadline:
+        out = handle.drain.remote(replica_id).result(timeout_s=timeout_s)
+        if out["drained"]:
+            print(
+                f"decode replica {replica_id} is draining: {out['migrating']} decoding requests "
+                f"moving to the other replicas, {out['staying']} finishing where they are"
+            )
+            return 0
+    raise ValueError(f"--replica: no decode replica {replica_id!r} answered within {timeout_s:g} s")

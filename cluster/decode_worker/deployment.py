@@ -124,11 +124,24 @@ class DecodeServer(PoolReplica):
         except Exception:  # its streams then finish here, within the graceful timeout
             logger.exception("draining decode replica %s failed", self.replica_id)
 
-    async def drain(self) -> dict[str, Any]:
+    async def drain(self, replica_id: str | None = None) -> dict[str, Any]:
         """Operators (``pdserve drain``): stop taking calls and move this replica's decoding
-        requests to the others (live migration); the replica stays up, idle, until removed."""
+        requests to the others (live migration); the replica stays up, idle, until removed.
+        ``replica_id``: only that replica drains (the pool's router picks who answers a call,
+        so a caller asks until the named one did); any other just reports itself."""
         self._started()
-        return {"replica_id": self.replica_id, **await self.worker.drain()}
+        if replica_id is not None and replica_id != self.replica_id:
+            return {"replica_id": self.replica_id, "drained": False}
+        return {"replica_id": self.replica_id, "drained": True, **await self.worker.drain()}
+
+    def replica_info(self) -> dict[str, Any]:
+        """Who this replica is and what it runs (``pdserve drain`` lists the pool with it)."""
+        eng = self.worker.engine.stats()
+        return {
+            "replica_id": self.replica_id,
+            "running": eng.get("num_running", 0),
+            "draining": self.worker.draining,
+        }
 
     async def generate(
         self, call: GenerateCall

@@ -219,6 +219,7 @@ class DecodeWorker:
             "engine": self.engine.stats(),
             "transfer": self.receiver.stats(),
             "migration_transfer": self.sender.stats() if self.sender is not None else {},
+            "num_active_leases": self.sender.num_active_leases if self.sender is not None else 0,
             "draining": self.draining,
             "recent_tpot_ms": self.recent_tpot.median(),
             "peak_running": self.engine.peak_running,

@@ -361,6 +361,7 @@ class Router:
         return {
             **self.counts,
             "retries": self.relay.num_retries,
+            "migrations": dict(self.relay.migrations),
             "parse_ms": {k: list(v) for k, v in self.parse_ms.items()},
             "ranking_ms": recent_ranking_ms(),  # the decode pool's routing, in this process
             "paused_faults": self.faults.paused(),

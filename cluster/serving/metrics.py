@@ -63,6 +63,7 @@ METRIC_NAMES = (
     "ray_pdserve_decode_streams",
     "ray_pdserve_spec_draft_tokens_total",
     "ray_pdserve_spec_accepted_tokens_total",
+    "ray_pdserve_migrations_total",
     "ray_pdserve_autoscaling_decisions_total",  # recorded by serving.autoscaling on the controller
 )
 
@@ -156,6 +157,13 @@ class PoolMetrics:
         self.spec_accepted = rm.Counter(
             "pdserve_spec_accepted_tokens", "Speculative draft tokens accepted.", tags
         )
+        self.migrations = rm.Counter(
+            "pdserve_migrations",
+            "Live migrations of decoding requests, by direction and outcome (out: moved to "
+            "another decode replica; resumed: paused to move, not taken, decoded on; in: taken "
+            "over from a drained replica).",
+            ("pool", "outcome"),
+        )
         self._last: dict[str, float] = {}
 
     def _delta(self, key: str, value: float) -> float:
@@ -183,6 +191,7 @@ class PoolMetrics:
             d = self._delta(key, value)
             if d:
                 counter.inc(d, tags)
+        self._count_migrations(stats)
         for mode in ("local", "remote"):
             d = self._delta(f"decision_{mode}", stats.get(f"{mode}_prefills", 0))
             if d:
@@ -215,6 +224,16 @@ class PoolMetrics:
         self._stages.update(stages)
         for stage in self._stages:
             self.streams.set(stages.get(stage, 0), {"pool": self.pool, "stage": stage})
+
+    def _count_migrations(self, stats: dict[str, Any]) -> None:
+        for outcome, key in (
+            ("out", "migrated_out"),
+            ("resumed", "migrations_resumed"),
+            ("in", "migrated_in"),
+        ):
+            d = self._delta(f"migration_{outcome}", stats.get(key, 0))
+            if d:
+                self.migrations.inc(d, {"pool": self.pool, "outcome": outcome})
 
     def observe_transfer(self, seconds: float) -> None:
         self.transfer_s.observe(seconds, {"pool": self.pool})

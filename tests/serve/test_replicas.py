@@ -10,13 +10,15 @@ F15, F16; issue 12.5). Two replicas of every deployment, so that the survivors s
     retry budget of 3; Serve replaces it.
   * F15: the prefill pool scaled down while 10 leases are published: all 10 are pulled (0 KV
     failures), and the removed replica exits once they are.
-  * F14: the decode pool scaled down while ten streams through the router decode: every client
-    gets its full, exact output, and the drained replica exits clean.
+  * F14 + F23: the decode pool scaled down while ten streams through the router decode: the
+    drained replica moves them to the other (live migration); every client gets its full,
+    exact output, and the drained replica exits clean.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import threading
@@ -28,16 +30,19 @@ import grpc
 import pytest
 from ray import serve
 
+from cluster.common.sampling_params import SamplingParams
 from cluster.decode_worker.deployment import DecodeServer
 from cluster.engine.engine import EngineRequest, LLMEngine
 from cluster.pb.pdserve.v1 import generation_pb2 as pb
 from cluster.pb.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from cluster.prefill_worker.deployment import PrefillServer
 from cluster.router.ingress import Router
+from cluster.serve_main import drain_decode_replica
 from cluster.serving.options import deployment_options
 from tests.helpers import fake_config, greedy, run_until_done
 from tests.serve.cluster_helpers import App, wait_replicas_ready
 from tests.serve_fixtures import ServeCluster, free_port, wait_until
+from tests.structured_schemas import SCHEMAS
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -353,14 +358,45 @@ def test_f15_prefill_scale_down_with_published_leases_loses_none(
         serve.delete(name)
 
 
-def test_f14_decode_scale_down_with_ten_streams_through_the_router_loses_none(
+def _f23_params(i: int, max_tokens: int) -> tuple[SamplingParams, pb.SamplingParameters]:
+    """Stream i's sampling (engine and gRPC forms): greedy, seeded sampling, or a JSON schema."""
+    kind, seed = i % 3, 300 + i
+    if kind == 0:
+        return greedy(max_tokens), request([1], max_tokens).sampling
+    if kind == 1:
+        params = SamplingParams(
+            temperature=0.9,
+            seed=seed,
+            max_tokens=max_tokens,
+            min_tokens=max_tokens,
+            ignore_eos=True,
+        )
+        grpc_params = pb.SamplingParameters(
+            max_tokens=max_tokens,
+            min_tokens=max_tokens,
+            temperature=0.9,
+            seed=seed,
+            ignore_eos=True,
+        )
+        return params, grpc_params
+    schema = json.dumps(SCHEMAS["person"])
+    params = SamplingParams(temperature=0.7, seed=seed, max_tokens=max_tokens, json_schema=schema)
+    grpc_params = pb.SamplingParameters(
+        max_tokens=max_tokens, temperature=0.7, seed=seed, json_schema=schema
+    )
+    return params, grpc_params
+
+
+def test_f14_f23_decode_scale_down_moves_ten_streams_to_the_other_replica(
     serve_cluster: ServeCluster, app: App
 ) -> None:
-    """F14: ten streams through the router, about half on each of two decode replicas; the
-    decode pool is scaled down to one (a redeploy with only its replica count changed) while
-    they decode. The draining replica finishes its streams in place within its graceful
-    timeout (no live migration yet, issue 40): every client gets its full, exact output, no
-    stream breaks, and the drained replica exits with nothing held."""
+    """F14 + F23: ten streams through the router (greedy, seeded sampling, a JSON schema;
+    speculation on), about half on each of two decode replicas; the decode pool is scaled
+    down to one (a redeploy with only its replica count changed) while they decode. The
+    draining replica moves its decoding streams to the other (live migration: their KV
+    pulled, the client streams go on): every client gets its full output, token-identical to
+    an undisturbed run, no stream breaks, and the drained replica exits with nothing held,
+    long before its streams would have ended."""
     app.close()  # its own deployment, as F15
     name = "pdserve-drain-decode"
     cfg = fake_config(
@@ -369,6 +405,8 @@ def test_f14_decode_scale_down_with_ten_streams_through_the_router_loses_none(
             "router.num_replicas": 1,
             "prefill.num_replicas": 1,
             "decode.graceful_shutdown_timeout_s": 60.0,
+            "decode.speculative.method": "ngram",
+            "testing.fake_model.ascii_tokens": True,
             "router.grpc_port": free_port(),
         }
     )
@@ -376,6 +414,7 @@ def test_f14_decode_scale_down_with_ten_streams_through_the_router_loses_none(
     channel = grpc.insecure_channel(f"127.0.0.1:{cfg.router.grpc_port}")
     stub = pb_grpc.GenerationStub(channel)
     decode_h = serve.get_deployment_handle("DecodeServer", name)
+    router_h = serve.get_deployment_handle("Router", name)
     try:
         pids = set()
         for _ in range(100):
@@ -384,26 +423,45 @@ def test_f14_decode_scale_down_with_ten_streams_through_the_router_loses_none(
                 break
         assert len(pids) == 2
         prompts = {f"f14-{i}": prompt(700 + i, 8 + 6 * i) for i in range(10)}  # local, remote
-        expected = reference(cfg, prompts, 200)  # 200 steps of 20 ms: ~4 s of decoding
-        streams = {rid: Stream(stub, request(p, 200, rid)) for rid, p in prompts.items()}
+        sampling = {rid: _f23_params(i, 200) for i, rid in enumerate(prompts)}
+        engine = LLMEngine(cfg)  # the undisturbed run: 200 steps of 20 ms, ~4 s decoding
+        for rid, p in prompts.items():
+            engine.add(EngineRequest(rid, p, sampling[rid][0]))
+        expected = run_until_done(engine)
+        streams = {}
+        for rid, p in prompts.items():
+            req = pb.GenerateRequest(
+                request_id=rid, token_ids=pb.TokenIds(ids=p), sampling=sampling[rid][1]
+            )
+            streams[rid] = Stream(stub, req)
         assert wait_until(lambda: all(len(s.tokens) >= 3 for s in streams.values()), 60, 0.05)
+        t0 = time.monotonic()
         scale_down = scale_down_in_background(
             pinned_app(cfg, "f14", decode=1), name, "DecodeServer"
         )
         in_flight = sum(s.ended == 0.0 for s in streams.values())
         scale_down.join(120)
+        drained_s = time.monotonic() - t0
         for s in streams.values():
             s.thread.join(120)
-        print(f"F14: {in_flight} of 10 streams in flight when a decode replica began draining")
+        migrations = router_h.stats.remote().result(timeout_s=30)["migrations"]
+        print(
+            f"F14/F23: {in_flight} of 10 streams in flight when a decode replica began "
+            f"draining; migrations {migrations}; scale-down done in {drained_s:.1f} s"
+        )
         assert in_flight >= 5, in_flight  # the drain overlapped the streams
         errors = {rid: s.error for rid, s in streams.items() if s.error is not None}
         assert not errors, errors
         assert {rid: s.tokens for rid, s in streams.items()} == expected
+        assert migrations["moved"] >= 1, migrations  # the drained replica's streams moved
+        assert migrations["failed"] == 0, migrations
 
         def exited() -> bool:
             return sum(psutil_alive(pid) for pid in pids) == 1
 
         assert wait_until(exited, 90, 0.2), "the drained decode replica did not exit"
+        survivor = decode_h.stats.remote().result(timeout_s=30)
+        assert survivor["migrated_in"] == migrations["moved"]
         assert decode_h.check_integrity.remote().result(timeout_s=30) == "ok"
         assert wait_until(
             lambda: decode_h.stats.remote().result(timeout_s=30)["kv_used_blocks"] == 0, 15, 0.2
@@ -411,6 +469,97 @@ def test_f14_decode_scale_down_with_ten_streams_through_the_router_loses_none(
     finally:
         channel.close()
         serve.delete(name)
+
+
+def _call_until(fn: Any, ok: Any, within: float = 60) -> Any:
+    """``fn()`` until ``ok(result)`` (a call routed to a dead replica raises: asked again)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            out = fn()
+            if ok(out):
+                return out
+        time.sleep(0.05)
+    raise AssertionError("no replica answered as expected")
+
+
+def test_f23_a_migration_target_killed_mid_pull_leaves_the_requests_on_their_source(
+    serve_cluster: ServeCluster, app: App
+) -> None:
+    """F23: a decode replica is drained (``pdserve drain --replica``'s code) with
+    streams decoding; the other replica starts pulling their KV and is SIGKILLed mid-pull (the
+    source's sender paused mid-frame). Each request's lease then ends unpulled and it finishes
+    on its source: every client of the source gets its full, exact output (the streams that
+    were decoding on the killed replica itself end cleanly after a prefix), and the source ends
+    with nothing held."""
+    app.close()  # its own deployment, as F15
+    cfg = fake_config(
+        **{
+            **CFG,
+            "router.num_replicas": 1,
+            "prefill.num_replicas": 1,
+            "decode.local_prefill_threshold": 64,  # local prefills: the only sends are the moves
+            "transfer.transports": ["zmq"],  # (framed sends: the fault point is in them)
+            "testing.fault_points": ["p.mid_send_frame_k=pause"],
+        }
+    )
+    kapp = App(serve_cluster, cfg, "pdserve-f23-kill")
+    try:
+        prompts = {f"k{i}": prompt(800 + i, 10) for i in range(6)}
+        expected = reference(cfg, prompts, 150)
+        streams = {rid: Stream(kapp.stub, request(p, 150, rid)) for rid, p in prompts.items()}
+        assert wait_until(lambda: all(len(s.tokens) >= 3 for s in streams.values()), 60, 0.05)
+        stats = kapp.stats("decode")
+        source = max(stats, key=lambda rid: stats[rid]["engine"]["num_running"])
+        (target,) = (s for rid, s in stats.items() if rid != source)
+        assert drain_decode_replica(source, address="auto", app_name=kapp.name) == 0
+        drained = {"running": stats[source]["engine"]["num_running"]}
+
+        def paused(s: dict[str, Any]) -> bool:
+            return s["replica_id"] == source and "p.mid_send_frame_k" in s["paused_faults"]
+
+        _call_until(lambda: kapp.decode.stats.remote().result(timeout_s=10), paused)
+        os.kill(target["pid"], signal.SIGKILL)  # mid-pull: its pull request is being served
+        killed_at = time.monotonic()
+        _call_until(
+            lambda: kapp.decode.release_fault.remote("p.mid_send_frame_k").result(timeout_s=10),
+            lambda rid: rid == source,
+        )
+        for s in streams.values():
+            s.thread.join(120)
+        src = _call_until(
+            lambda: kapp.decode.stats.remote().result(timeout_s=10),
+            lambda s: s["replica_id"] == source and not s["handoff_stages"],
+        )
+        print(
+            f"F23 kill: {drained} ; source resumed {src['migrations_resumed']}, moved "
+            f"{src['migrated_out']}; streams done {time.monotonic() - killed_at:.1f} s after"
+        )
+        for rid, s in streams.items():
+            if s.error is None:
+                assert s.tokens == expected[rid], rid
+            else:  # a clean end, after a prefix
+                assert s.error.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE)
+                assert s.tokens == expected[rid][: len(s.tokens)]
+        # the streams that were on the killed replica itself end (ABORTED); every one that was
+        # on the source, moving or not, completes
+        assert sum(s.error is None for s in streams.values()) >= drained["running"] >= 3
+        assert src["migrations_resumed"] >= 1 and src["migrated_out"] == 0
+        _call_until(
+            lambda: kapp.decode.stats.remote().result(timeout_s=10),
+            lambda s: (
+                s["replica_id"] == source
+                and s["kv_used_blocks"] == 0
+                and s["num_active_leases"] == 0
+            ),
+            within=30,
+        )
+        _call_until(
+            lambda: kapp.decode.check_integrity.remote().result(timeout_s=10),
+            lambda ok: ok == "ok",
+        )
+    finally:
+        kapp.close()
 
 
 def psutil_alive(pid: int) -> bool:
