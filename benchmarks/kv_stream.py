@@ -41,7 +41,13 @@ from typing import Any
 from benchmarks.harness import BenchContext, BenchReport, interleaved_order, summary
 from benchmarks.workloads import bench_model_dir, exact_tokens
 from cluster.common.hashing import hash_block_tokens
-from cluster.common.protocol import GenerateCall, PrefillCall, PrefillProgress, PrefillReply
+from cluster.common.protocol import (
+    GenerateCall,
+    PrefillCall,
+    PrefillProgress,
+    PrefillReply,
+    StreamChunk,
+)
 from cluster.config import ClusterConfig
 from cluster.decode_worker.worker import DecodeWorker
 from cluster.planner.workload import FIRST_PLAIN_TOKEN
@@ -110,6 +116,7 @@ async def _one(decode: DecodeWorker, arm: str, prompt: list[int], block: int) ->
     times: list[float] = []
     usage = None
     async for chunk in decode.generate(call):
+        assert isinstance(chunk, StreamChunk)  # nothing drains this replica: no Migrating
         if chunk.token_ids:
             times.extend([time.perf_counter()] * len(chunk.token_ids))
         if chunk.usage is not None:
