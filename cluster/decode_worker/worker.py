@@ -220,6 +220,7 @@ class DecodeWorker:
             "transfer": self.receiver.stats(),
             "migration_transfer": self.sender.stats() if self.sender is not None else {},
             "num_active_leases": self.sender.num_active_leases if self.sender is not None else 0,
+            "endpoint": self.sender.endpoint if self.sender is not None else "",
             "draining": self.draining,
             "recent_tpot_ms": self.recent_tpot.median(),
             "peak_running": self.engine.peak_running,

@@ -38,6 +38,9 @@ CFG = {
     "transfer.lease_s": 2.0,
     "transfer.heartbeat_s": 0.2,
     "decode.graceful_shutdown_timeout_s": 10.0,
+    # This test calls the decode pool itself (no router to follow a move) and checks the drain
+    # in place: the path of decode.migrate_on_drain: false (live migration: test_replicas F23).
+    "decode.migrate_on_drain": False,
     "decode.num_cpus": 0.5,
     "decode.autoscaling.enabled": True,
     "decode.autoscaling.min_replicas": 1,

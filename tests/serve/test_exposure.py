@@ -95,7 +95,8 @@ def test_pdserve_listens_on_loopback_and_router_host_only(app: App) -> None:
     """S1 (and issue 12.1: the gRPC listener was `*:9000`, Serve's proxy binding [::])."""
     assert app.generate(pb.GenerateRequest(prompt="t1 t2 t3"), timeout=30)  # serving
     router_pid = app.router.pid.remote().result(timeout_s=30)
-    decode_pid = next(iter(app.stats("decode").values()))["pid"]
+    decode = next(iter(app.stats("decode").values()))
+    decode_pid = decode["pid"]
     prefill = next(iter(app.stats("prefill").values()))
     baseline = serve.run(Baseline.bind(), name="ray-baseline", route_prefix=None)
     try:
@@ -111,10 +112,13 @@ def test_pdserve_listens_on_loopback_and_router_host_only(app: App) -> None:
 
     grpc_port, http_port = app.config.router.grpc_port, app.cluster.http_port
     kv_port = int(prefill["endpoint"].rsplit(":", 1)[1])
+    # a decode replica's KV socket: its requests' KV when it is drained (live migration)
+    decode_kv_port = int(decode["endpoint"].rsplit(":", 1)[1])
     assert {x.pid for x in at(grpc_port)} == {router_pid}, table
     assert at(http_port), table
     assert [x for x in at(kv_port) if x.pid == prefill["pid"]], table
-    own = at(grpc_port) + at(http_port) + at(kv_port)
+    assert [x for x in at(decode_kv_port) if x.pid == decode_pid], table
+    own = at(grpc_port) + at(http_port) + at(kv_port) + at(decode_kv_port)
     assert all(ipv4(x.ip) == "127.0.0.1" for x in own), table  # router.host, transfer.bind_host
 
     # Anything else listening in a pdserve replica is Ray's own: no more than Ray opens in a
