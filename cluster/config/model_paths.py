@@ -79,11 +79,20 @@ def resolve_max_model_len(model_config: dict[str, Any], requested: int | None) -
     """The context length to serve: the model's limit (capped by default), or the config's.
 
     A sliding window caps it too: full attention equals sliding-window attention only inside it.
+    So does a LongRoPE scaling's original context: its short factors (the ones pdserve's static
+    RoPE uses) are the model's own only up to there; beyond it the model switches factors.
     """
     limit = int(model_config.get("max_position_embeddings") or MAX_DEFAULT_MODEL_LEN)
     window = model_config.get("sliding_window")
     if window is not None and model_config.get("use_sliding_window", True):
         limit = min(limit, int(window))
+    rope = model_config.get("rope_scaling") or model_config.get("rope_parameters") or {}
+    if (rope.get("rope_type") or rope.get("type")) == "longrope":
+        original = model_config.get("original_max_position_embeddings") or rope.get(
+            "original_max_position_embeddings"
+        )
+        if original:
+            limit = min(limit, int(original))
     if requested is None:
         return min(limit, MAX_DEFAULT_MODEL_LEN)
     if requested > limit:

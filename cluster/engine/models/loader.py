@@ -1,4 +1,5 @@
-"""Load a Llama-family transformers checkpoint directory into ``LlamaModel``."""
+"""Load a Llama-family transformers checkpoint directory into ``LlamaModel`` (Llama, Mistral,
+Qwen2, Qwen3, Phi-3: the same decoder, with biases, q/k norms or fused projections)."""
 
 from __future__ import annotations
 
@@ -20,12 +21,14 @@ logger = logging.getLogger(__name__)
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
+    "Phi3ForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
@@ -61,6 +64,19 @@ _CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 131072,
         "hidden_act": "silu",
         "sliding_window": 4096,
+    },
+    "Phi3ForCausalLM": {
+        "hidden_size": 3072,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "intermediate_size": 8192,
+        "vocab_size": 32064,
+        "rms_norm_eps": 1e-05,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 4096,
+        "hidden_act": "silu",
+        "sliding_window": None,
     },
     "Qwen2ForCausalLM": {
         "hidden_size": 4096,
@@ -220,6 +236,13 @@ def arch_from_config(hf_config: Any, arch_name: str) -> LlamaArch:
     )
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise ValueError(f"model: unsupported activation {hf_config.hidden_act!r} (need silu)")
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    partial = rope.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
+    if float(partial or 1.0) != 1.0:
+        raise ValueError(
+            f"model: partial rotary embeddings (partial_rotary_factor {partial}) are not "
+            "supported; the rotary embedding covers the whole head"
+        )
     return arch
 
 
@@ -279,22 +302,29 @@ def load_llama(
         assert t is not None
         return t.to(device=device, dtype=dtype)
 
+    def fused(name: str, parts: list[str]) -> torch.Tensor:
+        """``name`` as one tensor (Phi-3 stores q/k/v and gate/up fused, in that order), or
+        its parts concatenated (Llama, Qwen, Mistral)."""
+        if reader.get(name, required=False) is not None:
+            return w(name)
+        return torch.cat([w(part) for part in parts]).contiguous()
+
     layers = []
     for i in range(arch.num_layers):
         p = f"layers.{i}."
         bias = None
         if arch.qkv_bias:
             bias = torch.cat([w(f"{p}self_attn.{x}_proj.bias") for x in "qkv"]).contiguous()
+        qkv_parts = [f"{p}self_attn.{x}_proj.weight" for x in "qkv"]
+        gate_up_parts = [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]
         layers.append(
             LayerWeights(
                 input_norm=w(f"{p}input_layernorm.weight"),
-                qkv=torch.cat([w(f"{p}self_attn.{x}_proj.weight") for x in "qkv"]).contiguous(),
+                qkv=fused(f"{p}self_attn.qkv_proj.weight", qkv_parts),
                 qkv_bias=bias,
                 o=w(f"{p}self_attn.o_proj.weight"),
                 post_norm=w(f"{p}post_attention_layernorm.weight"),
-                gate_up=torch.cat(
-                    [w(f"{p}mlp.gate_proj.weight"), w(f"{p}mlp.up_proj.weight")]
-                ).contiguous(),
+                gate_up=fused(f"{p}mlp.gate_up_proj.weight", gate_up_parts),
                 down=w(f"{p}mlp.down_proj.weight"),
                 qk_norm=(
                     (w(f"{p}self_attn.q_norm.weight"), w(f"{p}self_attn.k_norm.weight"))

@@ -77,14 +77,15 @@ def build_tiny_llama(
     **config_overrides: Any,
 ) -> Path:
     """Write a random checkpoint directory of a Llama-family architecture (``family``: llama,
-    qwen3); returns its path. Qwen3's q/k norms get random weights too (transformers starts
-    them at 1, which would leave them untested)."""
+    qwen3, phi3: fused q/k/v and gate/up projections); returns its path. Qwen3's q/k norms get
+    random weights too (transformers starts them at 1, which would leave them untested)."""
     import torch
     import transformers
 
     classes = {
         "llama": ("LlamaConfig", "LlamaForCausalLM"),
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+        "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     }
     if family not in classes:
         raise ValueError(f"tiny model: unknown family {family!r}; known: {', '.join(classes)}")

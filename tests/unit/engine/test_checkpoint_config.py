@@ -10,7 +10,14 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from cluster.config.model_paths import resolve_max_model_len
 from cluster.engine.models.loader import (
@@ -24,6 +31,7 @@ from cluster.engine.models.loader import (
 CLASSES = {
     "LlamaForCausalLM": LlamaConfig,
     "MistralForCausalLM": MistralConfig,
+    "Phi3ForCausalLM": Phi3Config,
     "Qwen2ForCausalLM": Qwen2Config,
     "Qwen3ForCausalLM": Qwen3Config,
 }
@@ -113,3 +121,25 @@ def test_an_unsupported_architecture_is_named(tmp_path: Path) -> None:
     d = _write(tmp_path, "m", {"architectures": ["GPT2LMHeadModel"], **SMALL})
     with pytest.raises(ValueError, match="unsupported architecture \\['GPT2LMHeadModel'\\]"):
         read_hf_config(d)
+
+
+def test_longrope_serves_up_to_its_original_context_and_partial_rotary_is_refused(
+    tmp_path: Path,
+) -> None:
+    """LongRoPE's short factors (the static RoPE pdserve computes) are the model's own only up
+    to ``original_max_position_embeddings``: the served context stops there. A rotary embedding
+    over part of the head is refused at load, naming the factor."""
+    raw = {
+        "architectures": ["Phi3ForCausalLM"],
+        "max_position_embeddings": 131072,
+        "original_max_position_embeddings": 4096,
+        "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [4.0] * 48},
+    }
+    cfg, _ = read_hf_config(_write(tmp_path, "phi3-128k", raw))
+    assert resolve_max_model_len(cfg.to_dict(), None) == 4096
+    with pytest.raises(ValueError, match="exceeds the model's limit of 4096"):
+        resolve_max_model_len(cfg.to_dict(), 8192)
+    partial = {"architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.5}
+    cfg, arch = read_hf_config(_write(tmp_path, "phi3-partial", partial))
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.5"):
+        arch_from_config(cfg, arch)

@@ -1,5 +1,6 @@
 """The paged engine against a transformers greedy loop, on tiny random models of each dense
-family (Llama; Qwen3, whose per-head q/k norms and explicit head_dim the Llama path lacks).
+family (Llama; Qwen3, whose per-head q/k norms and explicit head_dim the Llama path lacks;
+Phi-3, whose q/k/v and gate/up projections are fused in the checkpoint).
 
 Same checks as the real-model integration test: a batch of prompts of different lengths
 submitted together, small chunks, prefix-cache hits, preemption. Each run ends idle and clean.
@@ -33,7 +34,7 @@ def _engine(model_dir: Path, **overrides: Any) -> LLMEngine:
     return LLMEngine(tiny_config(model_dir, **{"cache.num_blocks": 512, **overrides}))
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "phi3"])
 def model_dir(
     request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Path:
@@ -41,6 +42,8 @@ def model_dir(
         return tiny_model_dir
     from cluster.engine.models.tiny import build_tiny_llama
 
+    if request.param == "phi3":  # fused qkv_proj and gate_up_proj
+        return build_tiny_llama(tmp_path_factory.mktemp("tiny-phi3"), family="phi3")
     # head_dim 24, not hidden / heads = 16: Qwen3 configs name theirs
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-qwen3"), family="qwen3", head_dim=24)
 
