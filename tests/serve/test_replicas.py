@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import signal
+import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -445,9 +446,19 @@ def test_f14_f23_decode_scale_down_moves_ten_streams_to_the_other_replica(
         for s in streams.values():
             s.thread.join(120)
         migrations = router_h.stats.remote().result(timeout_s=30)["migrations"]
+        # The move's cost as the clients see it: the longest pause between two tokens of a
+        # stream that overlapped the drain, against the median gap (one decode step).
+        gaps = sorted(
+            max(b - a for a, b in zip(s.times, s.times[1:], strict=False))
+            for s in streams.values()
+            if len(s.times) > 1 and s.times[-1] > t0
+        )
+        steps = [b - a for s in streams.values() for a, b in zip(s.times, s.times[1:])]
         print(
             f"F14/F23: {in_flight} of 10 streams in flight when a decode replica began "
-            f"draining; migrations {migrations}; scale-down done in {drained_s:.1f} s"
+            f"draining; migrations {migrations}; scale-down done in {drained_s:.1f} s; "
+            f"longest inter-token gap per stream {[round(g * 1000) for g in gaps]} ms "
+            f"(median gap {statistics.median(steps) * 1000:.0f} ms)"
         )
         assert in_flight >= 5, in_flight  # the drain overlapped the streams
         errors = {rid: s.error for rid, s in streams.items() if s.error is not None}
