@@ -147,8 +147,9 @@ class DecodeWorker:
         return self
 
     def close(self) -> None:
-        if self._drain_task is not None:
-            self._drain_task.cancel()
+        if self._drain_task is not None:  # (close may run on another thread than its loop)
+            with contextlib.suppress(RuntimeError):  # that loop is closed: the task is gone
+                self._drain_task.get_loop().call_soon_threadsafe(self._drain_task.cancel)
         if self.sender is not None:
             self.sender.close()  # releases migration leases (reason "closed")
         self.engine.stop()
