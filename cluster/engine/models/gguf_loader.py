@@ -1,10 +1,13 @@
-"""Load a Llama GGUF file with its quantized tensors kept as they are (``model.weights: gguf``).
+"""Load a Llama or Qwen2 GGUF file with its quantized tensors kept as they are
+(``model.weights: gguf``).
 
 The model's shape, RoPE and tokenizer come from the transformers checkpoint converted from the
 same file (``default_model.py``); the weights come from the GGUF file itself: Q4_0, Q4_1 and Q8_0
 tensors stay packed (``PackedWeight``), F32/F16/BF16 tensors become dense tensors. llama.cpp
-stores attn_q / attn_k rows permuted for its RoPE layout; transformers' GGUF loader un-permutes
-them, and so do we, moving whole packed rows, so every value equals the de-quantized reference.
+stores a Llama's attn_q / attn_k rows permuted for its RoPE layout; transformers' GGUF loader
+un-permutes them, and so do we, moving whole packed rows, so every value equals the de-quantized
+reference. Qwen2 files keep their rows in order (llama.cpp runs them with NEOX RoPE) and carry
+q/k/v biases, read as dense vectors.
 
 Every tensor's name, type and shape is checked before any is read, so a file the loader cannot
 run fails with an error naming the tensor and its type and leaves nothing loaded.
@@ -28,7 +31,10 @@ from cluster.engine.models.packed import PackedWeight, Weight
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
+# general.architecture -> the checkpoint architecture it converts to (a mismatch is refused)
+_CHECKPOINT_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_ROPE_PERMUTED = ("llama",)  # llama.cpp's converter permutes q/k rows for these only
 PACKED_TYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0}
 DENSE_TYPES = ("F32", "F16", "BF16")
 _LAYER_TENSORS = (
@@ -53,6 +59,10 @@ def expected_shapes(arch: LlamaArch) -> dict[str, tuple[int, ...]]:
     }
     for n in range(arch.num_layers):
         p = f"blk.{n}."
+        if arch.qkv_bias:
+            shapes[f"{p}attn_q.bias"] = (arch.num_heads * d,)
+            shapes[f"{p}attn_k.bias"] = (arch.num_kv_heads * d,)
+            shapes[f"{p}attn_v.bias"] = (arch.num_kv_heads * d,)
         shapes.update(
             {
                 f"{p}attn_norm.weight": (h,),
@@ -78,8 +88,11 @@ def check_gguf(index: GGUFIndex, path: Path, arch: LlamaArch) -> dict[str, GGUFT
             f"(supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}); use model.weights=dense, "
             "which de-quantizes through transformers"
         )
-    if arch.qkv_bias:
-        raise ValueError(f"{path.name}: q/k/v biases are not supported by the quantized loader")
+    if _CHECKPOINT_ARCH[gguf_arch] != arch.architecture or arch.qk_norm:
+        raise ValueError(
+            f"{path.name}: GGUF architecture {gguf_arch!r} does not match its converted "
+            f"checkpoint's {arch.architecture}"
+        )
     tensors = {t.name: t for t in index.tensors}
     shapes = expected_shapes(arch)
     if not arch.tie_word_embeddings:
@@ -99,7 +112,7 @@ def check_gguf(index: GGUFIndex, path: Path, arch: LlamaArch) -> dict[str, GGUFT
         got = tuple(int(x) for x in reversed(t.shape))  # ggml lists the fastest dim first
         if got != want:
             raise ValueError(f"{path.name}: tensor {name!r} is {list(got)}, expected {list(want)}")
-        if kind in PACKED_TYPES and got[-1] % BLOCK:
+        if kind in PACKED_TYPES and (got[-1] % BLOCK or len(got) == 1):
             raise ValueError(f"{path.name}: tensor {name!r} rows are not whole {kind} blocks")
     return {name: tensors[name] for name in shapes}
 
@@ -144,7 +157,9 @@ def load_gguf_llama(
     ops: LayerOps,
 ) -> tuple[LlamaModel, Any]:
     arch, hf_config = read_arch(config_dir)
-    tensors = check_gguf(read_gguf_index(gguf_path), gguf_path, arch)
+    index = read_gguf_index(gguf_path)
+    tensors = check_gguf(index, gguf_path, arch)
+    permuted = index.field("general.architecture") in _ROPE_PERMUTED
 
     def w(name: str) -> Weight:
         return _tensor(tensors[name], dtype, device)
@@ -157,13 +172,17 @@ def load_gguf_llama(
     layers = []
     for n in range(arch.num_layers):
         p = f"blk.{n}."
-        q = _permuted(w(f"{p}attn_q.weight"), arch.num_heads)
-        k = _permuted(w(f"{p}attn_k.weight"), arch.num_kv_heads)
+        q, k = w(f"{p}attn_q.weight"), w(f"{p}attn_k.weight")
+        if permuted:
+            q, k = _permuted(q, arch.num_heads), _permuted(k, arch.num_kv_heads)
+        bias = None
+        if arch.qkv_bias:
+            bias = torch.cat([norm(f"{p}attn_{x}.bias") for x in "qkv"]).contiguous()
         layers.append(
             LayerWeights(
                 input_norm=norm(f"{p}attn_norm.weight"),
                 qkv=_cat([q, k, w(f"{p}attn_v.weight")]),
-                qkv_bias=None,
+                qkv_bias=bias,
                 o=w(f"{p}attn_output.weight"),
                 post_norm=norm(f"{p}ffn_norm.weight"),
                 gate_up=_cat([w(f"{p}ffn_gate.weight"), w(f"{p}ffn_up.weight")]),
@@ -174,6 +193,7 @@ def load_gguf_llama(
     lm_head = embed if arch.tie_word_embeddings else w("output.weight")
     final_norm = norm("output_norm.weight")
     tensors.clear()  # the index and its memory map go with this frame
+    del index
     model = build_model(
         arch,
         hf_config,

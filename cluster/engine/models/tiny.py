@@ -86,6 +86,7 @@ def build_tiny_llama(
         "llama": ("LlamaConfig", "LlamaForCausalLM"),
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
         "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     }
     if family not in classes:
         raise ValueError(f"tiny model: unknown family {family!r}; known: {', '.join(classes)}")
@@ -115,6 +116,8 @@ def build_tiny_llama(
         for name, param in model.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 param.uniform_(0.5, 1.5)
+            elif name.endswith("_proj.bias"):  # (Qwen2's q/k/v biases start at 0)
+                param.normal_(0.0, initializer_range)
     model.save_pretrained(path)
     return path
 
@@ -145,7 +148,8 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 def write_tiny_gguf(
     checkpoint: Path, out: Path, *, types: dict[str, str] | None = None, arch: str = "llama"
 ) -> Path:
-    """``checkpoint`` (a tiny transformers Llama) written as GGUF to ``out``."""
+    """``checkpoint`` (a tiny transformers Llama, or Qwen2 with ``arch="qwen2"``: q/k rows
+    in order, q/k/v biases as F32) written as GGUF to ``out``."""
     import gguf
     import torch
     from safetensors.torch import load_file
@@ -179,11 +183,14 @@ def write_tiny_gguf(
     for i in range(cfg.num_hidden_layers):
         for gname, (hname, _) in _LAYER.items():
             w = state[f"model.layers.{i}.{hname}.weight"]
-            if gname == "attn_q":
+            if gname == "attn_q" and arch == "llama":
                 w = torch.from_numpy(_permute(w.numpy(), cfg.num_attention_heads))
-            elif gname == "attn_k":
+            elif gname == "attn_k" and arch == "llama":
                 w = torch.from_numpy(_permute(w.numpy(), cfg.num_key_value_heads))
             add(f"blk.{i}.{gname}.weight", w, kinds[gname])
+            bias = state.get(f"model.layers.{i}.{hname}.bias")
+            if bias is not None:
+                add(f"blk.{i}.{gname}.bias", bias, "F32")
     add("output_norm.weight", state["model.norm.weight"], "F32")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

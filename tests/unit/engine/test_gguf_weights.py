@@ -209,3 +209,44 @@ def test_gguf_weights_need_a_gguf_source(tiny_model_dir: Path) -> None:
         make_config(**{"model.path": str(tiny_model_dir), "model.weights": "gguf"})
     with pytest.raises(ValueError, match="model.weights: unknown value 'q4'"):
         make_config(**{"model.weights": "q4"})
+
+
+def test_a_qwen2_gguf_keeps_its_blocks_rows_in_order_and_biases(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Qwen2 from GGUF: the packed q/k/v and gate/up rows are the de-quantized reference's
+    exactly (no RoPE permutation: llama.cpp keeps Qwen2's rows in order), the q/k/v biases are
+    its vectors, and generation equals the dense model's."""
+    from cluster.engine.models.tiny import build_tiny_llama
+
+    root = tmp_path_factory.mktemp("tiny-qwen2-gguf")
+    checkpoint = build_tiny_llama(root / "ckpt", family="qwen2")
+    path = write_tiny_gguf(checkpoint, root / "qwen2.gguf", arch="qwen2")
+    cfg = make_config(
+        **{
+            "model.path": str(path),
+            "paths.cache_dir": str(root / "cache"),
+            "cache.num_blocks": 96,
+            "model.num_threads": 2,
+            "scheduler.chunk_size": 8,
+        }
+    )
+    convert_tiny_gguf(cfg, path, checkpoint)
+    ref = LLMEngine(cfg.replace({"model.weights": "dense"}))
+    eng = LLMEngine(cfg)
+    model, dense = eng.runner.model, ref.runner.model
+    assert model.arch.architecture == "Qwen2ForCausalLM" and model.arch.qkv_bias
+    assert all(isinstance(m, PackedWeight) for m in model.matrices())
+    for lw, rw in zip(model.layers, dense.layers):
+        for name in ("qkv", "o", "gate_up", "down"):
+            assert torch.equal(getattr(lw, name).dequantize(), getattr(rw, name)), name
+        assert lw.qkv_bias is not None and torch.equal(lw.qkv_bias, rw.qkv_bias)
+    ref_logits = capture_logits(ref)
+    expected, got = _run(ref, n=4), _run(eng, n=4)
+    for rid, toks in expected.items():
+        for i, (a, b) in enumerate(zip(got[rid], toks)):
+            if a != b:  # only a genuine near-tie may diverge
+                top = ref_logits[(rid, i)].topk(2).values
+                assert float(top[0] - top[1]) <= NEAR_TIE, (rid, i)
+                break
+    assert sum(got[r] == expected[r] for r in expected) >= len(expected) - 1
