@@ -1,4 +1,4 @@
-"""Load a Llama or Qwen2 GGUF file with its quantized tensors kept as they are
+"""Load a Llama, Qwen2 or Qwen3 GGUF file with its quantized tensors kept as they are
 (``model.weights: gguf``).
 
 The model's shape, RoPE and tokenizer come from the transformers checkpoint converted from the
@@ -6,8 +6,8 @@ same file (``default_model.py``); the weights come from the GGUF file itself: Q4
 tensors stay packed (``PackedWeight``), F32/F16/BF16 tensors become dense tensors. llama.cpp
 stores a Llama's attn_q / attn_k rows permuted for its RoPE layout; transformers' GGUF loader
 un-permutes them, and so do we, moving whole packed rows, so every value equals the de-quantized
-reference. Qwen2 files keep their rows in order (llama.cpp runs them with NEOX RoPE) and carry
-q/k/v biases, read as dense vectors.
+reference. Qwen2 and Qwen3 files keep their rows in order (llama.cpp runs them with NEOX RoPE);
+Qwen2's q/k/v biases and Qwen3's per-head q/k norms are read as dense vectors.
 
 Every tensor's name, type and shape is checked before any is read, so a file the loader cannot
 run fails with an error naming the tensor and its type and leaves nothing loaded.
@@ -31,9 +31,13 @@ from cluster.engine.models.packed import PackedWeight, Weight
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 # general.architecture -> the checkpoint architecture it converts to (a mismatch is refused)
-_CHECKPOINT_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_CHECKPOINT_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 _ROPE_PERMUTED = ("llama",)  # llama.cpp's converter permutes q/k rows for these only
 PACKED_TYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0}
 DENSE_TYPES = ("F32", "F16", "BF16")
@@ -59,6 +63,9 @@ def expected_shapes(arch: LlamaArch) -> dict[str, tuple[int, ...]]:
     }
     for n in range(arch.num_layers):
         p = f"blk.{n}."
+        if arch.qk_norm:
+            shapes[f"{p}attn_q_norm.weight"] = (d,)
+            shapes[f"{p}attn_k_norm.weight"] = (d,)
         if arch.qkv_bias:
             shapes[f"{p}attn_q.bias"] = (arch.num_heads * d,)
             shapes[f"{p}attn_k.bias"] = (arch.num_kv_heads * d,)
@@ -88,7 +95,7 @@ def check_gguf(index: GGUFIndex, path: Path, arch: LlamaArch) -> dict[str, GGUFT
             f"(supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}); use model.weights=dense, "
             "which de-quantizes through transformers"
         )
-    if _CHECKPOINT_ARCH[gguf_arch] != arch.architecture or arch.qk_norm:
+    if _CHECKPOINT_ARCH[gguf_arch] != arch.architecture:
         raise ValueError(
             f"{path.name}: GGUF architecture {gguf_arch!r} does not match its converted "
             f"checkpoint's {arch.architecture}"
@@ -187,6 +194,11 @@ def load_gguf_llama(
                 post_norm=norm(f"{p}ffn_norm.weight"),
                 gate_up=_cat([w(f"{p}ffn_gate.weight"), w(f"{p}ffn_up.weight")]),
                 down=w(f"{p}ffn_down.weight"),
+                qk_norm=(
+                    (norm(f"{p}attn_q_norm.weight"), norm(f"{p}attn_k_norm.weight"))
+                    if arch.qk_norm
+                    else None
+                ),
             )
         )
     embed = w("token_embd.weight")

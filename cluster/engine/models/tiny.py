@@ -134,6 +134,7 @@ _LAYER = {
     "ffn_up": ("mlp.up_proj", "Q4_1"),
     "ffn_down": ("mlp.down_proj", "Q8_0"),
 }
+_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}  # Qwen3
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -145,11 +146,35 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
+def _layer_tensors(
+    state: dict[str, Any], cfg: Any, i: int, kinds: dict[str, str], *, permute: bool
+) -> list[tuple[str, Any, str]]:
+    """Layer ``i``'s GGUF tensors (name, tensor, type): q/k rows permuted as llama.cpp does
+    for a Llama, biases and q/k norms (Qwen2, Qwen3) as F32."""
+    import torch
+
+    out = []
+    for gname, (hname, _) in _LAYER.items():
+        w = state[f"model.layers.{i}.{hname}.weight"]
+        heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
+        if permute and gname in heads:
+            w = torch.from_numpy(_permute(w.numpy(), heads[gname]))
+        out.append((f"blk.{i}.{gname}.weight", w, kinds[gname]))
+        bias = state.get(f"model.layers.{i}.{hname}.bias")
+        if bias is not None:
+            out.append((f"blk.{i}.{gname}.bias", bias, "F32"))
+    for gname, hname in _QK_NORMS.items():
+        norm = state.get(f"model.layers.{i}.{hname}.weight")
+        if norm is not None:
+            out.append((f"blk.{i}.{gname}.weight", norm, "F32"))
+    return out
+
+
 def write_tiny_gguf(
     checkpoint: Path, out: Path, *, types: dict[str, str] | None = None, arch: str = "llama"
 ) -> Path:
-    """``checkpoint`` (a tiny transformers Llama, or Qwen2 with ``arch="qwen2"``: q/k rows
-    in order, q/k/v biases as F32) written as GGUF to ``out``."""
+    """``checkpoint`` (a tiny transformers Llama, or Qwen2 / Qwen3 with ``arch``: q/k rows in
+    order, Qwen2's q/k/v biases and Qwen3's q/k norms as F32) written as GGUF to ``out``."""
     import gguf
     import torch
     from safetensors.torch import load_file
@@ -170,7 +195,11 @@ def write_tiny_gguf(
     writer.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or 10000.0))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_rope_dimension_count(head_dim)
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
 
     def add(name: str, t: torch.Tensor, kind: str) -> None:
         data = t.float().numpy()
@@ -181,16 +210,8 @@ def write_tiny_gguf(
 
     add("token_embd.weight", state["model.embed_tokens.weight"], kinds["token_embd"])
     for i in range(cfg.num_hidden_layers):
-        for gname, (hname, _) in _LAYER.items():
-            w = state[f"model.layers.{i}.{hname}.weight"]
-            if gname == "attn_q" and arch == "llama":
-                w = torch.from_numpy(_permute(w.numpy(), cfg.num_attention_heads))
-            elif gname == "attn_k" and arch == "llama":
-                w = torch.from_numpy(_permute(w.numpy(), cfg.num_key_value_heads))
-            add(f"blk.{i}.{gname}.weight", w, kinds[gname])
-            bias = state.get(f"model.layers.{i}.{hname}.bias")
-            if bias is not None:
-                add(f"blk.{i}.{gname}.bias", bias, "F32")
+        for name, tensor, kind in _layer_tensors(state, cfg, i, kinds, permute=arch == "llama"):
+            add(name, tensor, kind)
     add("output_norm.weight", state["model.norm.weight"], "F32")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -211,17 +211,19 @@ def test_gguf_weights_need_a_gguf_source(tiny_model_dir: Path) -> None:
         make_config(**{"model.weights": "q4"})
 
 
-def test_a_qwen2_gguf_keeps_its_blocks_rows_in_order_and_biases(
-    tmp_path_factory: pytest.TempPathFactory,
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_ggufs_keep_their_blocks_rows_in_order_biases_and_norms(
+    tmp_path_factory: pytest.TempPathFactory, family: str
 ) -> None:
-    """Qwen2 from GGUF: the packed q/k/v and gate/up rows are the de-quantized reference's
-    exactly (no RoPE permutation: llama.cpp keeps Qwen2's rows in order), the q/k/v biases are
-    its vectors, and generation equals the dense model's."""
+    """Qwen2 and Qwen3 from GGUF: the packed q/k/v and gate/up rows are the de-quantized
+    reference's exactly (no RoPE permutation: llama.cpp keeps their rows in order), Qwen2's
+    q/k/v biases and Qwen3's q/k norms are its vectors, and generation equals the dense
+    model's (Qwen3's head_dim, 128, is not hidden / heads: the file names it)."""
     from cluster.engine.models.tiny import build_tiny_llama
 
-    root = tmp_path_factory.mktemp("tiny-qwen2-gguf")
-    checkpoint = build_tiny_llama(root / "ckpt", family="qwen2")
-    path = write_tiny_gguf(checkpoint, root / "qwen2.gguf", arch="qwen2")
+    root = tmp_path_factory.mktemp(f"tiny-{family}-gguf")
+    checkpoint = build_tiny_llama(root / "ckpt", family=family)
+    path = write_tiny_gguf(checkpoint, root / f"{family}.gguf", arch=family)
     cfg = make_config(
         **{
             "model.path": str(path),
@@ -235,12 +237,17 @@ def test_a_qwen2_gguf_keeps_its_blocks_rows_in_order_and_biases(
     ref = LLMEngine(cfg.replace({"model.weights": "dense"}))
     eng = LLMEngine(cfg)
     model, dense = eng.runner.model, ref.runner.model
-    assert model.arch.architecture == "Qwen2ForCausalLM" and model.arch.qkv_bias
+    qwen2 = family == "qwen2"
+    assert model.arch.qkv_bias == qwen2 and model.arch.qk_norm == (not qwen2)
     assert all(isinstance(m, PackedWeight) for m in model.matrices())
     for lw, rw in zip(model.layers, dense.layers):
         for name in ("qkv", "o", "gate_up", "down"):
             assert torch.equal(getattr(lw, name).dequantize(), getattr(rw, name)), name
-        assert lw.qkv_bias is not None and torch.equal(lw.qkv_bias, rw.qkv_bias)
+        if qwen2:
+            assert lw.qkv_bias is not None and torch.equal(lw.qkv_bias, rw.qkv_bias)
+        else:
+            assert lw.qk_norm is not None and rw.qk_norm is not None
+            assert all(torch.equal(a, b) for a, b in zip(lw.qk_norm, rw.qk_norm, strict=True))
     ref_logits = capture_logits(ref)
     expected, got = _run(ref, n=4), _run(eng, n=4)
     for rid, toks in expected.items():
