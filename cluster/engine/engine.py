@@ -495,7 +495,7 @@ class LLMEngine:
             raise AssertionError(f"grammar matchers of requests not live: {sorted(stray)[:5]}")
 
     def stats(self) -> dict[str, Any]:
-        return engine_stats(
+        stats = engine_stats(
             self.counters,
             self.scheduler,
             self.handoff,
@@ -504,3 +504,7 @@ class LLMEngine:
             self.speculator,
             self.structured,
         )
+        load = getattr(getattr(self.runner, "model", None), "expert_load", None)
+        if load is not None:  # a mixture-of-experts model: the router's load balance
+            stats["moe"] = load.stats()
+        return stats

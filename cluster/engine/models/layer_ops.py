@@ -268,6 +268,8 @@ def whole_forward(model: Any, kernels: NativeKernels) -> DecodeForward | None:
     a = model.arch
     layers = []
     for lw in model.layers:
+        if lw.moe is not None or lw.gate_up is None or lw.down is None:
+            return None  # experts: the one-call step has none; the layer loop runs
         mats = [_described(m) for m in (lw.qkv, lw.o, lw.gate_up, lw.down)]
         if any(m is None for m in mats) or not model.cos.is_contiguous():
             return None

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral, SmolLM) with paged attention.
+"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral, Phi-3, SmolLM; Mixtral and Qwen3-MoE
+with mixture-of-experts layers: ``moe``) with paged attention.
 
 GQA, RoPE with its scaling variants (inverse frequencies from transformers' own RoPE code),
 RMSNorm, SwiGLU, optional q/k/v bias (Qwen2), optional per-head q/k RMSNorm before RoPE
@@ -18,7 +19,8 @@ import torch.nn.functional as F
 
 from cluster.engine.attention import AttentionMetadata, paged_attention
 from cluster.engine.kv_codec import FLOAT_KV, KVCodec
-from cluster.engine.models.layer_ops import LayerOps, TorchOps
+from cluster.engine.models.layer_ops import LayerOps, TorchOps, rms_norm
+from cluster.engine.models.moe import ExpertLoad, ExpertWeights, moe_add
 from cluster.engine.models.packed import PackedWeight, Weight, weight_format
 
 
@@ -37,6 +39,8 @@ class LlamaArch:
     qkv_bias: bool
     max_position_embeddings: int
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE
+    num_experts: int = 0  # mixture of experts (Mixtral, Qwen3-MoE): experts per MoE layer
+    num_experts_per_tok: int = 0  # the top k each token is routed to
 
 
 @dataclass
@@ -47,12 +51,14 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None  # [(Hq + 2*Hkv) * D]
     o: Weight  # [H, Hq * D]
     post_norm: torch.Tensor  # [H]
-    gate_up: Weight  # [2 * I, H]
-    down: Weight  # [H, I]
+    gate_up: Weight | None  # [2 * I, H]; None in a mixture-of-experts layer
+    down: Weight | None  # [H, I]; None in a mixture-of-experts layer
     qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None  # q and k norms [D] (Qwen3)
+    moe: ExpertWeights | None = None  # the layer's experts and router (its MLP), if any
 
     def matrices(self) -> list[Weight]:
-        return [self.qkv, self.o, self.gate_up, self.down]
+        dense = [m for m in (self.gate_up, self.down) if m is not None]
+        return [self.qkv, self.o, *dense, *(self.moe.matrices() if self.moe else [])]
 
 
 # (x [N, in], weight [out, in], bias) -> [N, out]; PackedLinear also takes PackedWeight
@@ -79,6 +85,8 @@ class LlamaModel:
         self.final_norm = final_norm
         self.lm_head = lm_head  # [V, H] (the embedding itself when tied)
         self.kv_codec: KVCodec = FLOAT_KV  # how K/V rows are stored; the runner sets it
+        # tokens per expert, for the engine's stats (a mixture-of-experts model only)
+        self.expert_load = ExpertLoad(arch.num_experts) if arch.num_experts else None
         self.scale = arch.head_dim**-0.5
         dtype, device = final_norm.dtype, final_norm.device
         # RoPE tables for every position, as transformers computes them (fp32, then cast).
@@ -112,6 +120,7 @@ class LlamaModel:
             tensors += [lw.input_norm, lw.post_norm]
             tensors += [lw.qkv_bias] if lw.qkv_bias is not None else []
             tensors += list(lw.qk_norm) if lw.qk_norm is not None else []
+            tensors += [lw.moe.router] if lw.moe is not None else []
         for m in self.matrices():
             if isinstance(m, PackedWeight):
                 for s in m.segments:
@@ -140,6 +149,8 @@ class LlamaModel:
         h = ops.embed(self.embed, input_ids)  # [N, H]
         if ops.run_layers(self, h, positions, meta, kv_cache):
             return h
+        if self.expert_load is not None:
+            self.expert_load.start_step()
         for i, lw in enumerate(self.layers):
             qkv = ops.norm_linear(h, lw.input_norm, eps, lw.qkv, lw.qkv_bias)  # [N, (Hq+2Hkv)*D]
             if lw.qk_norm is not None:  # Qwen3: each head's q and k normalized, in place
@@ -148,6 +159,11 @@ class LlamaModel:
             ops.write_kv(kv_cache, i, k, v, meta, self.kv_codec)
             attn = paged_attention(q, k, v, kv_cache, i, meta, self.scale, self.kv_codec)
             h = ops.linear_add(h, attn.reshape(n, hq * d), lw.o)
+            if lw.moe is not None:  # the experts the router picks for each token
+                x = rms_norm(h, lw.post_norm, eps)
+                h = moe_add(h, x, lw.moe, ops, self.expert_load)
+                continue
+            assert lw.gate_up is not None and lw.down is not None
             gu = ops.norm_linear(h, lw.post_norm, eps, lw.gate_up, None)  # [N, 2 * I]
             h = ops.mlp_add(h, gu, lw.down, inter)
         return h  # [N, H]

@@ -1,10 +1,12 @@
 """Load a Llama-family transformers checkpoint directory into ``LlamaModel`` (Llama, Mistral,
-Qwen2, Qwen3, Phi-3: the same decoder, with biases, q/k norms or fused projections)."""
+Qwen2, Qwen3, Phi-3: the same decoder, with biases, q/k norms or fused projections; Mixtral and
+Qwen3-MoE, whose MLPs are mixtures of experts)."""
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from cluster.config.model_paths import resolve_max_model_len
 from cluster.engine.models.layer_ops import LayerOps, TorchOps
 from cluster.engine.models.llama import LayerWeights, Linear, LlamaArch, LlamaModel
+from cluster.engine.models.moe import ExpertWeights
 from cluster.engine.models.packed import Weight
 
 logger = logging.getLogger(__name__)
@@ -21,16 +24,27 @@ logger = logging.getLogger(__name__)
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
+    "MixtralForCausalLM",
     "Phi3ForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# Mixture of experts: where each architecture names a layer's router and experts, and the
+# expert's gate, up and down projections.
+_MOE_NAMES = {
+    "MixtralForCausalLM": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "Qwen3MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 
@@ -64,6 +78,40 @@ _CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 131072,
         "hidden_act": "silu",
         "sliding_window": 4096,
+    },
+    "MixtralForCausalLM": {
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "vocab_size": 32000,
+        "rms_norm_eps": 1e-05,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 131072,
+        "hidden_act": "silu",
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "sliding_window": None,
+    },
+    "Qwen3MoeForCausalLM": {
+        "hidden_size": 2048,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "vocab_size": 151936,
+        "rms_norm_eps": 1e-06,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "max_position_embeddings": 32768,
+        "hidden_act": "silu",
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "use_sliding_window": False,
     },
     "Phi3ForCausalLM": {
         "hidden_size": 3072,
@@ -232,8 +280,17 @@ def arch_from_config(hf_config: Any, arch_name: str) -> LlamaArch:
         qkv_bias=arch_name == "Qwen2ForCausalLM"
         or bool(getattr(hf_config, "attention_bias", False)),
         max_position_embeddings=int(hf_config.max_position_embeddings),
-        qk_norm=arch_name == "Qwen3ForCausalLM",
+        qk_norm=arch_name in _QK_NORM,
+        num_experts=_num_experts(hf_config, arch_name),
+        num_experts_per_tok=int(getattr(hf_config, "num_experts_per_tok", 0) or 0)
+        if arch_name in _MOE_NAMES
+        else 0,
     )
+    if arch.num_experts and not 0 < arch.num_experts_per_tok <= arch.num_experts:
+        raise ValueError(
+            f"model: num_experts_per_tok {arch.num_experts_per_tok} must be in 1.."
+            f"{arch.num_experts} (the experts per layer)"
+        )
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise ValueError(f"model: unsupported activation {hf_config.hidden_act!r} (need silu)")
     rope = getattr(hf_config, "rope_parameters", None) or {}
@@ -244,6 +301,29 @@ def arch_from_config(hf_config: Any, arch_name: str) -> LlamaArch:
             "supported; the rotary embedding covers the whole head"
         )
     return arch
+
+
+def _num_experts(hf_config: Any, arch_name: str) -> int:
+    """Experts per MoE layer: ``num_local_experts`` (Mixtral; Qwen3-MoE as transformers 5
+    writes it) or ``num_experts`` (Qwen3-MoE's own name)."""
+    if arch_name not in _MOE_NAMES:
+        return 0
+    n = getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None)
+    if not n:
+        raise ValueError(f"model: a {arch_name} config.json must name its number of experts")
+    return int(n)
+
+
+def is_moe_layer(hf_config: Any, arch: LlamaArch, layer: int) -> bool:
+    """Whether layer ``layer`` has experts (Qwen3-MoE: every ``decoder_sparse_step``-th one,
+    less its ``mlp_only_layers``; Mixtral: all of them)."""
+    if not arch.num_experts:
+        return False
+    if arch.architecture != "Qwen3MoeForCausalLM":
+        return True
+    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
+    return layer not in dense and (layer + 1) % step == 0
 
 
 def build_model(
@@ -287,6 +367,27 @@ def build_model(
     return model
 
 
+def _experts(
+    w: Callable[[str], torch.Tensor], hf_config: Any, arch: LlamaArch, layer: int
+) -> ExpertWeights:
+    """Layer ``layer``'s router and experts (gate and up fused per expert, as dense MLPs are)."""
+    block, (gate, up, down) = _MOE_NAMES[arch.architecture]
+    p = f"layers.{layer}.{block}."
+    experts = range(arch.num_experts)
+    return ExpertWeights(
+        router=w(f"{p}gate.weight"),
+        gate_up=[
+            torch.cat([w(f"{p}experts.{e}.{gate}.weight"), w(f"{p}experts.{e}.{up}.weight")])
+            for e in experts
+        ],
+        down=[w(f"{p}experts.{e}.{down}.weight") for e in experts],
+        top_k=arch.num_experts_per_tok,
+        # Mixtral always renormalizes the top k weights; Qwen3-MoE as its config says.
+        norm_topk_prob=arch.architecture == "MixtralForCausalLM"
+        or bool(getattr(hf_config, "norm_topk_prob", False)),
+    )
+
+
 def load_llama(
     model_dir: Path,
     dtype: torch.dtype,
@@ -317,6 +418,7 @@ def load_llama(
             bias = torch.cat([w(f"{p}self_attn.{x}_proj.bias") for x in "qkv"]).contiguous()
         qkv_parts = [f"{p}self_attn.{x}_proj.weight" for x in "qkv"]
         gate_up_parts = [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]
+        moe = _experts(w, hf_config, arch, i) if is_moe_layer(hf_config, arch, i) else None
         layers.append(
             LayerWeights(
                 input_norm=w(f"{p}input_layernorm.weight"),
@@ -324,8 +426,9 @@ def load_llama(
                 qkv_bias=bias,
                 o=w(f"{p}self_attn.o_proj.weight"),
                 post_norm=w(f"{p}post_attention_layernorm.weight"),
-                gate_up=fused(f"{p}mlp.gate_up_proj.weight", gate_up_parts),
-                down=w(f"{p}mlp.down_proj.weight"),
+                gate_up=None if moe else fused(f"{p}mlp.gate_up_proj.weight", gate_up_parts),
+                down=None if moe else w(f"{p}mlp.down_proj.weight"),
+                moe=moe,
                 qk_norm=(
                     (w(f"{p}self_attn.q_norm.weight"), w(f"{p}self_attn.k_norm.weight"))
                     if arch.qk_norm

@@ -77,7 +77,9 @@ def build_tiny_llama(
     **config_overrides: Any,
 ) -> Path:
     """Write a random checkpoint directory of a Llama-family architecture (``family``: llama,
-    qwen3, phi3: fused q/k/v and gate/up projections); returns its path. Qwen3's q/k norms get
+    qwen3, phi3: fused q/k/v and gate/up projections; mixtral, qwen3_moe: experts, with
+    ``num_local_experts`` / ``num_experts`` and the like in ``config_overrides``); returns its
+    path. Qwen3's q/k norms get
     random weights too (transformers starts them at 1, which would leave them untested)."""
     import torch
     import transformers
@@ -87,6 +89,8 @@ def build_tiny_llama(
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
         "phi3": ("Phi3Config", "Phi3ForCausalLM"),
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+        "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     }
     if family not in classes:
         raise ValueError(f"tiny model: unknown family {family!r}; known: {', '.join(classes)}")

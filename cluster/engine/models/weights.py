@@ -103,6 +103,11 @@ def quantize_model_int8(
             w = getattr(lw, name)
             if isinstance(w, torch.Tensor):
                 setattr(lw, name, quantize(w))
+        if lw.moe is not None:  # every expert's matrices (the router stays dense)
+            lw.moe.gate_up = [
+                quantize(w) if isinstance(w, torch.Tensor) else w for w in lw.moe.gate_up
+            ]
+            lw.moe.down = [quantize(w) if isinstance(w, torch.Tensor) else w for w in lw.moe.down]
     if isinstance(model.embed, torch.Tensor):
         model.embed = quantize(model.embed)
     if tied:

@@ -14,9 +14,11 @@ from transformers import (
     AutoConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from cluster.config.model_paths import resolve_max_model_len
@@ -31,7 +33,9 @@ from cluster.engine.models.loader import (
 CLASSES = {
     "LlamaForCausalLM": LlamaConfig,
     "MistralForCausalLM": MistralConfig,
+    "MixtralForCausalLM": MixtralConfig,
     "Phi3ForCausalLM": Phi3Config,
+    "Qwen3MoeForCausalLM": Qwen3MoeConfig,
     "Qwen2ForCausalLM": Qwen2Config,
     "Qwen3ForCausalLM": Qwen3Config,
 }

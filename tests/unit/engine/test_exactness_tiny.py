@@ -1,6 +1,7 @@
 """The paged engine against a transformers greedy loop, on tiny random models of each dense
 family (Llama; Qwen3, whose per-head q/k norms and explicit head_dim the Llama path lacks;
-Phi-3, whose q/k/v and gate/up projections are fused in the checkpoint).
+Phi-3, whose q/k/v and gate/up projections are fused in the checkpoint; Mixtral and Qwen3-MoE,
+whose MLPs are mixtures of experts).
 
 Same checks as the real-model integration test: a batch of prompts of different lengths
 submitted together, small chunks, prefix-cache hits, preemption. Each run ends idle and clean.
@@ -34,7 +35,22 @@ def _engine(model_dir: Path, **overrides: Any) -> LLMEngine:
     return LLMEngine(tiny_config(model_dir, **{"cache.num_blocks": 512, **overrides}))
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "phi3"])
+MOE = {
+    # 4 experts, top 2 (renormalized, as Mixtral always does)
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    # 6 experts, top 2 of softmax weights left as they are; layer 1 a dense MLP
+    "qwen3_moe": {
+        "num_experts": 6,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 48,
+        "norm_topk_prob": False,
+        "mlp_only_layers": [1],
+        "head_dim": 16,
+    },
+}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "phi3", "mixtral", "qwen3_moe"])
 def model_dir(
     request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Path:
@@ -44,6 +60,9 @@ def model_dir(
 
     if request.param == "phi3":  # fused qkv_proj and gate_up_proj
         return build_tiny_llama(tmp_path_factory.mktemp("tiny-phi3"), family="phi3")
+    if request.param in MOE:  # mixtures of experts
+        family = request.param
+        return build_tiny_llama(tmp_path_factory.mktemp(family), family=family, **MOE[family])
     # head_dim 24, not hidden / heads = 16: Qwen3 configs name theirs
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-qwen3"), family="qwen3", head_dim=24)
 
