@@ -41,6 +41,12 @@ class LlamaArch:
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE
     num_experts: int = 0  # mixture of experts (Mixtral, Qwen3-MoE): experts per MoE layer
     num_experts_per_tok: int = 0  # the top k each token is routed to
+    # Gemma 3: GeGLU, a scaled embedding, its own attention scale, a RoPE table per layer type
+    activation: str = "silu"  # "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    embed_scale: float = 1.0  # the embedding rows are multiplied by it
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    layer_rope: tuple[str, ...] = ()  # each layer's RoPE table (``rope_tables``); (): one table
 
 
 @dataclass
@@ -55,6 +61,10 @@ class LayerWeights:
     down: Weight | None  # [H, I]; None in a mixture-of-experts layer
     qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None  # q and k norms [D] (Qwen3)
     moe: ExpertWeights | None = None  # the layer's experts and router (its MLP), if any
+    # Gemma 3's "sandwich": the attention's and the MLP's outputs normalized before each is
+    # added to the residual (``post_norm`` is then its pre-feed-forward norm)
+    post_attn_norm: torch.Tensor | None = None  # [H]
+    post_ffn_norm: torch.Tensor | None = None  # [H]
 
     def matrices(self) -> list[Weight]:
         dense = [m for m in (self.gate_up, self.down) if m is not None]
@@ -73,11 +83,13 @@ class LlamaModel:
         layers: list[LayerWeights],
         final_norm: torch.Tensor,
         lm_head: Weight,
-        inv_freq: torch.Tensor,
+        inv_freq: torch.Tensor | dict[str, tuple[torch.Tensor, float]],
         attention_scaling: float,
         max_model_len: int,
         ops: LayerOps | None = None,
     ) -> None:
+        """``inv_freq``: the RoPE inverse frequencies, or one (frequencies, scaling) per layer
+        type named in ``arch.layer_rope`` (Gemma 3's local and global layers)."""
         self.arch = arch
         self.ops: LayerOps = ops or TorchOps(F.linear)
         self.embed = embed  # [V, H]
@@ -87,14 +99,13 @@ class LlamaModel:
         self.kv_codec: KVCodec = FLOAT_KV  # how K/V rows are stored; the runner sets it
         # tokens per expert, for the engine's stats (a mixture-of-experts model only)
         self.expert_load = ExpertLoad(arch.num_experts) if arch.num_experts else None
-        self.scale = arch.head_dim**-0.5
-        dtype, device = final_norm.dtype, final_norm.device
-        # RoPE tables for every position, as transformers computes them (fp32, then cast).
-        pos = torch.arange(max_model_len, dtype=torch.float32, device=device)
-        freqs = pos[:, None] * inv_freq.to(device=device, dtype=torch.float32)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = (emb.cos() * attention_scaling).to(dtype)  # [max_model_len, D]
-        self.sin = (emb.sin() * attention_scaling).to(dtype)
+        self.scale = arch.attn_scale if arch.attn_scale is not None else arch.head_dim**-0.5
+        tables = inv_freq if isinstance(inv_freq, dict) else {"": (inv_freq, attention_scaling)}
+        self.rope_tables = {
+            name: _rope_table(f, scaling, max_model_len, final_norm)
+            for name, (f, scaling) in tables.items()
+        }
+        self.cos, self.sin = next(iter(self.rope_tables.values()))  # [max_model_len, D] each
 
     @property
     def dtype(self) -> torch.dtype:
@@ -118,6 +129,7 @@ class LlamaModel:
         tensors: list[torch.Tensor] = [self.final_norm]
         for lw in self.layers:
             tensors += [lw.input_norm, lw.post_norm]
+            tensors += [n for n in (lw.post_attn_norm, lw.post_ffn_norm) if n is not None]
             tensors += [lw.qkv_bias] if lw.qkv_bias is not None else []
             tensors += list(lw.qk_norm) if lw.qk_norm is not None else []
             tensors += [lw.moe.router] if lw.moe is not None else []
@@ -145,10 +157,14 @@ class LlamaModel:
         hq, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
         eps, inter = a.rms_norm_eps, a.intermediate_size
         ops = self.ops
-        rope = ops.rope_state(self.cos, self.sin, positions)
         h = ops.embed(self.embed, input_ids)  # [N, H]
+        if a.embed_scale != 1.0:  # (Gemma: in the weights' dtype, as transformers does)
+            h = h * torch.tensor(a.embed_scale, dtype=torch.float32).to(h.dtype)
         if ops.run_layers(self, h, positions, meta, kv_cache):
             return h
+        if a.layer_rope:
+            return self._sandwich_layers(h, positions, meta, kv_cache)
+        rope = ops.rope_state(self.cos, self.sin, positions)
         if self.expert_load is not None:
             self.expert_load.start_step()
         for i, lw in enumerate(self.layers):
@@ -168,10 +184,53 @@ class LlamaModel:
             h = ops.mlp_add(h, gu, lw.down, inter)
         return h  # [N, H]
 
+    def _sandwich_layers(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Gemma 3's layers: q/k norms, each layer's RoPE table, the attention's and the MLP's
+        outputs normalized before the residual adds, GeGLU."""
+        a, ops = self.arch, self.ops
+        n, hq, hkv, d, eps = h.shape[0], a.num_heads, a.num_kv_heads, a.head_dim, a.rms_norm_eps
+        ropes = {k: ops.rope_state(c, s, positions) for k, (c, s) in self.rope_tables.items()}
+        for i, lw in enumerate(self.layers):
+            assert lw.gate_up is not None and lw.down is not None
+            assert lw.post_attn_norm is not None and lw.post_ffn_norm is not None
+            qkv = ops.norm_linear(h, lw.input_norm, eps, lw.qkv, lw.qkv_bias)
+            if lw.qk_norm is not None:
+                ops.qk_norm(qkv, lw.qk_norm, hq, hkv, d, eps)
+            q, k, v = ops.rope(qkv, ropes[a.layer_rope[i]], hq, hkv, d)
+            ops.write_kv(kv_cache, i, k, v, meta, self.kv_codec)
+            attn = paged_attention(q, k, v, kv_cache, i, meta, self.scale, self.kv_codec)
+            out = ops.linear(attn.reshape(n, hq * d), lw.o, None)
+            h = h + rms_norm(out, lw.post_attn_norm, eps)
+            gu = ops.norm_linear(h, lw.post_norm, eps, lw.gate_up, None)
+            inter = gu.shape[1] // 2
+            act = F.gelu(gu[:, :inter], approximate="tanh") * gu[:, inter:]
+            h = h + rms_norm(ops.linear(act, lw.down, None), lw.post_ffn_norm, eps)
+        return h
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, H] -> [S, V] in fp32
         ops = self.ops
-        return ops.norm_linear(
+        logits = ops.norm_linear(
             hidden, self.final_norm, self.arch.rms_norm_eps, self.lm_head, None
         ).float()
+        cap = self.arch.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+def _rope_table(
+    inv_freq: torch.Tensor, scaling: float, max_model_len: int, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE cos and sin for every position, as transformers computes them (fp32, then cast)."""
+    pos = torch.arange(max_model_len, dtype=torch.float32, device=like.device)
+    freqs = pos[:, None] * inv_freq.to(device=like.device, dtype=torch.float32)[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(like.dtype), (emb.sin() * scaling).to(like.dtype)

@@ -4,6 +4,7 @@ Qwen3-MoE, whose MLPs are mixtures of experts)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from cluster.engine.models.packed import Weight
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = (
+    "Gemma3ForCausalLM",
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "MixtralForCausalLM",
@@ -31,6 +33,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
 )
 _MODEL_TYPES = {
+    "gemma3_text": "Gemma3ForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "mixtral": "MixtralForCausalLM",
@@ -39,7 +42,8 @@ _MODEL_TYPES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
-_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_QK_NORM = ("Gemma3ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_GEMMA = "Gemma3ForCausalLM"
 # Mixture of experts: where each architecture names a layer's router and experts, and the
 # expert's gate, up and down projections.
 _MOE_NAMES = {
@@ -54,6 +58,24 @@ _STATIC_ROPE = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 # checks these against transformers itself. (Llama's num_key_value_heads and head_dim, when
 # absent, follow from the attention heads, as in transformers.)
 _CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Gemma3ForCausalLM": {
+        "hidden_size": 2304,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "intermediate_size": 9216,
+        "vocab_size": 262208,
+        "rms_norm_eps": 1e-06,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "max_position_embeddings": 131072,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+    },
     "LlamaForCausalLM": {
         "hidden_size": 4096,
         "num_hidden_layers": 32,
@@ -221,6 +243,28 @@ def _rope(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv_freq, float(scaling)
 
 
+def _ropes_per_layer_type(hf_config: Any, arch: LlamaArch) -> dict[str, tuple[torch.Tensor, float]]:
+    """(inverse frequencies, scaling) per layer type, from transformers' own config and RoPE
+    code (``rope_parameters`` keyed by layer type)."""
+    cfg = hf_config.transformers_config() if isinstance(hf_config, CheckpointConfig) else hf_config
+    out = {}
+    for kind in dict.fromkeys(arch.layer_rope):
+        params = cfg.rope_parameters[kind]
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            theta = float(params["rope_theta"])
+            d = arch.head_dim
+            out[kind] = (1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float) / d)), 1.0)
+        elif rope_type in _STATIC_ROPE:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            freqs, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu", layer_type=kind)
+            out[kind] = (freqs, float(scaling))
+        else:
+            raise ValueError(f"model: unsupported RoPE type {rope_type!r} for {kind} layers")
+    return out
+
+
 class _WeightReader:
     """Tensors by name from safetensors files (or ``*.bin`` with ``weights_only=True``)."""
 
@@ -286,12 +330,14 @@ def arch_from_config(hf_config: Any, arch_name: str) -> LlamaArch:
         if arch_name in _MOE_NAMES
         else 0,
     )
+    if arch_name == _GEMMA:
+        arch = dataclasses.replace(arch, **_gemma_fields(hf_config, arch))
     if arch.num_experts and not 0 < arch.num_experts_per_tok <= arch.num_experts:
         raise ValueError(
             f"model: num_experts_per_tok {arch.num_experts_per_tok} must be in 1.."
             f"{arch.num_experts} (the experts per layer)"
         )
-    if getattr(hf_config, "hidden_act", "silu") != "silu":
+    if arch_name != _GEMMA and getattr(hf_config, "hidden_act", "silu") != "silu":
         raise ValueError(f"model: unsupported activation {hf_config.hidden_act!r} (need silu)")
     rope = getattr(hf_config, "rope_parameters", None) or {}
     partial = rope.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
@@ -301,6 +347,29 @@ def arch_from_config(hf_config: Any, arch_name: str) -> LlamaArch:
             "supported; the rotary embedding covers the whole head"
         )
     return arch
+
+
+def _gemma_fields(hf_config: Any, arch: LlamaArch) -> dict[str, Any]:
+    """Gemma 3 text: GeGLU, the embedding scaled by sqrt(hidden), 1/sqrt(query_pre_attn_scalar)
+    attention, a RoPE table per layer type (local sliding-window layers, global ones)."""
+    act = getattr(hf_config, "hidden_activation", None) or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"model: unsupported Gemma activation {act!r} (need gelu_pytorch_tanh)")
+    if getattr(hf_config, "attn_logit_softcapping", None) is not None:
+        raise ValueError("model: attention logit soft-capping is not supported (Gemma 2)")
+    types = getattr(hf_config, "layer_types", None)
+    if not types:  # an older config.json: transformers derives them
+        types = hf_config.transformers_config().layer_types
+    if len(types) != arch.num_layers:
+        raise ValueError(f"model: {len(types)} layer_types for {arch.num_layers} layers")
+    cap = getattr(hf_config, "final_logit_softcapping", None)
+    return {
+        "activation": "gelu_tanh",
+        "embed_scale": float(arch.hidden_size**0.5),
+        "attn_scale": float(hf_config.query_pre_attn_scalar) ** -0.5,
+        "final_logit_softcap": None if cap is None else float(cap),
+        "layer_rope": tuple(str(t) for t in types),
+    }
 
 
 def _num_experts(hf_config: Any, arch_name: str) -> int:
@@ -338,7 +407,11 @@ def build_model(
     source: str,
 ) -> LlamaModel:
     max_len = resolve_max_model_len(hf_config.to_dict(), max_model_len)
-    inv_freq, attention_scaling = _rope(hf_config, arch.head_dim)
+    if arch.layer_rope:  # a table per layer type (Gemma 3's local and global layers)
+        tables: Any = _ropes_per_layer_type(hf_config, arch)
+        inv_freq, attention_scaling = tables, 1.0
+    else:
+        inv_freq, attention_scaling = _rope(hf_config, arch.head_dim)
     model = LlamaModel(
         arch,
         embed,
@@ -403,6 +476,15 @@ def load_llama(
         assert t is not None
         return t.to(device=device, dtype=dtype)
 
+    gemma = arch.architecture == _GEMMA
+
+    def norm(name: str) -> torch.Tensor:
+        """A norm's weight; Gemma's scale by (1 + w), folded in here (the same fp32 product)."""
+        t = reader.get(name)
+        assert t is not None
+        t = t.float()
+        return (1.0 + t if gemma else t).to(device=device, dtype=dtype)
+
     def fused(name: str, parts: list[str]) -> torch.Tensor:
         """``name`` as one tensor (Phi-3 stores q/k/v and gate/up fused, in that order), or
         its parts concatenated (Llama, Qwen, Mistral)."""
@@ -419,18 +501,23 @@ def load_llama(
         qkv_parts = [f"{p}self_attn.{x}_proj.weight" for x in "qkv"]
         gate_up_parts = [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]
         moe = _experts(w, hf_config, arch, i) if is_moe_layer(hf_config, arch, i) else None
+        # Gemma: post_attention_layernorm normalizes the attention's output, and the MLP's
+        # input norm is pre_feedforward_layernorm
+        mlp_norm = "pre_feedforward_layernorm" if gemma else "post_attention_layernorm"
         layers.append(
             LayerWeights(
-                input_norm=w(f"{p}input_layernorm.weight"),
+                input_norm=norm(f"{p}input_layernorm.weight"),
                 qkv=fused(f"{p}self_attn.qkv_proj.weight", qkv_parts),
                 qkv_bias=bias,
                 o=w(f"{p}self_attn.o_proj.weight"),
-                post_norm=w(f"{p}post_attention_layernorm.weight"),
+                post_norm=norm(f"{p}{mlp_norm}.weight"),
+                post_attn_norm=norm(f"{p}post_attention_layernorm.weight") if gemma else None,
+                post_ffn_norm=norm(f"{p}post_feedforward_layernorm.weight") if gemma else None,
                 gate_up=None if moe else fused(f"{p}mlp.gate_up_proj.weight", gate_up_parts),
                 down=None if moe else w(f"{p}mlp.down_proj.weight"),
                 moe=moe,
                 qk_norm=(
-                    (w(f"{p}self_attn.q_norm.weight"), w(f"{p}self_attn.k_norm.weight"))
+                    (norm(f"{p}self_attn.q_norm.weight"), norm(f"{p}self_attn.k_norm.weight"))
                     if arch.qk_norm
                     else None
                 ),
@@ -444,7 +531,7 @@ def load_llama(
         hf_config,
         embed,
         layers,
-        w("norm.weight"),
+        norm("norm.weight"),
         lm_head,
         max_model_len,
         TorchOps(linear),

@@ -78,8 +78,8 @@ def build_tiny_llama(
 ) -> Path:
     """Write a random checkpoint directory of a Llama-family architecture (``family``: llama,
     qwen3, phi3: fused q/k/v and gate/up projections; mixtral, qwen3_moe: experts, with
-    ``num_local_experts`` / ``num_experts`` and the like in ``config_overrides``); returns its
-    path. Qwen3's q/k norms get
+    ``num_local_experts`` / ``num_experts`` and the like in ``config_overrides``; gemma3: the
+    text model); returns its path. Qwen3's q/k norms get
     random weights too (transformers starts them at 1, which would leave them untested)."""
     import torch
     import transformers
@@ -91,6 +91,7 @@ def build_tiny_llama(
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
         "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
         "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+        "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     }
     if family not in classes:
         raise ValueError(f"tiny model: unknown family {family!r}; known: {', '.join(classes)}")
@@ -118,7 +119,9 @@ def build_tiny_llama(
     model = model_cls(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith(("q_norm.weight", "k_norm.weight")):
+            if family == "gemma3" and name.endswith("norm.weight"):
+                param.uniform_(-0.3, 0.3)  # Gemma scales by (1 + w), starting at w = 0
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
                 param.uniform_(0.5, 1.5)
             elif name.endswith("_proj.bias"):  # (Qwen2's q/k/v biases start at 0)
                 param.normal_(0.0, initializer_range)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import (
     AutoConfig,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -31,6 +32,7 @@ from cluster.engine.models.loader import (
 )
 
 CLASSES = {
+    "Gemma3ForCausalLM": Gemma3TextConfig,
     "LlamaForCausalLM": LlamaConfig,
     "MistralForCausalLM": MistralConfig,
     "MixtralForCausalLM": MixtralConfig,
@@ -146,4 +148,22 @@ def test_longrope_serves_up_to_its_original_context_and_partial_rotary_is_refuse
     partial = {"architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.5}
     cfg, arch = read_hf_config(_write(tmp_path, "phi3-partial", partial))
     with pytest.raises(ValueError, match="partial_rotary_factor 0.5"):
+        arch_from_config(cfg, arch)
+
+
+def test_gemma3_serves_within_its_sliding_window_and_refuses_attention_soft_capping(
+    tmp_path: Path,
+) -> None:
+    """Gemma 3's local layers attend to the last ``sliding_window`` tokens: the served context
+    stops there (where they equal full attention). Attention-logit soft-capping (Gemma 2's)
+    has no kernel here: refused at load, named."""
+    raw = {"architectures": ["Gemma3ForCausalLM"], "sliding_window": 512}
+    cfg, arch = read_hf_config(_write(tmp_path, "gemma3", raw))
+    assert resolve_max_model_len(cfg.to_dict(), None) == 512
+    shape = arch_from_config(cfg, arch)
+    assert shape.activation == "gelu_tanh" and shape.attn_scale == 256**-0.5
+    assert set(shape.layer_rope) == {"sliding_attention", "full_attention"}
+    capped = {**raw, "attn_logit_softcapping": 50.0}
+    cfg, arch = read_hf_config(_write(tmp_path, "gemma2ish", capped))
+    with pytest.raises(ValueError, match="soft-capping is not supported"):
         arch_from_config(cfg, arch)

@@ -1,7 +1,8 @@
 """The paged engine against a transformers greedy loop, on tiny random models of each dense
 family (Llama; Qwen3, whose per-head q/k norms and explicit head_dim the Llama path lacks;
 Phi-3, whose q/k/v and gate/up projections are fused in the checkpoint; Mixtral and Qwen3-MoE,
-whose MLPs are mixtures of experts).
+whose MLPs are mixtures of experts; Gemma 3 text, with its norms around each sublayer, GeGLU,
+scaled embedding and a RoPE base per layer type).
 
 Same checks as the real-model integration test: a batch of prompts of different lengths
 submitted together, small chunks, prefix-cache hits, preemption. Each run ends idle and clean.
@@ -50,7 +51,23 @@ MOE = {
 }
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "phi3", "mixtral", "qwen3_moe"])
+GEMMA3 = {
+    # a local (sliding-window) layer and a global one, each with its RoPE base; an attention
+    # scale that is not 1/sqrt(head_dim); final logits soft-capped
+    "head_dim": 16,
+    "query_pre_attn_scalar": 24,
+    "sliding_window": 512,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+    "final_logit_softcapping": 10.0,
+}
+FAMILIES = ["llama", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma3"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
 def model_dir(
     request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Path:
@@ -60,6 +77,8 @@ def model_dir(
 
     if request.param == "phi3":  # fused qkv_proj and gate_up_proj
         return build_tiny_llama(tmp_path_factory.mktemp("tiny-phi3"), family="phi3")
+    if request.param == "gemma3":  # sandwich norms, GeGLU, per-layer-type RoPE
+        return build_tiny_llama(tmp_path_factory.mktemp("gemma3"), family="gemma3", **GEMMA3)
     if request.param in MOE:  # mixtures of experts
         family = request.param
         return build_tiny_llama(tmp_path_factory.mktemp(family), family=family, **MOE[family])
