@@ -24,6 +24,7 @@ from tests.reference import (
     hf_greedy,
     hf_greedy_batch,
 )
+from tests.tiny_families import FAMILIES
 
 NUM_NEW = 24
 TEXT = (
@@ -36,38 +37,7 @@ def _engine(model_dir: Path, **overrides: Any) -> LLMEngine:
     return LLMEngine(tiny_config(model_dir, **{"cache.num_blocks": 512, **overrides}))
 
 
-MOE = {
-    # 4 experts, top 2 (renormalized, as Mixtral always does)
-    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
-    # 6 experts, top 2 of softmax weights left as they are; layer 1 a dense MLP
-    "qwen3_moe": {
-        "num_experts": 6,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 48,
-        "norm_topk_prob": False,
-        "mlp_only_layers": [1],
-        "head_dim": 16,
-    },
-}
-
-
-GEMMA3 = {
-    # a local (sliding-window) layer and a global one, each with its RoPE base; an attention
-    # scale that is not 1/sqrt(head_dim); final logits soft-capped
-    "head_dim": 16,
-    "query_pre_attn_scalar": 24,
-    "sliding_window": 512,
-    "layer_types": ["sliding_attention", "full_attention"],
-    "rope_parameters": {
-        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
-    },
-    "final_logit_softcapping": 10.0,
-}
-FAMILIES = ["llama", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma3"]
-
-
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def model_dir(
     request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Path:
@@ -75,15 +45,8 @@ def model_dir(
         return tiny_model_dir
     from cluster.engine.models.tiny import build_tiny_llama
 
-    if request.param == "phi3":  # fused qkv_proj and gate_up_proj
-        return build_tiny_llama(tmp_path_factory.mktemp("tiny-phi3"), family="phi3")
-    if request.param == "gemma3":  # sandwich norms, GeGLU, per-layer-type RoPE
-        return build_tiny_llama(tmp_path_factory.mktemp("gemma3"), family="gemma3", **GEMMA3)
-    if request.param in MOE:  # mixtures of experts
-        family = request.param
-        return build_tiny_llama(tmp_path_factory.mktemp(family), family=family, **MOE[family])
-    # head_dim 24, not hidden / heads = 16: Qwen3 configs name theirs
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny-qwen3"), family="qwen3", head_dim=24)
+    family = request.param
+    return build_tiny_llama(tmp_path_factory.mktemp(family), family=family, **FAMILIES[family])
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from cluster.decode_worker.worker import DecodeWorker
 from cluster.engine.engine import EngineRequest, LLMEngine
 from cluster.prefill_worker.worker import PrefillWorker
 from tests.helpers import greedy, make_config, run_until_done
+from tests.tiny_families import FAMILIES
 from tests.unit.servers.test_pd_cores import InProcessPrefill
 
 pytestmark = pytest.mark.timeout(300)
@@ -154,21 +155,27 @@ def test_pools_with_different_kv_dtypes_are_refused_at_the_hand_off(
         pools.close()
 
 
-def test_qwen3_remote_prefill_decodes_like_a_local_one(
-    tmp_path_factory: pytest.TempPathFactory,
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "llama"])
+def test_every_family_remote_prefill_decodes_like_a_local_one(
+    tmp_path_factory: pytest.TempPathFactory, family: str
 ) -> None:
-    """Qwen3 through the hand-off: its KV (q/k normalized before RoPE, head_dim 24) prefilled by
-    one pool, pulled over zmq and decoded by the other, gives the tokens of a local run."""
+    """Each architecture through the hand-off (Qwen3's q/k normalized before RoPE with head_dim
+    24, Qwen2's biases, Phi-3's fused projections, the mixtures of experts, Gemma 3's layers):
+    its KV prefilled by one pool, pulled over zmq and decoded by the other, gives the tokens of
+    a local run. (Llama: the tests above.)"""
     from cluster.engine.models.tiny import build_tiny_llama
 
-    model_dir = build_tiny_llama(tmp_path_factory.mktemp("qwen3-pd"), family="qwen3", head_dim=24)
+    model_dir = build_tiny_llama(
+        tmp_path_factory.mktemp(f"{family}-pd"), family=family, **FAMILIES[family]
+    )
     cfg = _cfg(model_dir, "float32")
     prompts = {f"q{i}": _prompt(25 + 19 * i, i) for i in range(3)}
     expected = _local_run(cfg, prompts, 12)
     pools = Pools(cfg, cfg)
     try:
         _assert_remote_like_local(pools, prompts, expected, 12)
-        assert pools.decode.engine.kv_layout.head_dim == 24
+        head_dim = FAMILIES[family].get("head_dim", 16)
+        assert pools.decode.engine.kv_layout.head_dim == head_dim
         assert pools.decode.stats()["transfer"]["transfers_ok"] == len(prompts)
         pools.wait_idle_clean()
     finally:
