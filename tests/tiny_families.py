@@ -10,6 +10,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # head_dim 24, not hidden / heads = 16: Qwen3 configs name theirs
     "qwen3": {"head_dim": 24},
     "qwen2": {},  # q/k/v biases
+    "mistral": {"sliding_window": 512},  # the context stops at the window
     "phi3": {},  # fused qkv_proj and gate_up_proj
     # 4 experts, top 2 (renormalized, as Mixtral always does)
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},

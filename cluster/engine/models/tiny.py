@@ -92,6 +92,7 @@ def build_tiny_llama(
         "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
         "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
         "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+        "mistral": ("MistralConfig", "MistralForCausalLM"),
     }
     if family not in classes:
         raise ValueError(f"tiny model: unknown family {family!r}; known: {', '.join(classes)}")
