@@ -29,6 +29,7 @@ BENCHMARKS: dict[str, str] = {
     "structured": "benchmarks.structured",
     "gpu": "benchmarks.gpu",
     "anchor-serve": "benchmarks.anchor_serve",
+    "models": "benchmarks.models",
 }
 # Only where a device is lent: left out of ``all`` on a machine without CUDA.
 DEVICE_ONLY = frozenset({"gpu"})

@@ -30,6 +30,7 @@ BENCHMARKS = {
     "P11": "P11 `quant`: quantized weights and KV",
     "structured": "`structured`: constrained decoding",
     "anchor-serve": "`anchor-serve`: GuideLLM against pdserve and llama-server",
+    "models": "`models`: every architecture against transformers",
     "plan-check": "`plan --validate`: the planner against the cluster",
     "accuracy": "Accuracy of the quantized formats (`tests/integration/test_quant_real.py`)",
     "formats": "Decode rate of the weight formats (one-off runs)",

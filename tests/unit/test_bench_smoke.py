@@ -45,6 +45,22 @@ EXPECTED_KEYS = {
         "curve_zmq_tcp_vs_none_512",
     },
     "kv-stream": {"stream_tax_ratio", "stream_compute_ratio"},
+    "models": {
+        *(
+            f"{arch}_b32_vs_hf"
+            for arch in (
+                "llama",
+                "qwen2",
+                "qwen3",
+                "phi3",
+                "mistral",
+                "gemma3",
+                "mixtral",
+                "qwen3_moe",
+            )
+        ),
+        "moe_grouped_vs_loop_b32",
+    },
 }
 
 

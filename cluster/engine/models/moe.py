@@ -88,14 +88,25 @@ def moe_add(
     if moe.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     weights = weights.to(x.dtype)
-    counts = torch.bincount(chosen.flatten(), minlength=moe.num_experts)
+    flat = chosen.flatten()  # [N * k]: token t's j-th expert at t * k + j
+    counts = torch.bincount(flat, minlength=moe.num_experts)
+    # The (token, slot) pairs sorted by expert, tokens in order within each: one gather of the
+    # rows, then each expert a contiguous run of them.
+    order = torch.argsort(flat, stable=True)
+    rows = order // moe.top_k
+    picked = x[rows]  # [N * k, H]
+    scale = weights.flatten()[order, None]  # [N * k, 1]
     out = torch.zeros_like(h)
-    for e in counts.nonzero().flatten().tolist():
-        rows, slot = torch.nonzero(chosen == e, as_tuple=True)
-        gu = ops.linear(x[rows], moe.gate_up[e], None)  # [n_e, 2I]
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if not n:
+            continue
+        run = slice(start, start + n)
+        start += n
+        gu = ops.linear(picked[run], moe.gate_up[e], None)  # [n_e, 2I]
         inter = gu.shape[1] // 2
         y = ops.linear(F.silu(gu[:, :inter]) * gu[:, inter:], moe.down[e], None)  # [n_e, H]
-        out.index_add_(0, rows, y * weights[rows, slot, None])
+        out.index_add_(0, rows[run], y * scale[run])
     if load is not None:
         load.add(counts)
     return h + out
