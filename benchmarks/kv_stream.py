@@ -88,7 +88,7 @@ def _shape(ctx: BenchContext) -> dict[str, Any]:
     return {
         "prompt": ctx.pick(2048, 2048, 256),
         "chunk": ctx.pick(256, 256, 32),
-        "reps": ctx.pick(8, 3, 1),
+        "reps": ctx.pick(8, 3, 3),  # smoke: 3, so a median, not one noisy sample
         "warm_prompt": ctx.pick(512, 512, 96),
     }
 
