@@ -175,13 +175,22 @@ def drain_decode_replica(
     import ray
     from ray import serve
 
-    ray.init(
-        address=address,
-        log_to_driver=False,
-        logging_level=logging.ERROR,
-        ignore_reinit_error=True,
-    )
-    handle = serve.get_deployment_handle("DecodeServer", app_name)
+    try:
+        ray.init(
+            address=address,
+            log_to_driver=False,
+            logging_level=logging.ERROR,
+            ignore_reinit_error=True,
+        )
+    except (ConnectionError, RuntimeError) as e:
+        raise ValueError(f"--address {address!r}: no Ray cluster answered ({e})") from None
+    try:
+        handle = serve.get_deployment_handle("DecodeServer", app_name)
+    except Exception as e:  # no such application, or Serve not running there
+        raise ValueError(
+            f"--app {app_name!r}: no pdserve decode pool in that Ray cluster "
+            f"({type(e).__name__}: {e})"
+        ) from None
     deadline = time.monotonic() + timeout_s
     if replica_id is None:
         seen: dict[str, dict[str, Any]] = {}

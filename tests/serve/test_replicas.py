@@ -495,7 +495,7 @@ def _call_until(fn: Any, ok: Any, within: float = 60) -> Any:
 
 
 def test_f23_a_migration_target_killed_mid_pull_leaves_the_requests_on_their_source(
-    serve_cluster: ServeCluster, app: App
+    serve_cluster: ServeCluster, app: App, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """F23: a decode replica is drained (``pdserve drain --replica``'s code) with
     streams decoding; the other replica starts pulling their KV and is SIGKILLed mid-pull (the
@@ -521,6 +521,12 @@ def test_f23_a_migration_target_killed_mid_pull_leaves_the_requests_on_their_sou
         streams = {rid: Stream(kapp.stub, request(p, 150, rid)) for rid, p in prompts.items()}
         assert wait_until(lambda: all(len(s.tokens) >= 3 for s in streams.values()), 60, 0.05)
         stats = kapp.stats("decode")
+        # (bare, it lists the replicas; an app that is not there is named)
+        assert drain_decode_replica(None, address="auto", app_name=kapp.name) == 0
+        listed = capsys.readouterr().out
+        assert all(rid in listed for rid in stats), listed
+        with pytest.raises(ValueError, match="no pdserve decode pool"):
+            drain_decode_replica("x", address="auto", app_name="no-such-app", timeout_s=5)
         source = max(stats, key=lambda rid: stats[rid]["engine"]["num_running"])
         (target,) = (s for rid, s in stats.items() if rid != source)
         assert drain_decode_replica(source, address="auto", app_name=kapp.name) == 0
