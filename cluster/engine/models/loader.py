@@ -441,19 +441,31 @@ def build_model(
 
 
 def _experts(
-    w: Callable[[str], torch.Tensor], hf_config: Any, arch: LlamaArch, layer: int
+    w: Callable[[str], torch.Tensor],
+    has: Callable[[str], bool],
+    hf_config: Any,
+    arch: LlamaArch,
+    layer: int,
 ) -> ExpertWeights:
-    """Layer ``layer``'s router and experts (gate and up fused per expert, as dense MLPs are)."""
+    """Layer ``layer``'s router and experts (gate and up fused per expert, as dense MLPs are):
+    one tensor per expert and projection as checkpoints store them, or transformers 5's
+    in-memory layout (``experts.gate_up_proj`` [E, 2I, H], gate first, and ``down_proj``)."""
     block, (gate, up, down) = _MOE_NAMES[arch.architecture]
     p = f"layers.{layer}.{block}."
     experts = range(arch.num_experts)
-    return ExpertWeights(
-        router=w(f"{p}gate.weight"),
-        gate_up=[
+    if has(f"{p}experts.gate_up_proj"):
+        gate_up = list(w(f"{p}experts.gate_up_proj").unbind(0))
+        downs = list(w(f"{p}experts.down_proj").unbind(0))
+    else:
+        gate_up = [
             torch.cat([w(f"{p}experts.{e}.{gate}.weight"), w(f"{p}experts.{e}.{up}.weight")])
             for e in experts
-        ],
-        down=[w(f"{p}experts.{e}.{down}.weight") for e in experts],
+        ]
+        downs = [w(f"{p}experts.{e}.{down}.weight") for e in experts]
+    return ExpertWeights(
+        router=w(f"{p}gate.weight"),
+        gate_up=[g.contiguous() for g in gate_up],
+        down=[d.contiguous() for d in downs],
         top_k=arch.num_experts_per_tok,
         # Mixtral always renormalizes the top k weights; Qwen3-MoE as its config says.
         norm_topk_prob=arch.architecture == "MixtralForCausalLM"
@@ -478,6 +490,9 @@ def load_llama(
 
     gemma = arch.architecture == _GEMMA
 
+    def has(name: str) -> bool:
+        return reader.get(name, required=False) is not None
+
     def norm(name: str) -> torch.Tensor:
         """A norm's weight; Gemma's scale by (1 + w), folded in here (the same fp32 product)."""
         t = reader.get(name)
@@ -500,7 +515,13 @@ def load_llama(
             bias = torch.cat([w(f"{p}self_attn.{x}_proj.bias") for x in "qkv"]).contiguous()
         qkv_parts = [f"{p}self_attn.{x}_proj.weight" for x in "qkv"]
         gate_up_parts = [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]
-        moe = _experts(w, hf_config, arch, i) if is_moe_layer(hf_config, arch, i) else None
+        moe = (
+            _experts(
+                w, lambda name: reader.get(name, required=False) is not None, hf_config, arch, i
+            )
+            if is_moe_layer(hf_config, arch, i)
+            else None
+        )
         # Gemma: post_attention_layernorm normalizes the attention's output, and the MLP's
         # input norm is pre_feedforward_layernorm
         mlp_norm = "pre_feedforward_layernorm" if gemma else "post_attention_layernorm"

@@ -162,7 +162,10 @@ def _layer_tensors(
     import torch
 
     out = []
+    moe = f"model.layers.{i}.mlp.gate.weight" in state
     for gname, (hname, _) in _LAYER.items():
+        if moe and gname.startswith("ffn_") and gname != "ffn_norm":
+            continue  # the experts below instead
         w = state[f"model.layers.{i}.{hname}.weight"]
         heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
         if permute and gname in heads:
@@ -175,14 +178,26 @@ def _layer_tensors(
         norm = state.get(f"model.layers.{i}.{hname}.weight")
         if norm is not None:
             out.append((f"blk.{i}.{gname}.weight", norm, "F32"))
+    if moe:  # Qwen3-MoE: the router, and each projection of every expert as one 3-D tensor
+        p = f"model.layers.{i}.mlp."
+        num = state[f"{p}gate.weight"].shape[0]
+        out.append((f"blk.{i}.ffn_gate_inp.weight", state[f"{p}gate.weight"], "F32"))
+        for gname, hname, kind in (
+            ("ffn_gate_exps", "gate_proj", "Q4_0"),
+            ("ffn_up_exps", "up_proj", "Q4_1"),
+            ("ffn_down_exps", "down_proj", "Q8_0"),
+        ):
+            stacked = torch.stack([state[f"{p}experts.{e}.{hname}.weight"] for e in range(num)])
+            out.append((f"blk.{i}.{gname}.weight", stacked, kind))
     return out
 
 
 def write_tiny_gguf(
     checkpoint: Path, out: Path, *, types: dict[str, str] | None = None, arch: str = "llama"
 ) -> Path:
-    """``checkpoint`` (a tiny transformers Llama, or Qwen2 / Qwen3 with ``arch``: q/k rows in
-    order, Qwen2's q/k/v biases and Qwen3's q/k norms as F32) written as GGUF to ``out``."""
+    """``checkpoint`` (a tiny transformers Llama, or Qwen2 / Qwen3 / Qwen3-MoE with ``arch``
+    qwen2, qwen3, qwen3moe: q/k rows in order, Qwen2's q/k/v biases and Qwen3's q/k norms as
+    F32, Qwen3-MoE's experts stacked) written as GGUF to ``out``."""
     import gguf
     import torch
     from safetensors.torch import load_file
@@ -205,6 +220,11 @@ def write_tiny_gguf(
     writer.add_vocab_size(cfg.vocab_size)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer.add_rope_dimension_count(head_dim)
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if experts:  # Qwen3-MoE
+        writer.add_expert_count(int(experts))
+        writer.add_expert_used_count(int(cfg.num_experts_per_tok))
+        writer.add_expert_feed_forward_length(int(cfg.moe_intermediate_size))
     if head_dim != cfg.hidden_size // cfg.num_attention_heads:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)

@@ -211,19 +211,39 @@ def test_gguf_weights_need_a_gguf_source(tiny_model_dir: Path) -> None:
         make_config(**{"model.weights": "q4"})
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+# Qwen3-MoE: 4 experts of 768 rows (the size transformers' GGUF loader assumes: it reads neither
+# expert_feed_forward_length nor dense layers among the sparse ones), every layer sparse
+QWEN_GGUF = {
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "qwen3_moe": (
+        "qwen3moe",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 768,
+            "head_dim": 16,
+            "norm_topk_prob": True,
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("family", sorted(QWEN_GGUF))
 def test_qwen_ggufs_keep_their_blocks_rows_in_order_biases_and_norms(
     tmp_path_factory: pytest.TempPathFactory, family: str
 ) -> None:
-    """Qwen2 and Qwen3 from GGUF: the packed q/k/v and gate/up rows are the de-quantized
-    reference's exactly (no RoPE permutation: llama.cpp keeps their rows in order), Qwen2's
-    q/k/v biases and Qwen3's q/k norms are its vectors, and generation equals the dense
-    model's (Qwen3's head_dim, 128, is not hidden / heads: the file names it)."""
+    """Qwen2, Qwen3 and Qwen3-MoE from GGUF: the packed q/k/v and gate/up rows (every
+    expert's, from the stacked expert tensors) are the de-quantized reference's exactly (no
+    RoPE permutation: llama.cpp keeps their rows in order), Qwen2's q/k/v biases and Qwen3's
+    q/k norms are its vectors, and generation equals the dense model's (Qwen3's head_dim, 128,
+    is not hidden / heads: the file names it)."""
     from cluster.engine.models.tiny import build_tiny_llama
 
+    gguf_arch, extra = QWEN_GGUF[family]
     root = tmp_path_factory.mktemp(f"tiny-{family}-gguf")
-    checkpoint = build_tiny_llama(root / "ckpt", family=family)
-    path = write_tiny_gguf(checkpoint, root / f"{family}.gguf", arch=family)
+    checkpoint = build_tiny_llama(root / "ckpt", family=family, **extra)
+    path = write_tiny_gguf(checkpoint, root / f"{family}.gguf", arch=gguf_arch)
     cfg = make_config(
         **{
             "model.path": str(path),
@@ -242,7 +262,12 @@ def test_qwen_ggufs_keep_their_blocks_rows_in_order_biases_and_norms(
     assert all(isinstance(m, PackedWeight) for m in model.matrices())
     for lw, rw in zip(model.layers, dense.layers):
         for name in ("qkv", "o", "gate_up", "down"):
-            assert torch.equal(getattr(lw, name).dequantize(), getattr(rw, name)), name
+            if getattr(rw, name) is not None:
+                assert torch.equal(getattr(lw, name).dequantize(), getattr(rw, name)), name
+        if rw.moe is not None:  # every expert's packed rows, and the router
+            assert lw.moe is not None and torch.equal(lw.moe.router, rw.moe.router)
+            for ours, theirs in zip(lw.moe.matrices(), rw.moe.matrices(), strict=True):
+                assert torch.equal(ours.dequantize(), theirs)
         if qwen2:
             assert lw.qkv_bias is not None and torch.equal(lw.qkv_bias, rw.qkv_bias)
         else:
