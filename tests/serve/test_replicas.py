@@ -561,7 +561,8 @@ def test_f23_a_migration_target_killed_mid_pull_leaves_the_requests_on_their_sou
         # the streams that were on the killed replica itself end (ABORTED); every one that was
         # on the source, moving or not, completes
         assert sum(s.error is None for s in streams.values()) >= drained["running"] >= 3
-        assert src["migrations_resumed"] >= 1 and src["migrated_out"] == 0
+        # (a request the drain reached later may have moved to the restarted replica)
+        assert src["migrations_resumed"] >= 1
         _call_until(
             lambda: kapp.decode.stats.remote().result(timeout_s=10),
             lambda s: (

@@ -197,7 +197,7 @@ def test_draining_moves_every_decoding_request_and_outputs_stay_exact() -> None:
     cl = Cluster()
     try:
         out = asyncio.run(_run_and_drain(cl, calls))
-        assert out["first"]["migrating"] >= 4, out["first"]
+        assert out["first"]["migrating"] >= 1, out["first"]
         for rid, chunks in out["results"].items():
             assert _tokens(chunks) == expected[rid], rid
             usage = chunks[-1].usage
@@ -205,7 +205,10 @@ def test_draining_moves_every_decoding_request_and_outputs_stay_exact() -> None:
             assert chunks[-1].finish_reason in ("length", "stop")
         text = "".join(c.text for c in out["results"]["m2"])
         json.loads(text)  # structured output stays valid across the move
-        assert cl.a.counters["migrated_out"] == out["first"]["migrating"]
+        # the drain's first pass moves most; it looks again every 0.25 s for the rest (a request
+        # the engine could not pause at that moment): every one moves, none stays
+        assert cl.a.counters["migrated_out"] == len(calls) and out["first"]["migrating"] >= 1
+        assert cl.a.counters["migrations_resumed"] == 0
         assert cl.b is not None and cl.b.counters["migrated_in"] == cl.a.counters["migrated_out"]
         assert cl.relay.migrations["moved"] == cl.a.counters["migrated_out"]
         assert cl.a.engine.stats()["num_migrated_out"] == cl.a.counters["migrated_out"]
@@ -231,7 +234,7 @@ def test_a_target_that_fails_leaves_the_request_decoding_on_its_source(fault: st
             assert _tokens(chunks) == expected[rid], rid
         # the first move fails (the fault fires once); the other one may go through
         moved, resumed = cl.a.counters["migrated_out"], cl.a.counters["migrations_resumed"]
-        assert resumed >= 1 and moved + resumed == out["first"]["migrating"] == 2
+        assert resumed >= 1 and moved + resumed == 2 and out["first"]["migrating"] >= 1
         assert cl.relay.migrations["stayed"] == resumed and cl.relay.migrations["moved"] == moved
         cl.check_clean()
     finally:
@@ -247,7 +250,7 @@ def test_with_no_other_replica_the_source_keeps_its_requests_at_once() -> None:
         out = asyncio.run(_run_and_drain(cl, calls))
         for rid, chunks in out["results"].items():
             assert _tokens(chunks) == expected[rid], rid
-        assert cl.a.counters["migrations_resumed"] == out["first"]["migrating"] >= 1
+        assert cl.a.counters["migrations_resumed"] >= out["first"]["migrating"] >= 1
         # the call came back to A, which ended the lease at once (not after the claim window)
         assert time.monotonic() - t0 < 20
         cl.check_clean()
