@@ -149,9 +149,8 @@ class RequestHandoff:
         """Leave nothing behind: the reservation, the pull (and with it the prefill side's
         lease), a migration's lease, the request in the engine, the prefill call."""
         try:
-            if self.departure is not None and self.ctx.departures is not None:
-                ctx = self.ctx
-                assert ctx.departures is not None
+            ctx = self.ctx
+            if self.departure is not None and ctx.departures is not None:
                 if await ctx.departures.abandon(ctx.engine, self.rid, self.departure, ctx.counters):
                     self.finished = True  # moved: nothing of it left here to abort
                 self.departure = None

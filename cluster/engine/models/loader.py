@@ -233,14 +233,18 @@ def _rope(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
         # dynamic NTK only changes frequencies beyond the original context, which
         # resolve_max_model_len never exceeds.
         theta = float(params.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 1e4)
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-        return inv_freq, 1.0
+        return _default_inv_freq(theta, head_dim), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if isinstance(hf_config, CheckpointConfig):
         hf_config = hf_config.transformers_config()
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
     return inv_freq, float(scaling)
+
+
+def _default_inv_freq(theta: float, head_dim: int) -> torch.Tensor:
+    """Plain RoPE's inverse frequencies, as transformers computes them (fp32)."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
 
 
 def _ropes_per_layer_type(hf_config: Any, arch: LlamaArch) -> dict[str, tuple[torch.Tensor, float]]:
@@ -252,9 +256,7 @@ def _ropes_per_layer_type(hf_config: Any, arch: LlamaArch) -> dict[str, tuple[to
         params = cfg.rope_parameters[kind]
         rope_type = params.get("rope_type", "default")
         if rope_type == "default":
-            theta = float(params["rope_theta"])
-            d = arch.head_dim
-            out[kind] = (1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float) / d)), 1.0)
+            out[kind] = (_default_inv_freq(float(params["rope_theta"]), arch.head_dim), 1.0)
         elif rope_type in _STATIC_ROPE:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 

@@ -56,7 +56,9 @@ class ExpertLoad:
         self.steps += 1
 
     def add(self, counts: torch.Tensor) -> None:
-        counts = counts.cpu()
+        """(On the counts' device: no host sync per layer; ``stats`` reads them back.)"""
+        if self.last.device != counts.device:
+            self.last, self.total = self.last.to(counts.device), self.total.to(counts.device)
         self.last += counts
         self.total += counts
 

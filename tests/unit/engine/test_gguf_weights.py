@@ -20,10 +20,10 @@ from tests.helpers import greedy, make_config, run_until_done
 from tests.reference import NEAR_TIE, capture_logits
 
 
-@pytest.fixture(scope="module")
-def tiny_gguf(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("tiny-gguf")
-    path = write_tiny_gguf(tiny_model_dir, root / "tiny.gguf")
+def _gguf_config(checkpoint: Path, root: Path, arch: str = "llama") -> Any:
+    """``checkpoint`` written as GGUF under ``root`` and converted as pdserve converts a
+    ``.gguf`` model.path; the config that serves the file."""
+    path = write_tiny_gguf(checkpoint, root / f"{arch}.gguf", arch=arch)
     cfg = make_config(
         **{
             "model.path": str(path),
@@ -33,8 +33,14 @@ def tiny_gguf(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
             "scheduler.chunk_size": 8,
         }
     )
-    convert_tiny_gguf(cfg, path, tiny_model_dir)
-    return {"path": path, "config": cfg}
+    convert_tiny_gguf(cfg, path, checkpoint)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    cfg = _gguf_config(tiny_model_dir, tmp_path_factory.mktemp("tiny-gguf"))
+    return {"path": Path(cfg.model.path), "config": cfg}
 
 
 def _run(eng: LLMEngine, n: int = 6, max_tokens: int = 24) -> dict[str, list[int]]:
@@ -243,17 +249,7 @@ def test_qwen_ggufs_keep_their_blocks_rows_in_order_biases_and_norms(
     gguf_arch, extra = QWEN_GGUF[family]
     root = tmp_path_factory.mktemp(f"tiny-{family}-gguf")
     checkpoint = build_tiny_llama(root / "ckpt", family=family, **extra)
-    path = write_tiny_gguf(checkpoint, root / f"{family}.gguf", arch=gguf_arch)
-    cfg = make_config(
-        **{
-            "model.path": str(path),
-            "paths.cache_dir": str(root / "cache"),
-            "cache.num_blocks": 96,
-            "model.num_threads": 2,
-            "scheduler.chunk_size": 8,
-        }
-    )
-    convert_tiny_gguf(cfg, path, checkpoint)
+    cfg = _gguf_config(checkpoint, root, gguf_arch)
     ref = LLMEngine(cfg.replace({"model.weights": "dense"}))
     eng = LLMEngine(cfg)
     model, dense = eng.runner.model, ref.runner.model
