@@ -27,8 +27,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("pool.c", "linear.c", "ops.c", "paged_decode.c", "decode_forward.c")
-HEADERS = ("native.h", "f32_rows.h", "vec_exp.h")
+SOURCES = ("pool.c", "linear.c", "qlinear.c", "ops.c", "paged_decode.c", "decode_forward.c")
+HEADERS = ("native.h", "blocks.h", "qlinear_tile.h", "f32_rows.h", "vec_exp.h")
 # No fp contraction: d * q + m rounds twice, exactly as the de-quantizing reference computes it
 # (the vector variants fuse where they say so, with explicit FMA intrinsics).
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-strict-aliasing", "-fPIC", "-shared", "-pthread")

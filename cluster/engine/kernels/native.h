@@ -35,7 +35,10 @@ void pd_run_parallel(pd_task_fn fn, const void *ctx, int64_t total, int64_t alig
 void pd_run_parallel_hook(pd_task_fn fn, const void *ctx, int64_t total, int64_t align, int n,
                           pd_hook_fn hook, const void *hook_ctx);
 
-/* linear.c */
+/* linear.c. A weight type or'ed with PD_QT_FAST (Q4_0, Q4_1, Q8_0, I8_G32, I8_ROW) runs the
+ * integer kernel of qlinear.c: activations quantized to int8 per 32 inputs, integer dot
+ * products (model.numerics: fast). F32 ignores the flag. */
+#define PD_QT_FAST 0x10000
 int pdserve_linear(int qt, const uint8_t *w, const float *scales, int64_t rows, int64_t cols,
                    int64_t row_bytes, const float *x, int64_t n, int64_t ldx, float *y,
                    int64_t ldy, const float *bias, int accumulate, int num_threads);
@@ -44,6 +47,13 @@ int pd_linear_hook(int qt, const uint8_t *w, const float *scales, int64_t rows, 
                    int64_t row_bytes, const float *x, int64_t n, int64_t ldx, float *y,
                    int64_t ldy, const float *bias, int accumulate, int num_threads,
                    pd_hook_fn hook, const void *hook_ctx);
+
+/* qlinear.c: pd_linear_hook's PD_QT_FAST path (qt without the flag): y (+)= x W^T + bias with
+ * x quantized to int8 per 32 inputs; -1 for a type or shape it does not take, -2 no memory. */
+int pd_qlinear(int qt, const uint8_t *w, const float *scales, int64_t rows, int64_t cols,
+               int64_t row_bytes, const float *x, int64_t n, int64_t ldx, float *y, int64_t ldy,
+               const float *bias, int accumulate, int num_threads, pd_hook_fn hook,
+               const void *hook_ctx);
 
 /* out[i, :cols] = W[row(i)] as fp32, row(i) = row_ids[i] or row0 + i (block formats, int8 rows) */
 int pdserve_dequant_rows(int qt, const uint8_t *w, const float *scales, int64_t rows,

@@ -19,6 +19,8 @@ from cluster.engine.kernels.library import load_library
 from cluster.engine.kernels.quant import F32, INT8_ROW, QUANT_NAMES
 
 ISA_NAMES = ("portable", "avx2", "avx512")
+# The integer (int8-activation) kernels' variants, ``qlinear.c``: AVX-512 with and without VNNI.
+QLINEAR_ISA_NAMES = ("portable", "avx2", "avx512bw", "avx512vnni")
 
 # Argument types, one letter each: i int, l int64, p pointer, f float (the C prototypes:
 # native.h); every function returns int.
@@ -33,6 +35,8 @@ _SIGNATURES = {
     "pdserve_paged_decode": "pppppllllllllfii",
     "pdserve_isa": "",
     "pdserve_set_isa": "i",
+    "pdserve_qlinear_isa": "",
+    "pdserve_set_qlinear_isa": "i",
 }
 
 
@@ -82,6 +86,17 @@ class NativeKernels:
         level = -1 if name is None else ISA_NAMES.index(name)
         isa = _ISA[self._lib._handle] = ISA_NAMES[self._lib.pdserve_set_isa(level)]
         return isa
+
+    @property
+    def qlinear_isa(self) -> str:
+        """The variant the integer kernels (``model.numerics: fast``) use now."""
+        return QLINEAR_ISA_NAMES[self._lib.pdserve_qlinear_isa()]
+
+    def set_qlinear_isa(self, name: str | None) -> str:
+        """Cap the integer kernels' variant (tests run each one the CPU has); None: the best.
+        Process-wide, and under ``set_isa``'s cap too."""
+        level = -1 if name is None else QLINEAR_ISA_NAMES.index(name)
+        return QLINEAR_ISA_NAMES[self._lib.pdserve_set_qlinear_isa(level)]
 
     def linear(
         self,
