@@ -287,6 +287,13 @@ static void out_portable(const qjob *j, int64_t r, int64_t i) {
 #if PD_X86
 /* -- AVX2: one block of 32 values per step --------------------------------------------------- */
 
+/* The sums of four outputs' 8 lanes, each in tree8's order: hadd pairs lanes (v0 + v1, v2 + v3
+ * | v4 + v5, v6 + v7), the second hadd pairs those, and the halves add last. */
+PD_AVX2 static PD_INLINE __m128 reduce4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
 /* A weight block as the bytes maddubs takes: unsigned nibbles (Q4), or the signed int8 whose
  * |w| and sign the dot uses (Q8_0, int8; int8g32 as w - 128). */
 PD_AVX2 static PD_INLINE __m256i wblock_avx2(int qt, const uint8_t *qs) {
@@ -353,13 +360,67 @@ PD_AVX2 static PD_INLINE void tile_avx2(const qjob *j, int qt, int64_t r0, int n
                 }
             }
         }
-    for (int r = 0; r < nr; r++)
-        for (int i = 0; i < nx; i++) {
-            float lanes[2 * LANES];
-            _mm256_storeu_ps(lanes, acc[r][i][0]);
-            _mm256_storeu_ps(lanes + LANES, acc[r][i][1]);
-            finish(j, r0 + r, i0 + i, lanes);
+    if (nr < 2 || nx < 2) { /* a partial tile: one output at a time */
+        for (int r = 0; r < nr; r++)
+            for (int i = 0; i < nx; i++) {
+                float lanes[2 * LANES];
+                _mm256_storeu_ps(lanes, acc[r][i][0]);
+                _mm256_storeu_ps(lanes + LANES, acc[r][i][1]);
+                finish(j, r0 + r, i0 + i, lanes);
+            }
+        return;
+    }
+    /* the tile's four outputs (r, i) = (0, 0), (1, 0), (0, 1), (1, 1) at once, in finish()'s
+     * order */
+    float sum[4];
+    _mm_storeu_ps(sum, reduce4(_mm256_add_ps(acc[0][0][0], acc[0][0][1]),
+                               _mm256_add_ps(acc[1][0][0], acc[1][0][1]),
+                               _mm256_add_ps(acc[0][1][0], acc[0][1][1]),
+                               _mm256_add_ps(acc[1][1][0], acc[1][1][1])));
+    if (HAS_MIN(qt)) {
+        const uint8_t *mr[2] = {row_m(qt, j->w + r0 * j->row_bytes, nb),
+                                row_m(qt, j->w + (r0 + 1) * j->row_bytes, nb)};
+        const float *xr[2] = {j->a->xs + i0 * nb, j->a->xs + (i0 + 1) * nb};
+        __m256 mac[2][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()},
+                            {_mm256_setzero_ps(), _mm256_setzero_ps()}};
+        for (int64_t m0 = 0; m0 < nb; m0 += LANES) {
+            const int64_t left = nb - m0;
+            __m256 mv[2], xv[2];
+            __m256 keep = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+            if (left >= LANES) {
+                for (int t = 0; t < 2; t++) {
+                    mv[t] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mr[t] + 2 * m0)));
+                    xv[t] = _mm256_loadu_ps(xr[t] + m0);
+                }
+            } else { /* the last nb % 8 blocks, from zero-padded copies; blended in below */
+                for (int t = 0; t < 2; t++) {
+                    uint16_t mt[LANES] = {0};
+                    float xt[LANES] = {0};
+                    memcpy(mt, mr[t] + 2 * m0, (size_t)left * 2);
+                    memcpy(xt, xr[t] + m0, (size_t)left * 4);
+                    mv[t] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mt));
+                    xv[t] = _mm256_loadu_ps(xt);
+                }
+                keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                    _mm256_set1_epi32((int)left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+            }
+            for (int r = 0; r < 2; r++)
+                for (int i = 0; i < 2; i++)
+                    mac[r][i] = _mm256_blendv_ps(
+                        mac[r][i], _mm256_fmadd_ps(mv[r], xv[i], mac[r][i]), keep);
         }
+        float msum[4];
+        _mm_storeu_ps(msum, reduce4(mac[0][0], mac[1][0], mac[0][1], mac[1][1]));
+        for (int t = 0; t < 4; t++) sum[t] += msum[t];
+    }
+    for (int t = 0; t < 4; t++) {
+        const int64_t r = r0 + (t & 1), i = i0 + (t >> 1);
+        float s = sum[t];
+        if (qt == QT_I8_ROW) s *= j->scales[r];
+        if (j->bias) s += j->bias[r];
+        float *y = j->y + i * j->ldy + r;
+        *y = j->accumulate ? *y + s : s;
+    }
 }
 
 /* one instantiation per (variant, type), the full tile (full) with constant sizes inside */
@@ -374,13 +435,6 @@ QL_TILE_FNS(tile_avx2_q4_1, PD_AVX2, tile_avx2, QT_Q4_1, 2)
 QL_TILE_FNS(tile_avx2_q8_0, PD_AVX2, tile_avx2, QT_Q8_0, 2)
 QL_TILE_FNS(tile_avx2_i8_g32, PD_AVX2, tile_avx2, QT_I8_G32, 2)
 QL_TILE_FNS(tile_avx2_i8_row, PD_AVX2, tile_avx2, QT_I8_ROW, 2)
-
-/* The sums of four outputs' 8 lanes, each in tree8's order: hadd pairs lanes (v0 + v1, v2 + v3
- * | v4 + v5, v6 + v7), the second hadd pairs those, and the halves add last. */
-PD_AVX2 static PD_INLINE __m128 reduce4(__m256 a, __m256 b, __m256 c, __m256 d) {
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
 
 /* -- AVX-512: two blocks per step, once with maddubs (BW) and once with vpdpbusd (VNNI) ------- */
 
