@@ -1,6 +1,7 @@
 """The integer kernels of ``model.numerics: fast`` (``kernels/qlinear.c``): every variant this
 CPU has equals, bit for bit, a plain numpy implementation of the same arithmetic (activations
-quantized per 32 inputs, exact int32 lane sums, the fixed fp32 accumulation order), whatever
+quantized to int8 with a scale per four inputs, exact int32 lane sums, the fixed fp32
+accumulation order), whatever
 the batch and the tile a row falls in; and the result stays close to the exact kernel."""
 
 from __future__ import annotations
@@ -81,20 +82,20 @@ def reference(qtype: int, data: torch.Tensor, scales: torch.Tensor | None, x: np
     """y [n, rows] by the arithmetic qlinear.c states at its top, in numpy."""
     n, cols = x.shape
     nb = cols // BLOCK
-    xb = x.reshape(n, nb, BLOCK).astype(f32)
-    d = (np.abs(xb).max(-1) / f32(127)).astype(f32)
+    xl = x.reshape(n, nb, 8, 4).astype(f32)  # [row, block, lane, input]
+    d = (np.abs(xl).max(-1) / f32(127)).astype(f32)  # a scale per lane of four inputs
     inv = np.where(d != 0, f32(1) / np.where(d != 0, d, f32(1)), f32(0)).astype(f32)
-    q = np.clip(np.rint((xb * inv[..., None]).astype(f32)), -127, 127).astype(np.int64)
-    xs = (d * q.sum(-1).astype(f32)).astype(f32)
+    q = np.clip(np.rint((xl * inv[..., None]).astype(f32)), -127, 127).astype(np.int64)
+    xs = _tree8((d * q.sum(-1).astype(f32)).astype(f32))  # [row, block]
     w, dw, m = _weight_ints(qtype, data, cols)
     rows = w.shape[0]
     # p[r, i, b, l]: lane l's four products
-    p = np.einsum("rblt,iblt->ribl", w.reshape(rows, nb, 8, 4), q.reshape(n, nb, 8, 4))
-    s = d[None] if qtype == INT8_ROW else (dw[:, None, :] * d[None, :, :]).astype(f32)
-    s = np.broadcast_to(s, (rows, n, nb))
+    p = np.einsum("rblt,iblt->ribl", w.reshape(rows, nb, 8, 4), q)
+    s = d[None] if qtype == INT8_ROW else (dw[:, None, :, None] * d[None]).astype(f32)
+    s = np.broadcast_to(s, (rows, n, nb, 8))
     acc = np.zeros((rows, n, 2, 8), f32)
     for b in range(nb):
-        acc[:, :, b % 2] = _fma(p[:, :, b].astype(f32), s[:, :, b, None], acc[:, :, b % 2])
+        acc[:, :, b % 2] = _fma(p[:, :, b].astype(f32), s[:, :, b], acc[:, :, b % 2])
     out = _tree8((acc[:, :, 0] + acc[:, :, 1]).astype(f32))
     if qtype in (Q4_1, INT8_G32):
         macc = np.zeros((rows, n, 8), f32)
