@@ -16,6 +16,14 @@ _RUNNERS = ("torch", "fake")
 _BACKENDS = ("auto", "native", "torch")
 # ModelConfig.weights says what each format is.
 WEIGHT_FORMATS = ("auto", "dense", "gguf", "int8", "int8_rows")
+PACKED_WEIGHT_FORMATS = ("gguf", "int8", "int8_rows")  # the formats model.numerics: fast takes
+NUMERICS = ("auto", "exact", "fast")
+# What model.numerics: auto stands for, the one place to change it: fast, because its quality
+# gates hold on the default model (tests/integration/test_quant_real.py, test_fast_numerics_*:
+# perplexity within 1% of exact, top-1 agreement >= 98%; measured x1.0005 and 0.986 on the GGUF
+# weights, x1.0017 and 0.985 on int8 groups). The runner keeps auto exact where the integer
+# kernels do not pay (torch_runner.FAST_PAYS) or cannot run.
+NUMERICS_DEFAULT = "fast"
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 
 
@@ -32,6 +40,7 @@ class ModelConfig:
         "device": _DEVICES,
         "kernels": _BACKENDS,
         "weights": WEIGHT_FORMATS,
+        "numerics": NUMERICS,
     }
 
     path: str | None = None
@@ -61,6 +70,13 @@ class ModelConfig:
     kernels. int8: int8 weight-only in groups of 32 inputs with an fp16 scale and minimum each,
     quantized at load. int8_rows: int8 with one scale per output channel (smaller, less
     accurate)."""
+    numerics: str = "auto"
+    """Arithmetic of the linear layers on packed weights. exact: fp32 activations, outputs equal
+    to the fp32 de-quantized reference up to fp32 rounding. fast: activations quantized to int8
+    with a scale per four inputs, integer dot products against the Q4_0/Q4_1/Q8_0/int8 weights
+    (packed formats only: gguf, int8, int8_rows; on the native kernels of a CPU fp32 model).
+    auto: the default the quality gates chose (``NUMERICS_DEFAULT``) where the integer kernels
+    pay (AVX-512), exact elsewhere."""
     seed: int = 0
     """Sampling seed of requests that bring none."""
 
@@ -72,10 +88,38 @@ class ModelConfig:
                 f"gguf needs a GGUF source (the default model or a .gguf model.path), not "
                 f"{self.path!r}; use dense or int8 for checkpoint directories",
             )
+        if self.numerics == "fast":
+            self._check_fast()
         if self.max_model_len is not None:
             check(self.max_model_len >= 2, "model.max_model_len", "must be >= 2")
         if self.num_threads is not None:
             check(self.num_threads >= 1, "model.num_threads", "must be >= 1")
+
+    def _check_fast(self) -> None:
+        if self.resolved_weights not in PACKED_WEIGHT_FORMATS:
+            here = " (dense for this model.path)" if self.weights == "auto" else ""
+            fail(
+                "model.numerics",
+                f"fast needs packed weights, not model.weights: {self.weights}{here}; use "
+                f"model.weights {', '.join(PACKED_WEIGHT_FORMATS)} or model.numerics exact",
+            )
+        if self.kernels == "torch":
+            fail(
+                "model.numerics",
+                "fast runs on the native kernels only, not model.kernels: torch; use "
+                "model.kernels auto or native, or model.numerics exact",
+            )
+
+    @property
+    def resolved_numerics(self) -> str:
+        """The mode ``auto`` stands for: ``NUMERICS_DEFAULT`` with packed weights where the
+        native kernels may run, exact otherwise (the runner makes it exact where the model
+        cannot use them: not CPU fp32, no native library)."""
+        if self.numerics != "auto":
+            return self.numerics
+        if self.resolved_weights in PACKED_WEIGHT_FORMATS and self.kernels != "torch":
+            return NUMERICS_DEFAULT
+        return "exact"
 
     @property
     def resolved_weights(self) -> str:
@@ -122,8 +166,8 @@ class CacheConfig:
 
 def declared_formats(model: ModelConfig, cache: CacheConfig) -> dict[str, str]:
     """The weight and KV formats a configuration asks for, without loading the model
-    (``/v1/models``, the startup banner; each engine logs the exact ones, e.g. ``Q4_1 + Q8_0``).
-    """
+    (``/v1/models``, the startup banner; each engine logs the exact ones, e.g. ``Q4_1 + Q8_0``,
+    and ``int8 activations (fast)`` under ``model.numerics: fast``)."""
     weights = model.resolved_weights if model.runner != "fake" else "none (the fake runner)"
     dtype = model.dtype if model.dtype != "auto" else "model dtype"
     if weights == "dense":
@@ -134,6 +178,13 @@ def declared_formats(model: ModelConfig, cache: CacheConfig) -> dict[str, str]:
         weights = "int8 (groups of 32, fp16 scale and minimum)"
     elif weights == "int8_rows":
         weights = "int8 (per output channel)"
+    if model.runner != "fake" and model.resolved_numerics == "fast":
+        # auto: the pools' runners decide by their CPUs (torch_runner.numerics_for)
+        weights += (
+            ", int8 activations (fast)"
+            if model.numerics == "fast"
+            else ", numerics auto (fast where the CPU has the AVX-512 integer kernels, else exact)"
+        )
     kv = cache.kv_dtype
     if kv == "auto":
         kv = dtype if dtype != "model dtype" else "model dtype (float32 on CPU)"

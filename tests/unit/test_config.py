@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -170,19 +171,52 @@ def test_declared_formats_name_the_weights_and_kv_formats() -> None:
         cfg = ClusterConfig().replace(overrides)
         return declared_formats(cfg.model, cfg.cache)
 
+    auto = ", numerics auto (fast where the CPU has the AVX-512 integer kernels, else exact)"
     assert formats() == {
-        "weights": "gguf (the file's own quantized blocks)",
+        "weights": "gguf (the file's own quantized blocks)" + auto,
         "kv_cache": "model dtype (float32 on CPU)",
     }
-    assert formats(**{"model.weights": "int8_rows"})["weights"] == "int8 (per output channel)"
+    assert formats(**{"model.weights": "int8_rows", "model.numerics": "exact"})["weights"] == (
+        "int8 (per output channel)"
+    )
     assert formats(**{"model.weights": "int8", "cache.kv_dtype": "int8"}) == {
-        "weights": "int8 (groups of 32, fp16 scale and minimum)",
+        "weights": "int8 (groups of 32, fp16 scale and minimum)" + auto,
         "kv_cache": "int8 (one fp32 scale per token and KV head)",
     }
     assert formats(**{"model.weights": "dense", "model.dtype": "bfloat16"}) == {
         "weights": "dense (bfloat16)",
         "kv_cache": "bfloat16",
     }
+    assert formats(**{"model.numerics": "fast"})["weights"] == (
+        "gguf (the file's own quantized blocks), int8 activations (fast)"
+    )
+    assert formats(**{"model.weights": "int8", "model.numerics": "fast"})["weights"] == (
+        "int8 (groups of 32, fp16 scale and minimum), int8 activations (fast)"
+    )
+
+
+def test_fast_numerics_need_packed_weights_and_the_native_kernels() -> None:
+    from cluster.config.model import NUMERICS_DEFAULT
+
+    def model(**overrides: object) -> Any:
+        return ClusterConfig().replace(overrides).model
+
+    assert model().numerics == "auto" and model().resolved_numerics == NUMERICS_DEFAULT
+    for weights in ("gguf", "int8", "int8_rows"):
+        fast = model(**{"model.weights": weights, "model.numerics": "fast"})
+        assert fast.resolved_numerics == "fast"
+    # auto is exact wherever fast cannot run: dense weights, the torch backend
+    assert model(**{"model.weights": "dense"}).resolved_numerics == "exact"
+    assert model(**{"model.kernels": "torch"}).resolved_numerics == "exact"
+    with pytest.raises(ValueError, match=r"^model\.numerics: fast needs packed weights, not "
+                       r"model\.weights: dense"):  # fmt: skip
+        model(**{"model.weights": "dense", "model.numerics": "fast"})
+    with pytest.raises(ValueError, match=r"model\.weights: auto \(dense for this model\.path"):
+        model(**{"model.path": "/models/llama", "model.numerics": "fast"})
+    with pytest.raises(ValueError, match=r"^model\.numerics: fast .* not model\.kernels: torch"):
+        model(**{"model.kernels": "torch", "model.numerics": "fast"})
+    with pytest.raises(ValueError, match="model.numerics: unknown value 'int8'"):
+        model(**{"model.numerics": "int8"})
 
 
 def test_replicas_start_with_the_allocator_tuned(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,7 +3,9 @@
 ``DecodeForward`` holds, once per model, a C description of every layer (norm weights, and each
 matrix's packed segments: format, bytes, scales) pointing into the model's own tensors; a call
 runs all layers of a decode-only step over the residual stream ``h`` in place, through the
-library's linear kernel, per-layer ops and paged decode attention.
+library's linear kernel, per-layer ops and paged decode attention. Under ``model.numerics:
+fast`` the described packed segments carry ``FAST`` in their type ids, as ``PackedLinear``'s
+calls do, so the one call and the per-layer loop stay the same arithmetic.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.engine.kernels.quant import PackedRows
+from cluster.engine.kernels.quant import F32, FAST, PackedRows
 
 MAX_SEGMENTS = 4  # PD_MAX_SEGMENTS in decode_forward.c
 
@@ -80,10 +82,12 @@ def _ptr_of(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _matrix(cols: int, segments: Sequence[PackedRows]) -> _Matrix:
+def _matrix(cols: int, segments: Sequence[PackedRows], fast: bool) -> _Matrix:
+    """``fast``: packed (not F32) segments' type ids or'ed with ``FAST`` (int8 activations)."""
     m = _Matrix(cols=cols, num_segments=len(segments))
     for i, s in enumerate(segments):
-        m.qtype[i], m.rows[i] = s.qtype, s.data.shape[0]
+        m.qtype[i] = s.qtype | FAST if fast and s.qtype != F32 else s.qtype
+        m.rows[i] = s.data.shape[0]
         m.row_bytes[i] = s.data.stride(0) * s.data.element_size()
         m.data[i], m.scales[i] = s.data.data_ptr(), _ptr_of(s.scales)
     return m
@@ -102,6 +106,7 @@ class DecodeForward:
         cos: torch.Tensor,
         sin: torch.Tensor,
         num_threads: int,
+        fast: bool = False,  # model.numerics: fast, as the model's PackedLinear
     ) -> None:
         self._keep = (layers, cos, sin)  # the described tensors outlive the description
         c_layers = (_Layer * len(layers))()
@@ -110,10 +115,10 @@ class DecodeForward:
                 _ptr_of(lw.input_norm),
                 _ptr_of(lw.post_norm),
                 _ptr_of(lw.qkv_bias),
-                _matrix(*lw.qkv),
-                _matrix(*lw.o),
-                _matrix(*lw.gate_up),
-                _matrix(*lw.down),
+                _matrix(*lw.qkv, fast),
+                _matrix(*lw.o, fast),
+                _matrix(*lw.gate_up, fast),
+                _matrix(*lw.down, fast),
             )
         hidden, heads, kv_heads, head_dim, inter = shape
         self._layers = c_layers

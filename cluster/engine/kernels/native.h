@@ -54,6 +54,10 @@ int pd_qlinear(int qt, const uint8_t *w, const float *scales, int64_t rows, int6
                int64_t row_bytes, const float *x, int64_t n, int64_t ldx, float *y, int64_t ldy,
                const float *bias, int accumulate, int num_threads, pd_hook_fn hook,
                const void *hook_ctx);
+/* the integer kernels' variant in use (0 portable, 1 AVX2, 2 AVX-512 BW, 3 AVX-512 VNNI), and a
+ * cap on it (-1: none; tests run each variant) */
+int pdserve_qlinear_isa(void);
+int pdserve_set_qlinear_isa(int level);
 
 /* out[i, :cols] = W[row(i)] as fp32, row(i) = row_ids[i] or row0 + i (block formats, int8 rows) */
 int pdserve_dequant_rows(int qt, const uint8_t *w, const float *scales, int64_t rows,

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from cluster.engine.kernels.library import load_library
-from cluster.engine.kernels.quant import F32, INT8_ROW, QUANT_NAMES
+from cluster.engine.kernels.quant import F32, FAST, INT8_ROW, QUANT_NAMES
 
 ISA_NAMES = ("portable", "avx2", "avx512")
 # The integer (int8-activation) kernels' variants, ``qlinear.c``: AVX-512 with and without VNNI.
@@ -133,7 +133,8 @@ class NativeKernels:
         if rc == -2:
             raise MemoryError("linear: no memory for the activations' block sums")
         if rc != 0:
-            raise ValueError(f"linear: unsupported weight {QUANT_NAMES.get(qtype, qtype)}")
+            base, fast = qtype & ~FAST, " with int8 activations (FAST)" if qtype & FAST else ""
+            raise ValueError(f"linear: unsupported weight {QUANT_NAMES.get(base, base)}{fast}")
         return out
 
     def dequant(

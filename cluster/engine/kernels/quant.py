@@ -34,8 +34,9 @@ QUANT_NAMES = {
     INT8_ROW: "int8",
     INT8_G32: "int8g32",
 }
-# Or'ed into a packed type id (not F32): the native linear quantizes the activations to int8 per
-# 32 inputs and runs integer dot products (``model.numerics: fast``; linear.c / qlinear.c).
+# Or'ed into a packed type id (not F32): the native linear quantizes the activations to int8
+# with a scale per four inputs and runs integer dot products (``model.numerics: fast``;
+# linear.c / qlinear.c).
 FAST = 0x10000
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, INT8_G32: 36}  # per 32 values
 BLOCK = 32

@@ -200,7 +200,7 @@ class NativeOps(TorchOps):
         ):
             return False
         if self._whole is None:
-            self._whole = whole_forward(model, self.kernels) or False
+            self._whole = whole_forward(model, self.kernels, self.packed.fast) or False
         if self._whole is False:
             return False
         assert isinstance(self._whole, DecodeForward)
@@ -262,9 +262,10 @@ def _described(w: Weight) -> tuple[int, tuple[PackedRows, ...]] | None:
     return w.cols, w.segments
 
 
-def whole_forward(model: Any, kernels: NativeKernels) -> DecodeForward | None:
+def whole_forward(model: Any, kernels: NativeKernels, fast: bool = False) -> DecodeForward | None:
     """The C description of ``model``'s layers, or None where one is not packed (or has more
-    segments than the call takes)."""
+    segments than the call takes); ``fast``: its packed segments with int8 activations, as
+    ``PackedLinear`` runs them (model.numerics)."""
     a = model.arch
     layers = []
     if a.layer_rope or a.embed_scale != 1.0 or a.activation != "silu":
@@ -292,4 +293,5 @@ def whole_forward(model: Any, kernels: NativeKernels) -> DecodeForward | None:
         model.cos,
         model.sin,
         kernels.num_threads,
+        fast,
     )

@@ -21,7 +21,7 @@ from cluster.engine.attention import AttentionMetadata, paged_attention
 from cluster.engine.kv_codec import FLOAT_KV, KVCodec
 from cluster.engine.models.layer_ops import LayerOps, TorchOps, rms_norm
 from cluster.engine.models.moe import ExpertLoad, ExpertWeights, moe_add
-from cluster.engine.models.packed import PackedWeight, Weight, weight_format
+from cluster.engine.models.packed import PackedLinear, PackedWeight, Weight, weight_format
 
 
 @dataclass(frozen=True)
@@ -120,8 +120,11 @@ class LlamaModel:
 
     @property
     def weight_format(self) -> str:
-        """``dense float32``, or the packed formats in use (``Q4_1 + Q8_0``, ``int8``)."""
-        return weight_format(self.matrices())
+        """``dense float32``, or the packed formats in use (``Q4_1 + Q8_0``, ``int8``), and
+        ``, int8 activations (fast)`` where its linear runs them so (model.numerics)."""
+        linear = self.ops.linear
+        fast = isinstance(linear, PackedLinear) and linear.fast
+        return weight_format(self.matrices(), fast)
 
     def weight_bytes(self) -> int:
         """Resident bytes of every weight (shared storage, e.g. a tied lm_head, counted once)."""

@@ -13,14 +13,16 @@ paths, and nothing else multiplies a weight:
                Any device and dtype; the path wherever the native library is absent.
     kernel     the native linear (``kernels/native.py``) for every format, F32 included, on a
                CPU fp32 model: weights stream once and are never expanded; a row's output does
-               not depend on its batch. Up to ``kernel_max_rows`` activation rows.
+               not depend on its batch. Up to ``kernel_max_rows`` activation rows. With
+               ``fast`` (model.numerics) packed segments take the type id or'ed with ``FAST``:
+               activations quantized to int8 (a scale per four inputs), integer dot products.
     tiles      more rows (prefill chunks): packed rows de-quantized into a reused fp32 scratch a
                tile at a time, then BLAS (``blas_linear``: oneDNN's linear where torch has it,
                else ``F.linear``) on each tile; a dense F32 weight is its own tile. Batching
                stays compute-bound.
 
-The choice between kernel and tiles is ``kernel_max_rows`` (a rule by instruction set, from
-measurements; no timing at start-up).
+The choice between kernel and tiles is ``kernel_max_rows`` (a rule by instruction set and
+weights, from measurements; no timing at start-up).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 from cluster.engine.kernels.native import NativeKernels
 from cluster.engine.kernels.quant import (
     F32,
+    FAST,
     QUANT_NAMES,
     PackedRows,
     dequantize,
@@ -110,32 +113,42 @@ class PackedWeight:
 Weight = torch.Tensor | PackedWeight
 
 
-def weight_format(weights: list[Weight]) -> str:
-    """``dense <dtype>`` or the packed formats in use, e.g. ``Q4_1 + Q8_0``."""
+def weight_format(weights: list[Weight], fast: bool = False) -> str:
+    """``dense <dtype>`` or the packed formats in use, e.g. ``Q4_1 + Q8_0``; ``fast``: with
+    ``, int8 activations (fast)`` where a packed (not F32) matrix is among them."""
     formats: dict[str, None] = {}
     for w in weights:
         if isinstance(w, PackedWeight):
             formats.update(dict.fromkeys(w.formats))
         else:
             formats[f"dense {str(w.dtype).removeprefix('torch.')}"] = None
-    return " + ".join(formats)
+    text = " + ".join(formats)
+    return text + ", int8 activations (fast)" if fast and has_packed_rows(weights) else text
+
+
+def has_packed_rows(weights: list[Weight]) -> bool:
+    """Whether a segment of ``weights`` is quantized (not F32): what ``fast`` applies to."""
+    return any(s.qtype != F32 for w in weights if isinstance(w, PackedWeight) for s in w.segments)
 
 
 # The most activation rows the native kernel takes before tiles + BLAS win, by the instruction
-# set its variants use and by dense (F32) or packed weights: a fixed rule, set below where the
-# kernel stops being faster (the measurements: docs/design/decisions.md, "Linear paths by a
-# rule"). The batch-invariant kernel takes every decode step of up to 32 rows, but packed weights
-# on AVX-512, where oneDNN's tiles win beyond 16 rows.
+# set its variants use and by the weights: dense (F32), packed, or packed with int8 activations
+# (``fast``, model.numerics): a fixed rule, set below where the kernel stops being faster (the
+# measurements: docs/design/decisions.md, "Linear paths by a rule"). The batch-invariant kernel
+# takes every decode step of up to 32 rows, but packed weights on AVX-512, where oneDNN's tiles
+# win beyond 16 rows. ``fast`` on AVX-512 takes every step: its integer kernel matched or beat
+# the tiles at every row count measured up to 512 (so prefill chunks are batch-invariant too);
+# on AVX2 it is no faster than the exact kernel (auto stays exact there: torch_runner).
 KERNEL_MAX_ROWS = {
-    "avx512": {"dense": 32, "packed": 16},
-    "avx2": {"dense": 32, "packed": 32},
-    "portable": {"dense": 4, "packed": 1},
+    "avx512": {"dense": 32, "packed": 16, "fast": 1 << 30},
+    "avx2": {"dense": 32, "packed": 32, "fast": 32},
+    "portable": {"dense": 4, "packed": 1, "fast": 1},
 }
 
 
-def kernel_max_rows(isa: str, packed: bool) -> int:
+def kernel_max_rows(isa: str, packed: bool, fast: bool = False) -> int:
     """The rule between the kernel and tiles + BLAS (``KERNEL_MAX_ROWS``)."""
-    return KERNEL_MAX_ROWS[isa]["packed" if packed else "dense"]
+    return KERNEL_MAX_ROWS[isa][("fast" if fast else "packed") if packed else "dense"]
 
 
 def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -177,10 +190,13 @@ def reference_linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None) -> torc
 
 
 class PackedLinear:
-    """The linear function of a model, dense or packed (see the module docstring)."""
+    """The linear function of a model, dense or packed (see the module docstring). ``fast``
+    (model.numerics): the kernel path multiplies packed (not F32) segments with activations
+    quantized to int8 (a scale per four inputs); the reference and tiles paths are unchanged."""
 
-    def __init__(self, kernels: NativeKernels | None) -> None:
+    def __init__(self, kernels: NativeKernels | None, fast: bool = False) -> None:
         self.kernels = kernels
+        self.fast = fast
         self._scratch: torch.Tensor | None = None
         self._max_rows: int | None = None  # a test's override of the rule
 
@@ -201,7 +217,7 @@ class PackedLinear:
             return 0
         if self._max_rows is not None:
             return self._max_rows
-        return kernel_max_rows(self.kernels.isa, packed)
+        return kernel_max_rows(self.kernels.isa, packed, self.fast)
 
     def native(self, x: torch.Tensor, w: Weight) -> bool:
         """Whether this call takes a native path (kernel or tiles): CPU fp32 throughout."""
@@ -243,7 +259,8 @@ class PackedLinear:
         r0 = 0
         for s in w.segments:
             bias = b[r0 : r0 + s.rows] if b is not None else None
-            k.linear(s.qtype, s.data, s.scales, cols, x, out[:, r0:], bias, add)
+            qtype = s.qtype | FAST if self.fast and s.qtype != F32 else s.qtype
+            k.linear(qtype, s.data, s.scales, cols, x, out[:, r0:], bias, add)
             r0 += s.rows
         return out
 

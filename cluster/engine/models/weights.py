@@ -7,7 +7,9 @@
 
 Every format runs through ``PackedLinear`` (its three paths: torch reference, native kernel,
 de-quantized tiles + BLAS): natively on a CPU fp32 model where the native library loads
-(``model.kernels: native`` requires it), the torch reference elsewhere.
+(``model.kernels: native`` requires it), the torch reference elsewhere. ``model.numerics:
+fast`` (packed formats only) gives the packed formats' ``PackedLinear`` int8 activations on its
+kernel path, the experts' and the int8-quantized matrices included: they all run through it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from cluster.engine.models.int8 import quantize_int8_groups, quantize_int8_rows
 from cluster.engine.models.layer_ops import LayerOps, NativeOps, TorchOps
 from cluster.engine.models.llama import LlamaModel
 from cluster.engine.models.loader import load_llama
-from cluster.engine.models.packed import PackedLinear, PackedWeight
+from cluster.engine.models.packed import PackedLinear, PackedWeight, has_packed_rows
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +42,8 @@ class LoadSpec:
     max_model_len: int | None
     native: bool  # CPU fp32 fast paths allowed (model.kernels != torch)
     cache_dir: Path
-    require_native: bool  # model.kernels: native
+    require_native: bool  # model.kernels: native, or model.numerics: fast
+    numerics: str  # model.numerics resolved: exact | fast (packed formats only)
 
 
 def native_kernels(spec: LoadSpec) -> NativeKernels | None:
@@ -51,8 +54,9 @@ def native_kernels(spec: LoadSpec) -> NativeKernels | None:
     kernels = load_native(spec.cache_dir, torch.get_num_threads())
     if kernels is None and spec.require_native:
         raise ValueError(
-            "model.kernels: native, but the native library is unavailable (see the log: "
-            "usually no C compiler); use auto or torch"
+            "model.kernels: native or model.numerics: fast, but the native library is "
+            "unavailable (see the log: usually no C compiler); use model.kernels auto or torch "
+            "and model.numerics auto or exact"
         )
     return kernels
 
@@ -71,8 +75,10 @@ def _dense(spec: LoadSpec) -> LlamaModel:
 
 
 def packed_ops(spec: LoadSpec) -> LayerOps:
-    """The layer ops for packed weights: native where the library loaded, torch otherwise."""
-    lin = PackedLinear(native_kernels(spec))
+    """The layer ops for packed weights: native where the library loaded, torch otherwise;
+    int8 activations on the kernel path under ``numerics: fast``."""
+    kernels = native_kernels(spec)
+    lin = PackedLinear(kernels, fast=spec.numerics == "fast" and kernels is not None)
     if lin.kernels is None:
         logger.warning("packed weights without the native library: de-quantized per call (slow)")
         return TorchOps(lin, lin.embed)
@@ -139,4 +145,11 @@ WEIGHT_LOADERS: dict[str, Callable[[LoadSpec], LlamaModel]] = {
 
 
 def load_model(config: ClusterConfig, spec: LoadSpec) -> LlamaModel:
-    return WEIGHT_LOADERS[config.model.resolved_weights](spec)
+    model = WEIGHT_LOADERS[config.model.resolved_weights](spec)
+    if spec.numerics == "fast" and not has_packed_rows(model.matrices()):
+        raise ValueError(
+            f"model.numerics: fast needs packed weights, but every matrix of this "
+            f"model.weights: {config.model.weights} model is dense ({model.weight_format}: "
+            f"e.g. an unquantized GGUF file); use model.numerics exact"
+        )
+    return model

@@ -31,6 +31,7 @@ def _gguf_config(checkpoint: Path, root: Path, arch: str = "llama") -> Any:
             "cache.num_blocks": 96,
             "model.num_threads": 2,
             "scheduler.chunk_size": 8,
+            "model.numerics": "exact",  # these tests compare with the de-quantized reference
         }
     )
     convert_tiny_gguf(cfg, path, checkpoint)
@@ -133,7 +134,7 @@ def test_int8_weights_quantize_every_matrix(tiny_model_dir: Path, weights: str, 
         **{"model.path": str(tiny_model_dir), "cache.num_blocks": 96, "model.num_threads": 2}
     )
     dense = LLMEngine(cfg)
-    eng = LLMEngine(cfg.replace({"model.weights": weights}))
+    eng = LLMEngine(cfg.replace({"model.weights": weights, "model.numerics": "exact"}))
     model = eng.runner.model
     assert eng.runner.formats["weights"] == fmt
     assert all(isinstance(m, PackedWeight) for m in model.matrices())
