@@ -67,4 +67,18 @@ static inline const uint8_t *row_m(int qt, const uint8_t *w, int64_t nb) {
     return w + nb * (quant_bytes(qt) + 2);
 }
 
+/* The rows of a 4-row group are one stretch of memory (4 x row_bytes), read in `steps` steps
+ * (blocks, or pairs of blocks): each step asks for the cache lines PREFETCH_AHEAD bytes beyond
+ * its place in that stretch (the hardware prefetcher does not follow four interleaved rows far
+ * enough ahead on its own: at 8 KiB ahead a cold matrix streams about twice as fast as with
+ * next-group prefetches). */
+#define PREFETCH_AHEAD 8192
+static inline int64_t prefetch_step(int64_t row_bytes, int64_t steps) {
+    return 4 * row_bytes / steps; /* computed once per group, not per step */
+}
+static inline void prefetch_ahead(const uint8_t *w, int64_t step, int64_t b) {
+    const uint8_t *p = w + PREFETCH_AHEAD + b * step;
+    for (int64_t off = 0; off < step; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
 #endif

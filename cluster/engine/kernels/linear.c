@@ -95,20 +95,6 @@ static float dot_row_portable(int qt, const uint8_t *w, float scale, int64_t col
     return acc;
 }
 
-/* The rows of a 4-row group are one stretch of memory (4 x row_bytes), read in nb steps: each
- * step asks for the cache lines (two or three) PREFETCH_AHEAD bytes beyond its place in that stretch (the
- * hardware prefetcher does not follow four interleaved rows far enough ahead on its own: at
- * 8 KiB ahead a cold matrix streams about twice as fast as with next-group prefetches). */
-#define PREFETCH_AHEAD 8192
-static inline int64_t prefetch_step(int64_t row_bytes, int64_t nb) {
-    return 4 * row_bytes / nb; /* 72-144 bytes; computed once per group, not per block */
-}
-static inline void prefetch_ahead(const uint8_t *w, int64_t step, int64_t b) {
-    const uint8_t *p = w + PREFETCH_AHEAD + b * step;
-    __builtin_prefetch(p, 0, 3);
-    __builtin_prefetch(p + 64, 0, 3);
-    if (step > 128) __builtin_prefetch(p + 128, 0, 3);
-}
 
 /* -- AVX2 + FMA + F16C ------------------------------------------------------------------- */
 #if PD_X86

@@ -33,8 +33,12 @@ QL_ATTR static PD_INLINE void QL_TILE(const qjob *j, int qt, int64_t r0, int nr,
     (QL_VNNI ? _mm512_dpbusd_epi32(start, wv, qv)                                               \
              : _mm512_add_epi32(                                                                \
                    _mm512_madd_epi16(_mm512_maddubs_epi16(wv, qv), _mm512_set1_epi16(1)), start))
+    /* the first activation tile streams the weight rows from memory: prefetch them ahead */
+    const int prefetch = i0 == 0 && nr == TILE_ROWS;
+    const int64_t pstep = prefetch_step(j->row_bytes, (nb + 1) / 2);
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
+        if (prefetch) prefetch_ahead(wr[0], pstep, b / 2);
         __m512i wv[TILE_ROWS];
         __mmask64 neg[TILE_ROWS];
         __m512 dw[TILE_ROWS];
