@@ -17,19 +17,23 @@ How (docs/benchmarks/index.md, P9):
      speculation speeds up. End-to-end tok/s (all tokens / arrival to last token) is reported
      beside it. Greedy outputs are compared token for token between the arms.
 
-  5. Combined arm (when the runner keeps GGUF weights quantized, the default model's default,
-     and llama-cpp-python is installed; never in ``--smoke``): each copy-workload batch-1 pair
-     also runs ``gguf_off`` / ``gguf_on`` (speculation off / on, a second runner on the GGUF
-     file's own blocks) and ``llamacpp`` (llama.cpp on the same file, the same threads, the same
+  5. GGUF arms (where the model is a GGUF file, the default model; in ``--smoke`` the tiny
+     model written as GGUF): every cell's pair also runs ``gguf_off`` / ``gguf_on``
+     (speculation off / on on a second runner that keeps the file's own blocks,
+     ``model.weights: gguf`` with the default ``model.numerics``), interleaved with the others.
+     Where llama-cpp-python is installed (never in ``--smoke``), each copy-workload batch-1 pair
+     also runs ``llamacpp`` (llama.cpp on the same file, the same threads, the same
      chat-templated token ids, greedy, ending at the same EOS ids or max tokens, timed the same
      way: first to last token of each request).
 
 Keys: ``speedup_b1`` / ``speedup_b8`` (copy workload, decode tok/s on / off; median over pairs),
 ``no_copy_ratio`` (no-copy workload, on / off, the lower of batch 1 and 8), ``acceptance``
 (accepted / drafted tokens, copy workload, batch 1), ``greedy_identical`` (1 when every request
-produced the same tokens in both arms), ``b1_vs_llamacpp_copy`` (copy workload, batch 1, decode
-tok/s of ``gguf_on`` / ``llamacpp``; ``nan`` with the reason in the details when the arms cannot
-run; ``speedup_b1_gguf``, gguf_on / gguf_off, in the details).
+produced the same tokens in both arms), the first three and the last again on the GGUF arms
+(``speedup_b1_gguf``, ``speedup_b8_gguf``, ``no_copy_ratio_gguf``, ``greedy_identical_gguf``;
+``nan`` where the model is not a GGUF file), ``b1_vs_llamacpp_copy`` (copy workload, batch 1,
+decode tok/s of ``gguf_on`` / ``llamacpp``; ``nan`` with the reason in the details when the arm
+cannot run).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.harness import ArmRun, BenchContext, BenchReport
-from benchmarks.quant import INSTALL_LLAMACPP, load_llamacpp
+from benchmarks.quant import INSTALL_LLAMACPP, load_llamacpp, smoke_gguf_config
 from benchmarks.spec_workloads import copy_heavy, no_copy
 from benchmarks.workloads import (
     CpuMeter,
@@ -54,13 +58,12 @@ from benchmarks.workloads import (
 from cluster.common.sampling_params import SamplingParams
 from cluster.config.model import is_gguf_source
 from cluster.engine.engine import LLMEngine
-from cluster.engine.runner import ModelRunner
 
 ARMS = ("off", "on")
-# The combined arms (copy workload, batch 1): speculation off and on with the GGUF file's own
-# blocks, and llama.cpp on that file.
-COMBINED = ("gguf_off", "gguf_on", "llamacpp")
-GGUF = {"model.path": None, "model.weights": "gguf"}
+# The same two arms on a runner that keeps the GGUF file's blocks quantized (the default model's
+# default), in every cell; and llama.cpp on that file (copy workload, batch 1).
+GGUF_ARMS = ("gguf_off", "gguf_on")
+LLAMA = "llamacpp"
 BATCHES = (1, 8)
 
 
@@ -88,30 +91,46 @@ def run_llamacpp(
     return run
 
 
-def _combined_arms(ctx: BenchContext) -> tuple[Any | None, ModelRunner | None, str]:
-    """(llama.cpp, a runner on the GGUF file's own blocks, why) or (None, None, why not)."""
+def _gguf_overrides(ctx: BenchContext) -> tuple[dict[str, Any] | None, str]:
+    """The overrides of a runner on the config's GGUF file, its own blocks (``--smoke``: the
+    tiny model written as GGUF), or None and why not."""
     if ctx.smoke:
-        return None, None, "not in --smoke"
+        config = smoke_gguf_config(ctx)
+        path, cache = config.model.path, config.paths.cache_dir
+        return {"model.path": path, "paths.cache_dir": cache, "model.weights": "gguf"}, "tiny"
     if not is_gguf_source(ctx.config.model.path):
-        return None, None, "the model is not a GGUF file"
+        return None, "the model is not a GGUF file"
+    return {"model.path": ctx.config.model.path, "model.weights": "gguf"}, "the config's file"
+
+
+def _gguf_engines(ctx: BenchContext) -> tuple[dict[str, LLMEngine], Any | None, str]:
+    """(``GGUF_ARMS``' engines on one runner that keeps the GGUF file's own blocks, llama.cpp
+    on that file, a note); none of either where it cannot run: no GGUF model, llama-cpp-python
+    not installed, or ``--smoke`` (llama.cpp runs the real file only)."""
+    overrides, why = _gguf_overrides(ctx)
+    if overrides is None:
+        return {}, None, f"no gguf arms: {why}"
+    runner = make_runner(ctx, overrides)
+    engines = {
+        arm: make_engine(ctx, {**overrides, "decode.speculative.method": m}, runner=runner)
+        for arm, m in zip(GGUF_ARMS, ("none", "ngram"))
+    }
+    note = f"gguf arms: {getattr(runner, 'formats', {}).get('weights')} ({why})"
+    if ctx.smoke:
+        return engines, None, f"{note}; llama.cpp: not in --smoke"
     from cluster.engine.models.default_model import gguf_source
 
     path = gguf_source(ctx.config)
     assert path is not None
     llm = load_llamacpp(path, bench_threads(ctx), n_ctx=2048)
     if llm is None:
-        return None, None, f"llama-cpp-python not installed; {INSTALL_LLAMACPP}"
-    runner = make_runner(ctx, GGUF)
-    return (
-        llm,
-        runner,
-        f"llama-cpp-python on {path.name}; ours: {getattr(runner, 'formats', {}).get('weights')}",
-    )
+        return engines, None, f"{note}; llama-cpp-python not installed; {INSTALL_LLAMACPP}"
+    return engines, llm, f"{note}; llama.cpp: llama-cpp-python on {path.name}"
 
 
 @dataclass
 class _Arms:
-    """What every cell runs on: the engines by arm (the combined ones when they can run),
+    """What every cell runs on: the engines by arm (the GGUF ones when they can run),
     llama.cpp (or None) and why, the workloads' prompts, the sampling and the EOS ids."""
 
     engines: dict[str, LLMEngine]
@@ -127,16 +146,17 @@ class _Arms:
     ) -> Callable[[str], ArmRun]:
         def run_one(arm: str) -> ArmRun:
             ids = {f"{rid}-{arm}-{pair}": p for rid, p in prompts.items()}
-            if arm == "llamacpp":
+            if arm == LLAMA:
                 return run_llamacpp(self.llama, ids, self.max_tokens, self.eos)
             return run_arm(ctx, self.engines[arm], ids, batch, self.params, arm)
 
         return run_one
 
     def names(self, workload: str, batch: int) -> tuple[str, ...]:
+        names = (*ARMS, *GGUF_ARMS) if GGUF_ARMS[0] in self.engines else ARMS
         if self.llama is not None and (workload, batch) == ("copy", 1):
-            return (*ARMS, *COMBINED)
-        return ARMS
+            return (*names, LLAMA)
+        return names
 
 
 def run_arm(
@@ -163,12 +183,9 @@ def _arms(ctx: BenchContext, num_prompts: int, max_tokens: int) -> _Arms:
         "copy": {f"copy{i}": tok.encode_chat(c) for i, c in enumerate(copy_heavy()[:num_prompts])},
         "no_copy": {f"free{i}": tok.encode_chat(c) for i, c in enumerate(no_copy()[:num_prompts])},
     }
-    llama, gguf_runner, llama_note = _combined_arms(ctx)
-    ctx.progress(f"combined arms (copy b1): {llama_note}")
-    if gguf_runner is not None:
-        for arm, method in (("gguf_off", "none"), ("gguf_on", "ngram")):
-            overrides = {**GGUF, "decode.speculative.method": method}
-            engines[arm] = make_engine(ctx, overrides, runner=gguf_runner)
+    gguf_engines, llama, llama_note = _gguf_engines(ctx)
+    ctx.progress(llama_note)
+    engines.update(gguf_engines)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     return _Arms(
         engines, llama, llama_note, workloads, params, max_tokens, engines["off"].eos_token_ids
@@ -212,23 +229,54 @@ def _run_cells(
     return cells
 
 
-def _ratios(cells: Cells, wl: str, batch: int, attr: str) -> list[float]:
-    return [getattr(d["on"], attr) / getattr(d["off"], attr) for d in cells[(wl, batch)]]
+def _ratios(
+    cells: Cells, wl: str, batch: int, attr: str, on: str = "on", off: str = "off"
+) -> list[float]:
+    """Arm ``on`` over arm ``off`` per pair of the cell (none where the arms did not run)."""
+    pairs = [d for d in cells[(wl, batch)] if on in d and off in d]
+    return [getattr(d[on], attr) / getattr(d[off], attr) for d in pairs]
 
 
-def _speedup(cells: Cells, wl: str, batch: int) -> float:
-    return statistics.median(_ratios(cells, wl, batch, "decode_tok_s"))
+def _speedup(cells: Cells, wl: str, batch: int, on: str = "on", off: str = "off") -> float:
+    ratios = _ratios(cells, wl, batch, "decode_tok_s", on, off)
+    return statistics.median(ratios) if ratios else float("nan")
 
 
-def _mismatches(cells: Cells) -> list[str]:
-    """Requests whose greedy tokens differ between the off and on arms."""
+def _mismatches(cells: Cells, off: str = "off", on: str = "on") -> list[str]:
+    """Requests whose greedy tokens differ between arms ``off`` and ``on``."""
     return [
         f"{wl} b{batch} {rid}"
         for (wl, batch), pairs in cells.items()
         for d in pairs
-        for rid, toks in d["off"].tokens.items()
-        if d["on"].tokens[rid.replace("-off-", "-on-")] != toks
+        if off in d and on in d
+        for rid, toks in d[off].tokens.items()
+        if d[on].tokens[rid.replace(f"-{off}-", f"-{on}-")] != toks
     ]
+
+
+def _keys(cells: Cells, arms: _Arms) -> dict[str, float]:
+    copy_b1 = cells[("copy", 1)]
+    drafted = sum(d["on"].drafted for d in copy_b1)
+    has_gguf = GGUF_ARMS[0] in arms.engines
+    return {
+        "speedup_b1": _speedup(cells, "copy", 1),
+        "speedup_b8": _speedup(cells, "copy", 8),
+        "no_copy_ratio": min(_speedup(cells, "no_copy", 1), _speedup(cells, "no_copy", 8)),
+        "acceptance": sum(d["on"].accepted for d in copy_b1) / drafted if drafted else 0.0,
+        "greedy_identical": float(not _mismatches(cells)),
+        # The same on the GGUF file's own blocks; nan where it is not a GGUF model.
+        "speedup_b1_gguf": _speedup(cells, "copy", 1, *reversed(GGUF_ARMS)),
+        "speedup_b8_gguf": _speedup(cells, "copy", 8, *reversed(GGUF_ARMS)),
+        "no_copy_ratio_gguf": min(
+            _speedup(cells, "no_copy", 1, *reversed(GGUF_ARMS)),
+            _speedup(cells, "no_copy", 8, *reversed(GGUF_ARMS)),
+        ),
+        "greedy_identical_gguf": float(not _mismatches(cells, *GGUF_ARMS))
+        if has_gguf
+        else float("nan"),
+        # nan without llama-cpp-python, and in --smoke (llama.cpp runs the real file only)
+        "b1_vs_llamacpp_copy": _speedup(cells, "copy", 1, GGUF_ARMS[1], LLAMA),
+    }
 
 
 def _table(cells: Cells) -> list[dict[str, Any]]:
@@ -265,6 +313,19 @@ def _speculative(ctx: BenchContext) -> dict[str, Any]:
     }
 
 
+TARGETS = {
+    "speedup_b1": ">= 2.0",
+    "speedup_b8": ">= 1.3",
+    "no_copy_ratio": ">= 0.95",
+    "greedy_identical": "== 1",
+    "speedup_b1_gguf": ">= 1.8",
+    "speedup_b8_gguf": "reported",
+    "no_copy_ratio_gguf": ">= 0.95",
+    "greedy_identical_gguf": "== 1",
+    "b1_vs_llamacpp_copy": ">= 2.0 (goal)",
+}
+
+
 def run(ctx: BenchContext) -> BenchReport:
     num_prompts = ctx.pick(16, 8, 2)
     max_tokens = ctx.pick(128, 64, 8)
@@ -272,47 +333,29 @@ def run(ctx: BenchContext) -> BenchReport:
     arms = _arms(ctx, num_prompts, max_tokens)
     disturbed: list[dict[str, float]] = []
     cells = _run_cells(ctx, arms, num_pairs, disturbed)
-    mismatches = _mismatches(cells)
-    copy_b1 = cells[("copy", 1)]
-
-    def combined(num: str, den: str) -> float:
-        if arms.llama is None:
-            return float("nan")
-        return statistics.median(d[num].decode_tok_s / d[den].decode_tok_s for d in copy_b1)
-
-    drafted = sum(d["on"].drafted for d in copy_b1)
+    ratio_arms = {"": ARMS[::-1], "_gguf": GGUF_ARMS[::-1]}
     return BenchReport(
-        keys={
-            "speedup_b1": _speedup(cells, "copy", 1),
-            "speedup_b8": _speedup(cells, "copy", 8),
-            "no_copy_ratio": min(_speedup(cells, "no_copy", 1), _speedup(cells, "no_copy", 8)),
-            "acceptance": sum(d["on"].accepted for d in copy_b1) / drafted if drafted else 0.0,
-            "greedy_identical": float(not mismatches),
-            # --smoke leaves it out (llama.cpp runs the real GGUF file only); nan: see details
-            **({} if ctx.smoke else {"b1_vs_llamacpp_copy": combined("gguf_on", "llamacpp")}),
-        },
+        keys=_keys(cells, arms),
         table=_table(cells),
-        targets={
-            "speedup_b1": ">= 2.0",
-            "speedup_b8": ">= 1.3",
-            "no_copy_ratio": ">= 0.95",
-            "greedy_identical": "== 1",
-            "b1_vs_llamacpp_copy": ">= 2.0 (goal)",
-        },
+        targets=TARGETS,
         details={
             "threads": bench_threads(ctx),
-            "combined_arms": arms.llama_note,
-            "speedup_b1_gguf": combined("gguf_on", "gguf_off"),
+            "gguf_and_llamacpp_arms": arms.llama_note,
             "num_prompts": num_prompts,
             "max_tokens": max_tokens,
             "speculative": _speculative(ctx),
             "decode_ratios_per_pair": {
-                f"{wl}_b{b}": _ratios(cells, wl, b, "decode_tok_s") for (wl, b) in cells
+                f"{wl}_b{b}{tag}": _ratios(cells, wl, b, "decode_tok_s", *pair)
+                for (wl, b) in cells
+                for tag, pair in ratio_arms.items()
             },
             "e2e_ratios_per_pair": {
-                f"{wl}_b{b}": _ratios(cells, wl, b, "e2e_tok_s") for (wl, b) in cells
+                f"{wl}_b{b}{tag}": _ratios(cells, wl, b, "e2e_tok_s", *pair)
+                for (wl, b) in cells
+                for tag, pair in ratio_arms.items()
             },
-            "mismatched_requests": mismatches,
+            "mismatched_requests": _mismatches(cells),
+            "mismatched_requests_gguf": _mismatches(cells, *GGUF_ARMS),
             "disturbed_pairs": disturbed,
         },
     )
