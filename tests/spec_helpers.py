@@ -42,6 +42,9 @@ class ScriptedProposer:
             out.append([self._spoil(t) for t in ref])
         return out
 
+    def forget(self, request_id: str) -> None:
+        pass
+
     def _spoil(self, token: int) -> int:
         if self.rng.random() < self.wrong_share:
             return (token + 1 + self.rng.randrange(self.vocab_size - 1)) % self.vocab_size
@@ -58,6 +61,9 @@ class FakeModeProposer:
         self.mode = mode
         self.k = k
         self.rng = random.Random(1)
+
+    def forget(self, request_id: str) -> None:
+        pass
 
     def propose(self, requests: Sequence[Request], max_drafts: Sequence[int]) -> list[list[int]]:
         out = []

@@ -37,6 +37,10 @@ class Proposer(Protocol):
         (each a ``Drafts`` where the proposer knows how sure it is)."""
         ...
 
+    def forget(self, request_id: str) -> None:
+        """The request is gone: drop what the proposer kept of it."""
+        ...
+
 
 class NgramProposer:
     """Prompt lookup: find the longest suffix of the tokens (``min_ngram``..``max_ngram`` long)
@@ -52,6 +56,9 @@ class NgramProposer:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.min_n = config.min_ngram
         self.max_n = config.max_ngram
+        # each request's tokens as an array, extended by its new outputs step by step (a fresh
+        # array of the whole list every step cost more than the search at batch 8)
+        self._tokens: dict[str, _Tokens] = {}
 
     def propose(self, requests: Sequence[Request], max_drafts: Sequence[int]) -> list[list[int]]:
         out: list[list[int]] = []
@@ -59,10 +66,34 @@ class NgramProposer:
             if k <= 0:
                 out.append(Drafts())
                 continue
-            tokens = np.asarray(r.all_token_ids, dtype=np.int64)
-            drafts, matched = lookup_match(tokens, self.min_n, self.max_n, k)
+            drafts, matched = lookup_match(self._array(r), self.min_n, self.max_n, k)
             out.append(Drafts(drafts, matched))
         return out
+
+    def forget(self, request_id: str) -> None:
+        self._tokens.pop(request_id, None)
+
+    def _array(self, r: Request) -> np.ndarray:
+        """``r``'s prompt and output tokens as an int64 array (a view of its buffer)."""
+        prompt, out = r.num_prompt_tokens, r.output_token_ids
+        n = prompt + len(out)
+        t = self._tokens.get(r.request_id)
+        if t is None or t.prompt != prompt or t.n > n:  # new, or not this request's tokens
+            t = self._tokens[r.request_id] = _Tokens(np.empty(max(64, 2 * n), np.int64), prompt)
+            t.buf[:n] = r.all_token_ids
+        elif t.n < n:
+            if n > t.buf.shape[0]:
+                t.buf = np.concatenate((t.buf[: t.n], np.empty(n, np.int64)))
+            t.buf[t.n : n] = out[t.n - prompt :]
+        t.n = n
+        return t.buf[:n]
+
+
+class _Tokens:
+    __slots__ = ("buf", "n", "prompt")
+
+    def __init__(self, buf: np.ndarray, prompt: int) -> None:
+        self.buf, self.n, self.prompt = buf, 0, prompt
 
 
 def lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:

@@ -224,6 +224,8 @@ class Speculator:
 
     def forget(self, request_id: str) -> None:
         self._tracks.pop(request_id, None)
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
 
     def export_track(self, request_id: str) -> tuple[float, float, int, int] | None:
         """A request's acceptance history, for the replica that takes it over (migration)."""

@@ -469,3 +469,24 @@ def test_bad_speculative_config_names_the_field(key: str, value: Any) -> None:
 def test_the_methods_config_accepts_are_the_registry() -> None:
     assert set(SPECULATIVE_METHODS) == {"none", *PROPOSERS}
     assert load_config().decode.speculative.method == "none"
+
+
+def test_the_ngram_proposer_extends_its_token_arrays_and_forgets_them() -> None:
+    """The proposer's per-request arrays follow the request's tokens as they grow, are rebuilt
+    for a request id whose tokens are not the ones kept, and go when the request does."""
+    from cluster.config import SpeculativeConfig
+    from cluster.engine.request import Request
+    from cluster.engine.spec.proposer import lookup_match
+
+    prop = NgramProposer(SpeculativeConfig(method="ngram"))
+    r = Request("a", [5, 6, 7, 8, 5, 6], greedy(200), seed=0)
+    for token in [7, 8, 5, 6, 9] * 30:  # past the first buffer's capacity
+        r.output_token_ids.append(token)
+        got = prop.propose([r], [4])[0]
+        want = lookup_match(np.asarray(r.all_token_ids), prop.min_n, prop.max_n, 4)[0]
+        assert list(got) == want
+        assert np.array_equal(prop._array(r), r.all_token_ids)
+    other = Request("a", [1, 2, 3], greedy(5), seed=0)  # the same id, other tokens: rebuilt
+    assert np.array_equal(prop._array(other), [1, 2, 3])
+    prop.forget("a")
+    assert "a" not in prop._tokens
