@@ -71,11 +71,12 @@ class LayerDescription:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     qkv_bias: torch.Tensor | None
-    # each matrix: its columns and its row segments, in output order
-    qkv: tuple[int, Sequence[PackedRows]]
-    o: tuple[int, Sequence[PackedRows]]
-    gate_up: tuple[int, Sequence[PackedRows]]
-    down: tuple[int, Sequence[PackedRows]]
+    # each matrix: its columns, its row segments in output order, and whether its packed
+    # segments take int8 activations (model.numerics: fast, as PackedLinear runs the matrix)
+    qkv: tuple[int, Sequence[PackedRows], bool]
+    o: tuple[int, Sequence[PackedRows], bool]
+    gate_up: tuple[int, Sequence[PackedRows], bool]
+    down: tuple[int, Sequence[PackedRows], bool]
 
 
 def _ptr_of(t: torch.Tensor | None) -> int | None:
@@ -106,7 +107,6 @@ class DecodeForward:
         cos: torch.Tensor,
         sin: torch.Tensor,
         num_threads: int,
-        fast: bool = False,  # model.numerics: fast, as the model's PackedLinear
     ) -> None:
         self._keep = (layers, cos, sin)  # the described tensors outlive the description
         c_layers = (_Layer * len(layers))()
@@ -115,10 +115,10 @@ class DecodeForward:
                 _ptr_of(lw.input_norm),
                 _ptr_of(lw.post_norm),
                 _ptr_of(lw.qkv_bias),
-                _matrix(*lw.qkv, fast),
-                _matrix(*lw.o, fast),
-                _matrix(*lw.gate_up, fast),
-                _matrix(*lw.down, fast),
+                _matrix(*lw.qkv),
+                _matrix(*lw.o),
+                _matrix(*lw.gate_up),
+                _matrix(*lw.down),
             )
         hidden, heads, kv_heads, head_dim, inter = shape
         self._layers = c_layers

@@ -256,10 +256,10 @@ class NativeOps(TorchOps):
         return self.linear_add(h, self.kernels.swiglu(gu, inter), down)
 
 
-def _described(w: Weight) -> tuple[int, tuple[PackedRows, ...]] | None:
+def _described(w: Weight, fast: bool) -> tuple[int, tuple[PackedRows, ...], bool] | None:
     if not isinstance(w, PackedWeight) or not 0 < len(w.segments) <= MAX_SEGMENTS:
         return None
-    return w.cols, w.segments
+    return w.cols, w.segments, fast and not w.fp32_activations
 
 
 def whole_forward(model: Any, kernels: NativeKernels, fast: bool = False) -> DecodeForward | None:
@@ -273,7 +273,7 @@ def whole_forward(model: Any, kernels: NativeKernels, fast: bool = False) -> Dec
     for lw in model.layers:
         if lw.moe is not None or lw.gate_up is None or lw.down is None:
             return None  # experts: the one-call step has none; the layer loop runs
-        mats = [_described(m) for m in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+        mats = [_described(m, fast) for m in (lw.qkv, lw.o, lw.gate_up, lw.down)]
         if any(m is None for m in mats) or not model.cos.is_contiguous():
             return None
         if lw.qk_norm is not None:  # the one-call step has no q/k norm: the layer loop runs
@@ -293,5 +293,4 @@ def whole_forward(model: Any, kernels: NativeKernels, fast: bool = False) -> Dec
         model.cos,
         model.sin,
         kernels.num_threads,
-        fast,
     )

@@ -50,6 +50,10 @@ _SCRATCH_FLOATS = 1 << 21  # 8 MiB of fp32 tiles: a layer's largest matrix in on
 class PackedWeight:
     segments: tuple[PackedRows, ...]
     cols: int
+    # Under model.numerics fast, multiply fp32 activations anyway: set on the attention's q/k/v
+    # projection, whose inputs int8 moves the most (it flipped the default model's first token
+    # on the README's question; load_model sets it).
+    fp32_activations: bool = False
 
     @classmethod
     def of(
@@ -256,10 +260,11 @@ class PackedLinear:
         out = acc if acc is not None else torch.empty((x.shape[0], _rows(w)), dtype=torch.float32)
         if not isinstance(w, PackedWeight):
             return k.linear(F32, w.contiguous(), None, cols, x, out, b, add)
+        fast = self.fast and not w.fp32_activations
         r0 = 0
         for s in w.segments:
             bias = b[r0 : r0 + s.rows] if b is not None else None
-            qtype = s.qtype | FAST if self.fast and s.qtype != F32 else s.qtype
+            qtype = s.qtype | FAST if fast and s.qtype != F32 else s.qtype
             k.linear(qtype, s.data, s.scales, cols, x, out[:, r0:], bias, add)
             r0 += s.rows
         return out

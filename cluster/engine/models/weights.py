@@ -146,6 +146,10 @@ WEIGHT_LOADERS: dict[str, Callable[[LoadSpec], LlamaModel]] = {
 
 def load_model(config: ClusterConfig, spec: LoadSpec) -> LlamaModel:
     model = WEIGHT_LOADERS[config.model.resolved_weights](spec)
+    if spec.numerics == "fast":
+        for lw in model.layers:  # q/k/v keep fp32 activations (PackedWeight.fp32_activations)
+            if isinstance(lw.qkv, PackedWeight):
+                lw.qkv.fp32_activations = True
     if spec.numerics == "fast" and not has_packed_rows(model.matrices()):
         raise ValueError(
             f"model.numerics: fast needs packed weights, but every matrix of this "
