@@ -14,8 +14,8 @@ reference and stays packed; int8 weights and int8 KV pass the accuracy gates.
 - ``model.numerics: fast`` (issue 39, int8 activations) against exact on the same packed
   weights (the default GGUF's, and int8 groups), teacher-forced in chunks the integer kernel
   takes: perplexity within 1%, top-1 agreement >= 98%, the gates ``NUMERICS_DEFAULT``
-  (cluster/config/model.py) is held to. Measured (AVX-512 VNNI, 256-row chunks): x1.0017 and
-  0.984 (gguf), x1.0000 and 0.983 (int8).
+  (cluster/config/model.py) is held to. Measured (AVX-512 VNNI, 256-row chunks, q/k/v in fp32):
+  x0.9994 and 0.990 (gguf), x1.0008 and 0.992 (int8).
 """
 
 from __future__ import annotations

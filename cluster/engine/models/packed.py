@@ -215,13 +215,19 @@ class PackedLinear:
         """Override the rule (tests put a step on one path or the other); None: the rule."""
         self._max_rows = rows
 
-    def max_rows(self, packed: bool) -> int:
-        """The rule for dense or packed weights on this library's instruction set."""
+    def max_rows(self, packed: bool, fp32_activations: bool = False) -> int:
+        """The rule for dense or packed weights on this library's instruction set (a packed
+        matrix that keeps fp32 activations under ``fast`` takes the packed rule)."""
         if self.kernels is None:
             return 0
         if self._max_rows is not None:
             return self._max_rows
-        return kernel_max_rows(self.kernels.isa, packed, self.fast)
+        return kernel_max_rows(self.kernels.isa, packed, self.fast and not fp32_activations)
+
+    def _rows_for(self, w: Weight) -> int:
+        if isinstance(w, PackedWeight):
+            return self.max_rows(True, w.fp32_activations)
+        return self.max_rows(False)
 
     def native(self, x: torch.Tensor, w: Weight) -> bool:
         """Whether this call takes a native path (kernel or tiles): CPU fp32 throughout."""
@@ -236,7 +242,7 @@ class PackedLinear:
         if not self.native(x, w) or x.numel() == 0:
             return reference_linear(x, w, b)
         x2 = x.reshape(-1, x.shape[-1]).contiguous()  # leading dims are rows
-        if x2.shape[0] <= self.max_rows(isinstance(w, PackedWeight)):
+        if x2.shape[0] <= self._rows_for(w):
             out = self._kernel(x2, w, b)
         else:
             out = self._tiled(x2, w, b)
@@ -244,8 +250,7 @@ class PackedLinear:
 
     def accumulate(self, h: torch.Tensor, x: torch.Tensor, w: Weight) -> bool:
         """h += x @ w.T inside the kernel (no temporary), when the kernel path applies."""
-        packed = isinstance(w, PackedWeight)
-        if not self.native(x, w) or x.shape[0] > self.max_rows(packed) or not h.is_contiguous():
+        if not self.native(x, w) or x.shape[0] > self._rows_for(w) or not h.is_contiguous():
             return False
         self._kernel(x.contiguous(), w, None, h)
         return True
