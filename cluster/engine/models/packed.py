@@ -141,8 +141,9 @@ def has_packed_rows(weights: list[Weight]) -> bool:
 # measurements: docs/design/decisions.md, "Linear paths by a rule"). The batch-invariant kernel
 # takes every decode step of up to 32 rows, but packed weights on AVX-512, where oneDNN's tiles
 # win beyond 16 rows. ``fast`` on AVX-512 takes every step: its integer kernel matched or beat
-# the tiles at every row count measured up to 512 (so prefill chunks are batch-invariant too);
-# on AVX2 it is no faster than the exact kernel (auto stays exact there: torch_runner).
+# the tiles at every row count measured up to 512 (a matrix that keeps fp32 activations takes
+# the packed rule); on AVX2 it is no faster than the exact kernel (auto stays exact there:
+# torch_runner).
 KERNEL_MAX_ROWS = {
     "avx512": {"dense": 32, "packed": 16, "fast": 1 << 30},
     "avx2": {"dense": 32, "packed": 32, "fast": 32},
