@@ -141,9 +141,8 @@ def has_packed_rows(weights: list[Weight]) -> bool:
 # measurements: docs/design/decisions.md, "Linear paths by a rule"). The batch-invariant kernel
 # takes every decode step of up to 32 rows, but packed weights on AVX-512, where oneDNN's tiles
 # win beyond 16 rows. ``fast`` on AVX-512 takes every step: its integer kernel matched or beat
-# the tiles at every row count measured up to 512 (a matrix that keeps fp32 activations takes
-# the packed rule); on AVX2 it is no faster than the exact kernel (auto stays exact there:
-# torch_runner).
+# the tiles at every row count measured up to 512 (so prefill chunks are batch-invariant too);
+# on AVX2 it is no faster than the exact kernel (auto stays exact there: torch_runner).
 KERNEL_MAX_ROWS = {
     "avx512": {"dense": 32, "packed": 16, "fast": 1 << 30},
     "avx2": {"dense": 32, "packed": 32, "fast": 32},
@@ -216,19 +215,13 @@ class PackedLinear:
         """Override the rule (tests put a step on one path or the other); None: the rule."""
         self._max_rows = rows
 
-    def max_rows(self, packed: bool, fp32_activations: bool = False) -> int:
-        """The rule for dense or packed weights on this library's instruction set (a packed
-        matrix that keeps fp32 activations under ``fast`` takes the packed rule)."""
+    def max_rows(self, packed: bool) -> int:
+        """The rule for dense or packed weights on this library's instruction set."""
         if self.kernels is None:
             return 0
         if self._max_rows is not None:
             return self._max_rows
-        return kernel_max_rows(self.kernels.isa, packed, self.fast and not fp32_activations)
-
-    def _rows_for(self, w: Weight) -> int:
-        if isinstance(w, PackedWeight):
-            return self.max_rows(True, w.fp32_activations)
-        return self.max_rows(False)
+        return kernel_max_rows(self.kernels.isa, packed, self.fast)
 
     def native(self, x: torch.Tensor, w: Weight) -> bool:
         """Whether this call takes a native path (kernel or tiles): CPU fp32 throughout."""
@@ -243,7 +236,7 @@ class PackedLinear:
         if not self.native(x, w) or x.numel() == 0:
             return reference_linear(x, w, b)
         x2 = x.reshape(-1, x.shape[-1]).contiguous()  # leading dims are rows
-        if x2.shape[0] <= self._rows_for(w):
+        if x2.shape[0] <= self.max_rows(isinstance(w, PackedWeight)):
             out = self._kernel(x2, w, b)
         else:
             out = self._tiled(x2, w, b)
@@ -251,7 +244,8 @@ class PackedLinear:
 
     def accumulate(self, h: torch.Tensor, x: torch.Tensor, w: Weight) -> bool:
         """h += x @ w.T inside the kernel (no temporary), when the kernel path applies."""
-        if not self.native(x, w) or x.shape[0] > self._rows_for(w) or not h.is_contiguous():
+        packed = isinstance(w, PackedWeight)
+        if not self.native(x, w) or x.shape[0] > self.max_rows(packed) or not h.is_contiguous():
             return False
         self._kernel(x.contiguous(), w, None, h)
         return True
