@@ -36,3 +36,24 @@ def convert_tiny_gguf(config: ClusterConfig, gguf_path: Path, checkpoint: Path) 
     save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
     (target / COMPLETE_MARKER).write_text(f"converted from {gguf_path.name}\n")
     return target
+
+
+def gguf_config(checkpoint: Path, root: Path, arch: str = "llama", **overrides: Any) -> Any:
+    """``checkpoint`` written as GGUF under ``root`` and converted as pdserve converts a
+    ``.gguf`` model.path; the config that serves the file (a tiny pool, 2 threads, 8-token
+    chunks), plus dotted ``overrides``."""
+    from tests.helpers import make_config
+
+    path = write_tiny_gguf(checkpoint, root / f"{arch}.gguf", arch=arch)
+    cfg = make_config(
+        **{
+            "model.path": str(path),
+            "paths.cache_dir": str(root / "cache"),
+            "cache.num_blocks": 96,
+            "model.num_threads": 2,
+            "scheduler.chunk_size": 8,
+            **overrides,
+        }
+    )
+    convert_tiny_gguf(cfg, path, checkpoint)
+    return cfg

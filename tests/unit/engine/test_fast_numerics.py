@@ -22,7 +22,7 @@ from cluster.engine.kernels.decode_forward import DecodeForward, _matrix
 from cluster.engine.kernels.quant import F32, FAST, INT8_G32, Q4_1, Q8_0, PackedRows
 from cluster.engine.models.int8 import quantize_int8_groups
 from cluster.engine.models.packed import KERNEL_MAX_ROWS, PackedLinear, PackedWeight
-from tests.gguf_tiny import convert_tiny_gguf, write_tiny_gguf
+from tests.gguf_tiny import gguf_config
 from tests.helpers import greedy, make_config, run_until_done
 from tests.quality import teacher_forced
 from tests.reference import capture_logits
@@ -137,19 +137,7 @@ def test_the_one_call_step_describes_packed_segments_with_the_flag() -> None:
 @pytest.fixture(scope="module")
 def tiny_gguf(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The tiny Llama as GGUF (Q4_0, Q4_1 and Q8_0 blocks), served as a ``.gguf`` model.path."""
-    root = tmp_path_factory.mktemp("fast-gguf")
-    path = write_tiny_gguf(tiny_model_dir, root / "llama.gguf")
-    cfg = make_config(
-        **{
-            "model.path": str(path),
-            "paths.cache_dir": str(root / "cache"),
-            "cache.num_blocks": 96,
-            "model.num_threads": 2,
-            "scheduler.chunk_size": 8,
-        }
-    )
-    convert_tiny_gguf(cfg, path, tiny_model_dir)
-    return cfg
+    return gguf_config(tiny_model_dir, tmp_path_factory.mktemp("fast-gguf"))
 
 
 @pytest.fixture(scope="module", params=["gguf", "int8"])

@@ -15,27 +15,14 @@ from cluster.config.model_paths import COMPLETE_MARKER, gguf_model_dir
 from cluster.engine.engine import EngineRequest, LLMEngine
 from cluster.engine.models.llama import LlamaModel
 from cluster.engine.models.packed import PackedWeight
-from tests.gguf_tiny import convert_tiny_gguf, write_tiny_gguf
+from tests.gguf_tiny import gguf_config, write_tiny_gguf
 from tests.helpers import greedy, make_config, run_until_done
 from tests.reference import NEAR_TIE, capture_logits
 
 
 def _gguf_config(checkpoint: Path, root: Path, arch: str = "llama") -> Any:
-    """``checkpoint`` written as GGUF under ``root`` and converted as pdserve converts a
-    ``.gguf`` model.path; the config that serves the file."""
-    path = write_tiny_gguf(checkpoint, root / f"{arch}.gguf", arch=arch)
-    cfg = make_config(
-        **{
-            "model.path": str(path),
-            "paths.cache_dir": str(root / "cache"),
-            "cache.num_blocks": 96,
-            "model.num_threads": 2,
-            "scheduler.chunk_size": 8,
-            "model.numerics": "exact",  # these tests compare with the de-quantized reference
-        }
-    )
-    convert_tiny_gguf(cfg, path, checkpoint)
-    return cfg
+    """``gguf_config`` in exact numerics: these tests compare with the de-quantized reference."""
+    return gguf_config(checkpoint, root, arch, **{"model.numerics": "exact"})
 
 
 @pytest.fixture(scope="module")
