@@ -89,6 +89,13 @@ class TorchModelRunner:
         self.model.kv_codec = kv_codec_for(self.layout)
         self.num_blocks = num_kv_blocks(config, self.layout.bytes_per_block, self.device)
         self.decode_kernel = self._load_decode_kernel(config)
+        # Fast numerics round every activation to int8, so a last-bit difference upstream of a
+        # matrix becomes a whole rounding step, and then other tokens. Prefill chunks' rows
+        # are attended as decode rows are (the paged decode kernel, one row over its own
+        # context), so each row's arithmetic is the same whichever step, chunk size, prefix
+        # hit or pool computes it, and with the linear kernels' batch invariance a request's
+        # output does not depend on how it was scheduled.
+        self.rows_as_decodes = self.decode_kernel is not None and self.model.int8_activations
         self.kv_cache = kv_allocator(self.layout, self.num_blocks, self.device)
         self.formats = {"weights": self.model.weight_format, "kv_cache": self.layout.dtype}
         logger.info(
@@ -143,12 +150,13 @@ class TorchModelRunner:
     def prepare(self, batch: ScheduledBatch) -> ForwardInputs:
         # A decode with drafts is 1 + k decode rows over its one table (row j sees its context
         # up to itself): the same batched pass verifies them. Decode rows come first.
+        # Under fast numerics every row is a decode row, prefill chunks too: see rows_as_decodes.
         rows = _StepRows()
-        decodes = [it for it in batch.items if it.num_new_tokens == 1 + len(it.draft_token_ids)]
+        decodes = [it for it in batch.items if self._as_decode(it)]
         for it in decodes:
             self._add_decode(rows, it)
         for it in batch.items:
-            if it.num_new_tokens > 1 + len(it.draft_token_ids):
+            if not self._as_decode(it):
                 self._add_prefill(rows, it)
         dev = self.device
 
@@ -165,10 +173,18 @@ class TorchModelRunner:
             prompt=rows.prompt,
         )
 
+    def _as_decode(self, it: ScheduledRequest) -> bool:
+        """Whether ``it``'s rows are decode rows: a decode with or without drafts, or any chunk
+        where ``rows_as_decodes``."""
+        return self.rows_as_decodes or it.num_new_tokens == 1 + len(it.draft_token_ids)
+
     def _add_decode(self, rows: _StepRows, it: ScheduledRequest) -> None:
-        """A decode's rows (its token and any drafts), each with its own context length."""
+        """Rows attended one by one over their block table, each with its own context length:
+        a decode's token and drafts (each row sampled), or a prefill chunk (its last row
+        sampled, if any)."""
         bs = self.block_size
         self._score_prompt(it, len(rows.ids), rows.prompt, rows.prompt_rows)
+        every_row = it.num_new_tokens == 1 + len(it.draft_token_ids)
         for p, token in enumerate(it.input_token_ids(), it.request.num_computed_tokens):
             rows.ids.append(token)
             rows.positions.append(p)
@@ -177,9 +193,11 @@ class TorchModelRunner:
             rows.dec_tables.append(table)
             rows.slot_blocks.append(table[-1])
             rows.slot_offsets.append(p % bs)
-            if it.samples:
+            if it.samples and every_row:
                 rows.sample_rows.append(len(rows.ids) - 1)
         if it.samples:
+            if not every_row:
+                rows.sample_rows.append(len(rows.ids) - 1)
             rows.sampled.append(it)
 
     def _add_prefill(self, rows: _StepRows, it: ScheduledRequest) -> None:

@@ -119,12 +119,17 @@ class LlamaModel:
         return [self.embed, self.lm_head] + [m for lw in self.layers for m in lw.matrices()]
 
     @property
+    def int8_activations(self) -> bool:
+        """Whether its linear multiplies packed weights with int8 activations (model.numerics:
+        fast)."""
+        linear = self.ops.linear
+        return isinstance(linear, PackedLinear) and linear.fast
+
+    @property
     def weight_format(self) -> str:
         """``dense float32``, or the packed formats in use (``Q4_1 + Q8_0``, ``int8``), and
         ``, int8 activations (fast)`` where its linear runs them so (model.numerics)."""
-        linear = self.ops.linear
-        fast = isinstance(linear, PackedLinear) and linear.fast
-        return weight_format(self.matrices(), fast)
+        return weight_format(self.matrices(), self.int8_activations)
 
     def weight_bytes(self) -> int:
         """Resident bytes of every weight (shared storage, e.g. a tied lm_head, counted once)."""

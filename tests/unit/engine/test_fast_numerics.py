@@ -193,11 +193,13 @@ def test_fast_runs_every_packed_matrix_with_int8_activations_close_to_exact(
     flagged, unflagged = _spy(fast), _spy(exact)
     outs = [_generate(e, PROMPTS, 6) for e in (exact, fast)]
     assert all(len(t) == 6 for out in outs for t in out.values())
-    # prefill chunks and the lm_head take int8 activations; q/k/v keep fp32 ones
+    # Every step, prefill chunks too, ran its layers in one call (rows_as_decodes): the calls
+    # from Python are the lm_head's, with int8 activations; q/k/v keep fp32 ones.
+    assert fast.runner.rows_as_decodes and not exact.runner.rows_as_decodes
     assert all(lw.qkv.fp32_activations for lw in fast.runner.model.layers)
-    assert any(q & FAST for q in flagged) and any(not q & FAST for q in flagged)
+    assert flagged and all(q & FAST for q in flagged)
     assert unflagged and not any(q & FAST for q in unflagged)
-    # The decode-only steps ran in one call, its matrices described with the flag (q/k/v not).
+    # The one call's matrices are described with the flag (q/k/v not).
     assert isinstance(ops._whole, DecodeForward)
     layer = ops._whole._layers[0]
     assert not any(layer.qkv.qtype[i] & FAST for i in range(layer.qkv.num_segments))
@@ -338,3 +340,32 @@ def test_auto_is_fast_only_where_the_integer_kernels_pay(tmp_path: Path) -> None
             numerics_for(cfg.replace({"model.numerics": "fast"}), False, "cuda bfloat16")
     finally:
         kernels.set_qlinear_isa(None)
+
+
+def test_a_prompts_logits_do_not_depend_on_its_chunking_or_prefix_hits_in_fast_mode(
+    tiny_gguf: Any,
+) -> None:
+    """Int8 activations turn any last-bit difference upstream into a rounding step, so under
+    fast numerics every row runs the same arithmetic whichever step computes it: a prompt
+    prefilled in one step, in 3-token chunks, or after a prefix-cache hit (its cached blocks
+    plus the rest) gives the same logits, bit for bit, at every output token."""
+    cfg = tiny_gguf.replace({"model.numerics": "fast"})
+    prompt = [3 + (j * 7) % 400 for j in range(37)]
+    runs = []
+    for chunk in (256, 3):
+        eng = LLMEngine(cfg.replace({"scheduler.chunk_size": chunk}))
+        if eng.runner.model.ops.packed.kernel_max_rows < 64:
+            pytest.skip("this instruction set's rule puts a 37-row step on the tiles path")
+        logits = capture_logits(eng)
+        for rid in ("a", "b") if chunk == 3 else ("a",):
+            # "b": the same prompt again, 32 of its tokens from the prefix cache
+            out = _generate(eng, {rid: prompt}, 8)[rid]
+            runs.append((out, {i: t for (r, i), t in logits.items() if r == rid}))
+        assert eng.stats()["num_cached_prompt_tokens"] >= (32 if chunk == 3 else 0)
+    (tokens, ref), *others = runs
+    assert len(ref) == 8
+    for got, logits in others:
+        assert got == tokens
+        assert logits.keys() == ref.keys()
+        for key, row in logits.items():
+            assert torch.equal(row, ref[key]), key
