@@ -128,16 +128,19 @@ def test_every_variant_equals_the_integer_reference_bit_for_bit(
     kernels: NativeKernels, qtype: int, cols: int
 ) -> None:
     w = packed(qtype, 37, cols, seed=qtype + cols)  # 37 rows: partial row tiles
-    x = _x(9, cols, seed=cols)  # 9 rows: partial activation tiles
     s = w.segments[0]
-    want = reference(qtype, s.data, s.scales, x.numpy())
-    for name in _variants(kernels):
-        kernels.set_qlinear_isa(name)
-        got = _fast(kernels, qtype, w, x).numpy()
-        assert np.array_equal(got.view(np.int32), want.view(np.int32)), (
-            name,
-            np.abs(got - want).max(),
-        )
+    # activation tiles of every size the variants specialise: 4 + 4 + 1, 4 + 2, 3
+    for n in (9, 6, 3):
+        x = _x(n, cols, seed=cols + n)
+        want = reference(qtype, s.data, s.scales, x.numpy())
+        for name in _variants(kernels):
+            kernels.set_qlinear_isa(name)
+            got = _fast(kernels, qtype, w, x).numpy()
+            assert np.array_equal(got.view(np.int32), want.view(np.int32)), (
+                name,
+                n,
+                np.abs(got - want).max(),
+            )
     kernels.set_qlinear_isa(None)
 
 
