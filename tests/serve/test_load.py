@@ -81,6 +81,9 @@ SMALL = {
 # (with 64, the last 36 waited ~35 s for the first 64 to finish their 400 tokens).
 BIG = {
     **BASE,
+    # F9's 500 streams of 1,000 tokens, 128 decoding at a time, never short of blocks (4 KiB
+    # each for the fake model)
+    "cache.num_blocks": 16384,
     "scheduler.max_num_seqs": 128,
     "scheduler.max_num_batched_tokens": 1024,
     "decode.max_ongoing_requests": 640,
@@ -357,6 +360,12 @@ def test_b8_one_connection_cannot_take_more_than_its_streams(small: App) -> None
     small.assert_clean()
 
 
+# Long enough that no stream can finish while the 500 are still being admitted (at 200 a CI run
+# peaked at 346 in flight: the first ones had finished), and that ignored cancels would hold
+# blocks far past assert_clean's window.
+F9_TOKENS = 1000
+
+
 def test_f9_an_abort_storm_leaves_nothing_behind(big: App) -> None:
     prompts = {f"s{i}": prompt(i, 24 + i % 40) for i in range(500)}  # local and remote
     normal = {f"n{i}": prompt(1000 + i, 30) for i in range(100)}
@@ -369,7 +378,9 @@ def test_f9_an_abort_storm_leaves_nothing_behind(big: App) -> None:
         private = [("grpc.use_local_subchannel_pool", 1)]
         chans = [grpc.aio.insecure_channel(big.grpc_target, options=private) for _ in range(10)]
         stubs = [pb_grpc.GenerationStub(c) for c in chans]
-        calls = [stubs[i % 10].Generate(greedy_req(p, 200)) for i, p in enumerate(prompts.values())]
+        calls = [
+            stubs[i % 10].Generate(greedy_req(p, F9_TOKENS)) for i, p in enumerate(prompts.values())
+        ]
         firsts = [asyncio.ensure_future(c.read()) for c in calls]  # drive every call
         deadline = time.monotonic() + 60
         most = 0
@@ -380,7 +391,7 @@ def test_f9_an_abort_storm_leaves_nothing_behind(big: App) -> None:
         for c in calls:
             c.cancel()
         # All cancelled at once: within 1 s of this client's loop (a busy 2-core box can pause it
-        # for a tenth of that), while each stream still has most of its 200 tokens to go.
+        # for a tenth of that), while each stream still has most of its tokens to go.
         assert time.perf_counter() - t0 < 1.0
         await asyncio.wait(firsts, timeout=30)
         for c in chans:
@@ -394,10 +405,10 @@ def test_f9_an_abort_storm_leaves_nothing_behind(big: App) -> None:
     t0 = time.monotonic()
     big.assert_clean(timeout=15.0)  # the target is 2 s: generous here, the figure printed
     print(f"F9: every pool clean {time.monotonic() - t0:.2f} s after the storm")
-    # Ignored cancels would free the blocks too, once the 200 tokens were done: the decode pool
-    # must have aborted the streams it had (345-347 of ~465 on a quiet box, 224 of 450 in a CI
-    # run beside the other worker: the rest were still on their way to it) and completed at
-    # most a few that finished first (0 in every run).
+    # Ignored cancels would free the blocks too, once the 1,000 tokens were done (tens of
+    # seconds at 128 a step): the decode pool must have aborted the streams it had (345-347 of
+    # ~465 on a quiet box, 224 of 450 in a CI run beside the other worker: the rest were still
+    # on their way to it) and completed at most a few that finished first (0 in every run).
     ended = delta(before, outcome_counters(big))
     print(f"F9: {ended}")
     assert ended["decode.aborted"] >= started // 4, ended
