@@ -12,7 +12,10 @@ Each step, before the scheduler runs (``LLMEngine.schedule``):
      each against the engine-wide average. The step's ``max_num_draft_tokens`` go to the
      likeliest drafts first (the chance that draft j and all before it are accepted), so a
      request that matched a long suffix drafts deep and one that matched two tokens at batch 8
-     none. Nothing with more than ``max_batch_size`` decoding requests.
+     none; of those, the step takes as many as give it the most tokens a second (B + their
+     chances over ``StepCost.step_time`` at that many rows: where a row tile fills, the next
+     row costs far more than the line says). Nothing with more than ``max_batch_size``
+     decoding requests.
   2. The scheduler feeds each request its last token + drafts (as many as fit) and the runner
      verifies them (``spec.verify``); ``update`` appends the accepted ones.
   3. ``record(item, num_accepted)``: per-request, per-class and engine counters, and the
@@ -128,7 +131,7 @@ class Speculator:
             return {}
         proposals = self.proposer.propose(asked, room)
         classes = [getattr(d, "evidence", 0) for d in proposals]  # a plain list: class 0
-        take = self._allot(asked, proposals, classes, self.threshold(len(decoding)))
+        take = self._allot(asked, proposals, classes, len(decoding))
         out: dict[str, list[int]] = {}
         for r, drafts, cls, n in zip(asked, proposals, classes, take, strict=True):
             if n:
@@ -155,11 +158,12 @@ class Speculator:
         asked: Sequence[Request],
         proposals: Sequence[Sequence[int]],
         classes: Sequence[int],
-        threshold: float,
+        batch: int,
     ) -> list[int]:
         """How many of its drafts each request verifies this step, within the step's budget."""
         # (chance that drafts 1..j of a request are all accepted, its index, j): the step's
         # budget goes to the likeliest first, so a sure request drafts deep, a doubtful none.
+        threshold = self.threshold(batch)
         candidates: list[tuple[float, int, int]] = []
         probes: list[int] = []
         for i, (r, drafts) in enumerate(zip(asked, proposals, strict=True)):
@@ -182,9 +186,26 @@ class Speculator:
             take[i] = 1
         budget -= sum(take)
         candidates.sort(key=lambda c: -c[0])  # stable: ties keep the oldest request first
-        for _chance, i, j in candidates[: max(0, budget)]:
+        for _chance, i, j in candidates[: self._most_tokens(candidates, batch, sum(take), budget)]:
             take[i] = max(take[i], j)
         return take
+
+    def _most_tokens(
+        self, candidates: Sequence[tuple[float, int, int]], batch: int, probes: int, budget: int
+    ) -> int:
+        """How many of the likeliest ``candidates`` give the step the most tokens a second: B +
+        the chances taken (expected tokens) over the step's time at that many rows
+        (``StepCost.step_time``). With a linear cost that is the threshold's rule again; with
+        the kernels' staircase it stops where a row tile is full, not one row past it."""
+        cost = self.step_cost
+        best_m, best = 0, batch / cost.step_time(batch, probes)
+        expected = float(batch)
+        for m, (chance, _i, _j) in enumerate(candidates[: max(0, budget)], 1):
+            expected += chance
+            rate = expected / cost.step_time(batch, probes + m)
+            if rate > best:
+                best_m, best = m, rate
+        return best_m
 
     def _probe_due(self, request_id: str) -> bool:
         """A request not worth drafting for now: True when no pause of its is running, and it

@@ -1,7 +1,11 @@
 """``StepCost``: what a draft row costs, read off the engine's own decode-only steps.
 
 The speculator's threshold (``speculator.py``): a request's j-th draft pays while its chance
-beats b B / t_B, b a draft row's cost and t_B a step's without drafts at B requests.
+beats b B / t_B, b a draft row's cost and t_B a step's without drafts at B requests. And what a
+step of so many rows takes (``step_time``), for the speculator to pick the number of drafts that
+gives the most tokens a second: the kernels' cost is a staircase in the rows, not a line (the
+integer kernels' register tiles take activation rows four at a time: on the default GGUF a step
+of 4 rows costs 2.1 one-row steps, and one of 5 rows 2.7).
 """
 
 from __future__ import annotations
@@ -20,11 +24,16 @@ class StepCost:
     of a one-row step (the config's ``draft_row_cost``), threshold c B / (1 + c B).
     """
 
-    def __init__(self, prior: float, decay: float = 0.98, min_steps: int = 16) -> None:
+    def __init__(
+        self, prior: float, decay: float = 0.98, min_steps: int = 16, min_row_steps: int = 3
+    ) -> None:
         self.prior = prior
         self.decay = decay
         self.min_steps = min_steps
+        self.min_row_steps = min_row_steps
         self.num_steps = 0
+        # by a step's rows (requests + drafts): decayed (weight, sum of seconds)
+        self._rows: dict[int, tuple[float, float]] = {}
         self._zz = np.zeros((3, 3))  # decayed sums of z z^T and z t, z = (1, B, D)
         self._zt = np.zeros(3)
         self._fit: tuple[float, float, float] | None = None  # (a, e, b)
@@ -36,6 +45,22 @@ class StepCost:
         self._zt = self.decay * self._zt + z * seconds
         self.num_steps += 1
         self._stale = True
+        w, t = self._rows.get(requests + drafts, (0.0, 0.0))
+        self._rows[requests + drafts] = (self.decay * w + 1.0, self.decay * t + seconds)
+
+    def step_time(self, requests: int, drafts: int) -> float:
+        """What a decode-only step of ``requests`` requests and ``drafts`` draft rows takes: the
+        mean of the recent steps of as many rows, once there are ``min_row_steps`` of them,
+        else the fit (seconds); before any fit, the prior in one-row steps, 1 + prior (B + D)
+        (only ever compared with itself)."""
+        fit = self.fit()
+        if fit is None:
+            return 1.0 + self.prior * (requests + drafts)
+        w, t = self._rows.get(requests + drafts, (0.0, 0.0))
+        if w >= self.min_row_steps:
+            return t / w
+        a, e, b = fit
+        return max(a + e * requests + b * drafts, 1e-9)
 
     def fit(self) -> tuple[float, float, float] | None:
         """(a, e, b), or None while the steps do not tell a draft row's cost apart."""

@@ -389,6 +389,45 @@ def test_a_draft_rows_cost_is_read_off_the_steps_apart_from_the_batchs() -> None
     assert fixed.threshold(8) == pytest.approx(0.008 / 0.020, rel=1e-6)
 
 
+# A decode step's milliseconds by its rows, measured with the integer kernels on the default GGUF
+# (2-core AVX-512 VNNI host): a tile takes four activation rows, so the fifth row costs a lot.
+STAIRCASE_MS = {1: 2.35, 2: 3.37, 3: 4.87, 4: 5.05, 5: 6.45, 6: 7.6, 7: 8.6, 8: 9.28, 9: 10.92}
+STAIRCASE_MS.update({10: 12.0, 11: 13.2, 12: 13.9, 13: 14.6, 14: 15.0, 15: 15.4, 16: 15.68})
+
+
+def _staircase_speculator() -> Any:
+    from cluster.config import SpeculativeConfig
+    from cluster.engine.spec.speculator import Speculator
+
+    spec = Speculator(SpeculativeConfig(method="ngram"), None)
+    for i in range(200):  # batches of 1 and 8, 0-8 drafts each
+        batch, drafts = (1, i % 9) if i % 2 else (8, i % 9)
+        spec.step_cost.observe(batch, drafts, STAIRCASE_MS[batch + drafts] / 1000)
+    return spec
+
+
+def test_drafts_stop_where_the_step_cost_steps_up() -> None:
+    """The number of drafts is the one that gives the step the most tokens a second: at batch 1
+    with drafts accepted 9 times in 10, three (a full tile of four rows), where the linear rule
+    (p ** j over b B / t_B) verified all eight, at 4.6x a one-row step; at batch 8 with drafts
+    accepted 6 times in 10, none."""
+    spec = _staircase_speculator()
+    sure = [(0.9**j, 0, j) for j in range(1, 9)]
+    assert all(chance > spec.threshold(1) for chance, _, _ in sure)  # the linear rule: all 8
+    assert spec._most_tokens(sure, 1, 0, 24) == 3
+    doubtful = [(0.6, i, 1) for i in range(8)]
+    assert spec._most_tokens(doubtful, 8, 0, 24) == 0
+    # rows that cost nothing more: every candidate is taken, up to the budget
+    flat = StepCost(prior=0.1, min_steps=4)
+    for i in range(40):
+        flat.observe(1, i % 9, 0.002)
+    spec.step_cost = flat
+    assert spec._most_tokens(sure, 1, 0, 24) == 8 and spec._most_tokens(sure, 1, 0, 5) == 5
+    # before any fit, the prior's line (1 + 0.1 rows): deep drafts for sure guesses
+    spec.step_cost = StepCost(prior=0.1)
+    assert spec._most_tokens(sure, 1, 0, 24) == 8
+
+
 def test_rows_that_cost_much_draft_less_than_rows_that_cost_little() -> None:
     prompt = [7, 3, 9, 4, 7, 3, 9, 4, 7, 3, 9, 4]
     ref = _run(LLMEngine(fake_config()), {"a": prompt}, greedy(40))
