@@ -243,15 +243,32 @@ def _speedup(cells: Cells, wl: str, batch: int, on: str = "on", off: str = "off"
 
 
 def _mismatches(cells: Cells, off: str = "off", on: str = "on") -> list[str]:
-    """Requests whose greedy tokens differ between arms ``off`` and ``on``."""
-    return [
-        f"{wl} b{batch} {rid}"
-        for (wl, batch), pairs in cells.items()
-        for d in pairs
-        if off in d and on in d
-        for rid, toks in d[off].tokens.items()
-        if d[on].tokens[rid.replace(f"-{off}-", f"-{on}-")] != toks
+    """Requests whose greedy tokens differ between arms ``off`` and ``on``: each with the output
+    index where they part and, where the other pairs agree, which arm left them."""
+    found = []
+    for (wl, batch), pairs in cells.items():
+        runs = [d for d in pairs if off in d and on in d]
+        for p, d in enumerate(runs):
+            for rid, toks in d[off].tokens.items():
+                base = rid.removesuffix(f"-{off}-{p}")
+                other = d[on].tokens[f"{base}-{on}-{p}"]
+                if other != toks:
+                    at = next((i for i, (a, b) in enumerate(zip(toks, other)) if a != b), None)
+                    odd = _odd_arm(runs, p, base, (off, on))
+                    found.append(f"{wl} b{batch} {rid} from token {at}{odd}")
+    return found
+
+
+def _odd_arm(runs: list[dict[str, ArmRun]], p: int, base: str, arms: tuple[str, str]) -> str:
+    """``; <arm> left the other pairs`` where the other pairs all gave request ``base`` the same
+    tokens and one arm of pair ``p`` did not, else nothing."""
+    others = [
+        runs[q][a].tokens[f"{base}-{a}-{q}"] for q in range(len(runs)) if q != p for a in arms
     ]
+    if not others or any(o != others[0] for o in others):
+        return ""
+    odd = [a for a in arms if runs[p][a].tokens[f"{base}-{a}-{p}"] != others[0]]
+    return f"; {odd[0]} left the other pairs" if len(odd) == 1 else ""
 
 
 def _keys(cells: Cells, arms: _Arms) -> dict[str, float]:

@@ -52,3 +52,24 @@ def test_an_arm_never_reads_kv_the_other_arm_overwrote(tiny_model_dir: Path) -> 
     run_arm(ctx, on, {"b2": other}, 1, PARAMS)
     assert _generate(off, "stale", mine) != ref
     assert off.stats()["num_cached_prompt_tokens"] > 0
+
+
+def test_a_mismatch_names_where_the_arms_part_and_which_arm_left_the_other_pairs() -> None:
+    from benchmarks.harness import ArmRun
+    from benchmarks.spec import _mismatches
+
+    def pair(q: int, off: list[int], on: list[int]) -> dict[str, ArmRun]:
+        return {
+            "off": ArmRun("off", tokens={f"copy2-off-{q}": off, f"copy3-off-{q}": [1, 2]}),
+            "on": ArmRun("on", tokens={f"copy2-on-{q}": on, f"copy3-on-{q}": [1, 2]}),
+        }
+
+    good = [5, 6, 7, 8]
+    cells = {("copy", 1): [pair(0, good, good), pair(1, [5, 6, 9, 9], good), pair(2, good, good)]}
+    assert _mismatches(cells) == ["copy b1 copy2-off-1 from token 2; off left the other pairs"]
+    # the other pairs disagree among themselves: no arm is named
+    cells = {("copy", 1): [pair(0, good, [5, 1]), pair(1, good, [5, 6, 7, 0])]}
+    assert _mismatches(cells) == [
+        "copy b1 copy2-off-0 from token 1",
+        "copy b1 copy2-off-1 from token 3",
+    ]
