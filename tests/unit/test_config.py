@@ -171,7 +171,15 @@ def test_declared_formats_name_the_weights_and_kv_formats() -> None:
         cfg = ClusterConfig().replace(overrides)
         return declared_formats(cfg.model, cfg.cache)
 
-    auto = ", numerics auto (fast where the CPU has the AVX-512 integer kernels, else exact)"
+    # auto is exact today (NUMERICS_DEFAULT): nothing to add; were it fast, the banner would say
+    # the pools decide by their CPUs
+    from cluster.config import model as model_config
+
+    auto = (
+        ", numerics auto (fast where the CPU has the AVX-512 integer kernels, else exact)"
+        if model_config.NUMERICS_DEFAULT == "fast"
+        else ""
+    )
     assert formats() == {
         "weights": "gguf (the file's own quantized blocks)" + auto,
         "kv_cache": "model dtype (float32 on CPU)",
