@@ -176,7 +176,7 @@ class TorchModelRunner:
     def _as_decode(self, it: ScheduledRequest) -> bool:
         """Whether ``it``'s rows are decode rows: a decode with or without drafts, or any chunk
         where ``rows_as_decodes``."""
-        return self.rows_as_decodes or it.num_new_tokens == 1 + len(it.draft_token_ids)
+        return self.rows_as_decodes or _decoding(it)
 
     def _add_decode(self, rows: _StepRows, it: ScheduledRequest) -> None:
         """Rows attended one by one over their block table, each with its own context length:
@@ -184,7 +184,7 @@ class TorchModelRunner:
         sampled, if any)."""
         bs = self.block_size
         self._score_prompt(it, len(rows.ids), rows.prompt, rows.prompt_rows)
-        every_row = it.num_new_tokens == 1 + len(it.draft_token_ids)
+        every_row = _decoding(it)
         for p, token in enumerate(it.input_token_ids(), it.request.num_computed_tokens):
             rows.ids.append(token)
             rows.positions.append(p)
@@ -255,6 +255,11 @@ class TorchModelRunner:
 
 
 DecodeKernel = Callable[..., torch.Tensor]  # NativeKernels.paged_decode
+
+
+def _decoding(it: ScheduledRequest) -> bool:
+    """A decode: its last token and any drafts, each row sampled (not a prefill chunk)."""
+    return it.num_new_tokens == 1 + len(it.draft_token_ids)
 
 
 @dataclass(slots=True)
