@@ -177,3 +177,26 @@ def test_prefill_equals_the_torch_path(kind: str) -> None:
         ref = _prefill_attention(q, own[:, 0], own[:, 1], k_cache, v_cache, p, 0.125, codec)
         got = triton_prefill_attention(q, stored, layer, p, 0.125)
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "int8"])
+def test_kernels_read_a_head_range_view(kind: str) -> None:
+    """A tensor-parallel rank's view of its KV heads (``kv_cache[..., h0:h1, :]``, not
+    contiguous) is read through its strides: the same as the whole cache's heads h0..h1."""
+    d, bs, hkv, group = 64, 16, 4, 2
+    dtype, kv_kind = DTYPES[kind]
+    g = torch.Generator().manual_seed(5)
+    stored, _ = _cache(g, _codec(kv_kind, dtype, d), bs, hkv, d)
+    lens = [7, 30]
+    tables = _tables(g, lens, bs)
+    ctx = torch.tensor(lens, dtype=torch.long)
+    q = torch.randn(2, hkv * group, d, generator=g)
+    whole = triton_paged_decode(q, stored, tables, ctx, 1, 0.1)
+    view = stored[:, :, :, :, 1:3]
+    part = triton_paged_decode(q[:, 2:6].contiguous(), view, tables, ctx, 1, 0.1)
+    torch.testing.assert_close(part, whole[:, 2:6], atol=0, rtol=0)
+    p = PrefillSeq(0, 20, 12, tables[1, :2])
+    qp = torch.randn(20, hkv * group, d, generator=g)
+    whole_p = triton_prefill_attention(qp, stored, 0, p, 0.1)
+    part_p = triton_prefill_attention(qp[:, 2:6].contiguous(), view, 0, p, 0.1)
+    torch.testing.assert_close(part_p, whole_p[:, 2:6], atol=0, rtol=0)
