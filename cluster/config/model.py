@@ -83,6 +83,14 @@ class ModelConfig:
     were it fast, fast only where the integer kernels pay (AVX-512), exact elsewhere."""
     seed: int = 0
     """Sampling seed of requests that bring none."""
+    tensor_parallel_size: int = 1
+    """Ranks (processes) one engine's model is split across: attention heads, MLP columns and
+    the vocabulary divided among them, one all-reduce after each attention and MLP. Each rank
+    runs ``num_threads`` threads. Set per pool with ``prefill.tensor_parallel_size`` and
+    ``decode.tensor_parallel_size``."""
+    tensor_parallel_timeout_s: float = 60.0
+    """A collective among the ranks unfinished this long fails the engine's step (a rank that
+    died or hangs), rather than the step waiting forever."""
 
     def __post_init__(self) -> None:
         check_choices(self, "model")
@@ -98,6 +106,8 @@ class ModelConfig:
             check(self.max_model_len >= 2, "model.max_model_len", "must be >= 2")
         if self.num_threads is not None:
             check(self.num_threads >= 1, "model.num_threads", "must be >= 1")
+        check(self.tensor_parallel_size >= 1, "model.tensor_parallel_size", "must be >= 1")
+        check(self.tensor_parallel_timeout_s > 0, "model.tensor_parallel_timeout_s", "must be > 0")
 
     def _check_fast(self) -> None:
         if self.resolved_weights not in PACKED_WEIGHT_FORMATS:

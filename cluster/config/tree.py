@@ -68,16 +68,18 @@ class ClusterConfig:
         return to_plain(self)
 
     def for_pool(self, role: str) -> ClusterConfig:
-        """This config as one pool's engine sees it: the pool's scheduler and threads applied."""
+        """This config as one pool's engine sees it: the pool's scheduler, threads and tensor
+        parallelism applied."""
         pool: PoolConfig = self.prefill if role == "prefill" else self.decode
         cfg = self
         if pool.scheduler is not None:
             cfg = dataclasses.replace(cfg, scheduler=pool.scheduler)
+        model = cfg.model
         if pool.num_threads is not None:
-            cfg = dataclasses.replace(
-                cfg, model=dataclasses.replace(cfg.model, num_threads=pool.num_threads)
-            )
-        return cfg
+            model = dataclasses.replace(model, num_threads=pool.num_threads)
+        if pool.tensor_parallel_size is not None:
+            model = dataclasses.replace(model, tensor_parallel_size=pool.tensor_parallel_size)
+        return dataclasses.replace(cfg, model=model) if model is not cfg.model else cfg
 
     def replace(self, overrides: Mapping[str, Any]) -> ClusterConfig:
         """A new validated config with dotted-key overrides (``{"cache.block_size": 32}``)."""

@@ -125,10 +125,10 @@ class DecodeWorker:
         self, layout: KVLayout, num_blocks: int, device: torch.device
     ) -> torch.Tensor:
         # Another replica on this host may map it to take a migrating request (shm: one copy).
-        shared = (
-            device.type == "cpu"
-            and "shm" in self.config.transfer.transports
-            and self.config.decode.migrate_on_drain
+        # A tensor-parallel engine's ranks share it (every rank its heads): always shared then.
+        shared = device.type == "cpu" and (
+            ("shm" in self.config.transfer.transports and self.config.decode.migrate_on_drain)
+            or self.config.model.tensor_parallel_size > 1
         )
         self._pool = KVPool.allocate(layout, num_blocks, shared=shared, device=device.type)
         return self._pool.tensor

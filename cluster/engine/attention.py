@@ -50,17 +50,35 @@ class AttentionMetadata:
 
 
 def decode_row_index(
-    block_tables: torch.Tensor, block_size: int, num_layers: int, num_kv_heads: int
+    block_tables: torch.Tensor,
+    block_size: int,
+    num_layers: int,
+    num_kv_heads: int,
+    heads: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """Rows of layer 0's K for padded block tables [B, max_blocks] -> [Hkv * B * T]."""
+    """Rows of layer 0's K for padded block tables [B, max_blocks] -> [H * B * T], for the
+    cache's heads ``heads`` (default all ``num_kv_heads``: a tensor-parallel rank's range)."""
+    h0, h1 = heads if heads is not None else (0, num_kv_heads)
     nb = block_tables.shape[1]
     t = nb * block_size
     rows_per_block = num_layers * 2 * block_size * num_kv_heads
     slot = torch.arange(t, device=block_tables.device)
     blk = block_tables[:, slot // block_size]  # [B, T]
     row_bt = blk * rows_per_block + (slot % block_size) * num_kv_heads  # [B, T]
-    heads = torch.arange(num_kv_heads, device=block_tables.device).view(-1, 1, 1)
-    return (row_bt.unsqueeze(0) + heads).reshape(-1)  # [Hkv * B * T]
+    head_ids = torch.arange(h0, h1, device=block_tables.device).view(-1, 1, 1)
+    return (row_bt.unsqueeze(0) + head_ids).reshape(-1)  # [H * B * T]
+
+
+def cache_rows(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The whole cache as [rows, row_width], one (token, KV head) a row, and the heads a
+    token's row holds: also for a tensor-parallel rank's view of its heads, which it reads
+    through the rows ``decode_row_index`` gives for its range."""
+    width = kv_cache.shape[-1]
+    if kv_cache.is_contiguous():
+        return kv_cache.view(-1, width), kv_cache.shape[4]
+    row_heads = kv_cache.stride(3) // width
+    total = kv_cache.shape[0] * kv_cache.stride(0) // width
+    return torch.as_strided(kv_cache, (total, width), (width, 1), 0), row_heads
 
 
 def write_kv(
@@ -124,11 +142,12 @@ def _decode_attention(
     _, _, _, block_size, hkv, _ = kv_cache.shape
     g = hq // hkv
     t = meta.decode_mask.shape[1]
-    flat = kv_cache.view(-1, kv_cache.shape[-1])  # [rows, row_width]: one (token, kv head) each
-    k_rows = meta.decode_rows + (layer * 2) * block_size * hkv
+    flat, row_heads = cache_rows(kv_cache)  # [rows, row_width]: one (token, kv head) each
+    k_rows = meta.decode_rows + (layer * 2) * block_size * row_heads
     # One gather per K and V straight into [Hkv * B, T, D], the layout the matmuls want.
     kh = codec.decode(flat.index_select(0, k_rows), q.dtype).view(hkv * b, t, d)
-    vh = codec.decode(flat.index_select(0, k_rows + block_size * hkv), q.dtype).view(hkv * b, t, d)
+    v_rows = k_rows + block_size * row_heads
+    vh = codec.decode(flat.index_select(0, v_rows), q.dtype).view(hkv * b, t, d)
     qh = q.view(b, hkv, g, d).transpose(0, 1).reshape(hkv * b, g, d)  # [Hkv*B, G, D]
     scores = torch.bmm(qh, kh.transpose(1, 2)).view(hkv, b, g, t)  # [Hkv, B, G, T]
     scores.mul_(scale).add_(meta.decode_mask.view(1, b, 1, t))

@@ -12,12 +12,15 @@ every transfer relies on:
 
 from __future__ import annotations
 
+import mmap
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
+from cluster.common import shared_regions
 from cluster.common.kv_layout import KVLayout
 from cluster.config import ClusterConfig, cpu_count
 from cluster.engine.batch import ScheduledBatch
@@ -73,6 +76,40 @@ def default_kv_allocator(layout: KVLayout, num_blocks: int, device: torch.device
     # Zeros, not empty: padded attention rows multiply probabilities 0 by these values.
     dtype = KV_STORAGE_DTYPES[layout.storage_dtype]
     return torch.zeros((num_blocks, *layout.block_shape), dtype=dtype, device=device)
+
+
+def shared_kv_allocator(layout: KVLayout, num_blocks: int, device: torch.device) -> torch.Tensor:
+    """A zeroed KV tensor in a memfd other processes on this host may map (``map_shared_kv``,
+    by ``shared_kv_path``): a tensor-parallel engine's ranks share one cache this way."""
+    if device.type != "cpu":
+        raise ValueError("a shared KV cache lives in host memory (model.device cpu)")
+    nbytes = num_blocks * layout.bytes_per_block
+    fd = os.memfd_create("pdserve-kv", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)  # zero-filled
+        region = mmap.mmap(fd, nbytes)
+    except BaseException:
+        os.close(fd)
+        raise
+    dtype = KV_STORAGE_DTYPES[layout.storage_dtype]
+    tensor = torch.frombuffer(region, dtype=dtype).view(num_blocks, *layout.block_shape)
+    shared_regions.register(tensor.data_ptr(), f"/proc/{os.getpid()}/fd/{fd}", fd)
+    return tensor
+
+
+def shared_kv_path(kv_cache: torch.Tensor) -> str | None:
+    """Where another process on this host maps ``kv_cache``, if it lives in shared memory
+    (``shared_kv_allocator``, or a server's shared KV pool)."""
+    return shared_regions.path_of(kv_cache.data_ptr())
+
+
+def map_shared_kv(path: str, layout: KVLayout, num_blocks: int) -> torch.Tensor:
+    """Another process's shared KV cache (``shared_kv_path``), read-write."""
+    nbytes = num_blocks * layout.bytes_per_block
+    with open(path, "r+b") as f:
+        region = mmap.mmap(f.fileno(), nbytes)
+    dtype = KV_STORAGE_DTYPES[layout.storage_dtype]
+    return torch.frombuffer(region, dtype=dtype).view(num_blocks, *layout.block_shape)
 
 
 def resolve_device(config: ClusterConfig) -> torch.device:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 
+from cluster.common import shared_regions
 from cluster.common.kv_layout import SCHEMES, KVLayout
 from cluster.common.tokenizer import Tokenizer
 from cluster.config import ClusterConfig
@@ -18,19 +22,26 @@ from cluster.engine.attention import AttentionMetadata, PrefillSeq, decode_row_i
 from cluster.engine.kernels.native import MAX_GROUP, load_native
 from cluster.engine.kv_codec import kv_codec_for
 from cluster.engine.models.default_model import ModelSource, model_source
+from cluster.engine.models.packed import has_packed_rows
+from cluster.engine.models.tensor_parallel import plan_shards, shard_model
 from cluster.engine.models.weights import LoadSpec, load_model
 from cluster.engine.runner import (
     KVAllocator,
     RunnerOutput,
     default_kv_allocator,
+    map_shared_kv,
     num_kv_blocks,
     resolve_device,
     resolve_dtype,
     resolve_kv_dtype,
     set_torch_threads,
+    shared_kv_allocator,
+    shared_kv_path,
 )
 from cluster.engine.scheduler import ScheduledBatch, ScheduledRequest
 from cluster.engine.spec.verify import sample_and_verify
+from cluster.engine.tp_group import RankFailure, ShmGroup
+from cluster.engine.tp_ranks import STOP, Ranks, RankSpec, driver_gone, spawn_ranks
 
 # The integer kernels' variants where model.numerics auto means fast (when the gates chose fast):
 # the AVX-512 ones beat the exact kernel 2-4x on batches; AVX2's maddubs path does not.
@@ -45,12 +56,38 @@ class TorchModelRunner:
         config: ClusterConfig,
         model_dir: Path | None = None,
         kv_allocator: KVAllocator = default_kv_allocator,
+        rank: RankSpec | None = None,
     ) -> None:
+        """``rank``: this process is one of a tensor-parallel engine's other ranks
+        (``tp_ranks``); None: the engine's own runner (with ``model.tensor_parallel_size`` > 1,
+        rank 0, which starts the others)."""
         self.config = config
         set_torch_threads(config)
         self.device = resolve_device(config)
         dtype = resolve_dtype(config, self.device)
         source = ModelSource(model_dir, None) if model_dir is not None else model_source(config)
+        self.tp_rank = rank.rank if rank is not None else 0
+        self._group: ShmGroup | None = None
+        self._ranks: Ranks | None = None
+        self._own_shared_kv = 0  # the address of a shared KV cache this runner allocated
+        try:
+            self._start(config, source, dtype, kv_allocator, rank, model_dir)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(
+        self,
+        config: ClusterConfig,
+        source: ModelSource,
+        dtype: torch.dtype,
+        kv_allocator: KVAllocator,
+        rank: RankSpec | None,
+        model_dir: Path | None,
+    ) -> None:
+        world = config.model.tensor_parallel_size
+        if world > 1:
+            self._join_group(config, model_dir, rank, world)
         # CPU fp32: the native library's linear, layer ops and paged decode attention
         # (model.kernels).
         self.native = config.model.kernels != "torch" and (
@@ -72,7 +109,11 @@ class TorchModelRunner:
             ),
         )
         self.tokenizer = Tokenizer(source.model_dir)
-        arch = self.model.arch
+        if self._group is not None:
+            packed = has_packed_rows(self.model.matrices())
+            shard = plan_shards(self.model.arch, world, packed)[self.tp_rank]
+            shard_model(self.model, shard, self._group)
+        arch = self.model.tp.full if self.model.tp is not None else self.model.arch
         self.vocab_size = arch.vocab_size
         self.max_model_len = self.model.cos.shape[0]
         self.block_size = config.cache.block_size
@@ -87,7 +128,6 @@ class TorchModelRunner:
             SCHEMES[kv_dtype],
         )
         self.model.kv_codec = kv_codec_for(self.layout)
-        self.num_blocks = num_kv_blocks(config, self.layout.bytes_per_block, self.device)
         self.decode_kernel = self._load_decode_kernel(config)
         # Fast numerics round every activation to int8, so a last-bit difference upstream of a
         # matrix becomes a whole rounding step, and then other tokens. Prefill chunks' rows
@@ -96,7 +136,7 @@ class TorchModelRunner:
         # hit or pool computes it, and with the linear kernels' batch invariance a request's
         # output does not depend on how it was scheduled.
         self.rows_as_decodes = self.decode_kernel is not None and self.model.int8_activations
-        self.kv_cache = kv_allocator(self.layout, self.num_blocks, self.device)
+        self._allocate_kv(config, kv_allocator, rank)
         self.formats = {"weights": self.model.weight_format, "kv_cache": self.layout.dtype}
         logger.info(
             "weights %s (%.1f MiB); KV cache %s: %d blocks of %d tokens (%.1f MiB, %d bytes a "
@@ -109,6 +149,93 @@ class TorchModelRunner:
             self.num_blocks * self.layout.bytes_per_block / 2**20,
             self.layout.bytes_per_token,
         )
+
+    # -- tensor parallelism -------------------------------------------------------------------
+
+    def _join_group(
+        self, config: ClusterConfig, model_dir: Path | None, rank: RankSpec | None, world: int
+    ) -> None:
+        """Rank 0 creates the ranks' group and starts the others (they load while it does, the
+        same ``model_dir`` or the config's model); another rank attaches to the group."""
+        if self.device.type != "cpu":
+            raise ValueError(
+                f"model.tensor_parallel_size: {world} runs CPU ranks on one host; ranks on CUDA "
+                "devices (NCCL) are not built: use 1 there"
+            )
+        timeout = config.model.tensor_parallel_timeout_s
+        if rank is None:
+            self._group = ShmGroup.create(world, timeout)
+            self._ranks = spawn_ranks(config, model_dir, self._group.path, world)
+            self._group.peer_alive = self._ranks.peer_alive
+            return
+        self._group = ShmGroup.attach(rank.group_path, rank.rank, world, timeout)
+        self._group.peer_alive = lambda: driver_gone(rank.driver_pid)
+        _bind_rank_cores(rank.rank, world, torch.get_num_threads())
+
+    def _allocate_kv(
+        self, config: ClusterConfig, kv_allocator: KVAllocator, rank: RankSpec | None
+    ) -> None:
+        """The KV cache, every rank's heads in one tensor; a tensor-parallel rank attends over
+        its view of its heads (``kv_view``). Rank 0 allocates it, in shared memory where there
+        are other ranks, and tells them where it is and how many blocks it holds."""
+        group = self._group
+        if rank is not None:  # another rank: map the driver's cache
+            assert group is not None
+            where = group.broadcast()
+            assert isinstance(where, dict)
+            self.num_blocks = int(where["num_blocks"])
+            self.kv_cache = map_shared_kv(str(where["path"]), self.layout, self.num_blocks)
+        else:
+            self.num_blocks = num_kv_blocks(config, self.layout.bytes_per_block, self.device)
+            if group is not None and kv_allocator is default_kv_allocator:
+                kv_allocator = shared_kv_allocator
+            kv = kv_allocator(self.layout, self.num_blocks, self.device)
+            if group is not None and kv_allocator is shared_kv_allocator:
+                self._own_shared_kv = kv.data_ptr()
+            if group is not None and shared_kv_path(kv) is None:
+                raise ValueError(
+                    "model.tensor_parallel_size > 1: the server's KV allocator gave private "
+                    "memory; the ranks need it shared (shared_kv_allocator, KVPool shared)"
+                )
+            self.kv_cache = kv
+            if group is not None:
+                path = shared_kv_path(kv)
+                group.broadcast({"path": path, "num_blocks": self.num_blocks})
+                assert self._ranks is not None
+                self._ranks.wait_ready(config.model.tensor_parallel_timeout_s + 600)
+        tp = self.model.tp
+        self.kv_heads = tp.shard.kv_heads if tp is not None else (0, self.layout.num_kv_heads)
+        self.kv_view = self.kv_cache
+        if tp is not None:
+            self.kv_view = self.kv_cache[..., self.kv_heads[0] : self.kv_heads[1], :]
+
+    def follow_driver(self) -> None:
+        """Another rank's life after start-up: each step rank 0 broadcasts, until ``STOP``."""
+        group = self._group
+        assert group is not None and self.tp_rank > 0
+        while True:
+            message = group.broadcast()
+            if message == STOP:
+                return
+            assert isinstance(message, dict)
+            self.forward(self._inputs(_StepRows.from_wire(message)))
+
+    def close(self) -> None:
+        """Stop the other ranks (rank 0) and let go of the group."""
+        if self._ranks is not None:
+            if self._group is not None and self._ranks.peer_alive() is None:
+                with contextlib.suppress(RankFailure):
+                    self._group.broadcast(STOP)
+            self._ranks.close()
+            self._ranks = None
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+        if self._own_shared_kv:
+            fd = shared_regions.forget(self._own_shared_kv)
+            if fd >= 0:
+                os.close(fd)
+            self._own_shared_kv = 0
 
     def _load_decode_kernel(self, config: ClusterConfig) -> DecodeKernel | None:
         """The native paged decode attention (fp32 or int8 KV), or None: the torch gather."""
@@ -130,24 +257,32 @@ class TorchModelRunner:
     # -- the step -----------------------------------------------------------------------------
 
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
-        inputs = self.prepare(batch)
+        rows = self._collect(batch)
+        if self._group is not None:  # the other ranks run the same step on their shards
+            self._group.broadcast(rows.wire())
+        inputs = self._inputs(rows)
         logits = self.forward(inputs)
+        assert logits is not None
         s = inputs.sample_rows.shape[0]
         out = sample_and_verify(logits[:s], inputs.sampled, batch.masks)
         out.prompt_logprobs = prompt_logprobs.score(logits[s:], inputs.prompt)
         return out
 
-    def forward(self, inputs: ForwardInputs) -> torch.Tensor:
+    def forward(self, inputs: ForwardInputs) -> torch.Tensor | None:
         """Logits (fp32) of the rows sampled: each request's last known token's and, with
         drafts, each draft's (``ScheduledRequest.num_sampled_rows``); then the prompt rows
-        scored for prompt logprobs (``prompt_logprobs``)."""
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache)
+        scored for prompt logprobs (``prompt_logprobs``). None on a tensor-parallel rank other
+        than 0 (its slice went to rank 0)."""
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_view)
         rows = inputs.sample_rows
         if inputs.prompt:
             rows = torch.cat([rows, inputs.prompt_rows])
         return self.model.compute_logits(hidden[rows])
 
     def prepare(self, batch: ScheduledBatch) -> ForwardInputs:
+        return self._inputs(self._collect(batch))
+
+    def _collect(self, batch: ScheduledBatch) -> _StepRows:
         # A decode with drafts is 1 + k decode rows over its one table (row j sees its context
         # up to itself): the same batched pass verifies them. Decode rows come first.
         # Under fast numerics every row is a decode row, prefill chunks too: see rows_as_decodes.
@@ -158,6 +293,10 @@ class TorchModelRunner:
         for it in batch.items:
             if not self._as_decode(it):
                 self._add_prefill(rows, it)
+        return rows
+
+    def _inputs(self, rows: _StepRows) -> ForwardInputs:
+        """The step's tensors from its rows (on every rank, from the same rows)."""
         dev = self.device
 
         def long(values: list[int] | list[list[int]]) -> torch.Tensor:
@@ -212,8 +351,7 @@ class TorchModelRunner:
         table = it.block_ids[: -(-end // bs)]
         rows.slot_blocks.extend(table[p // bs] for p in range(start, end))
         rows.slot_offsets.extend(p % bs for p in range(start, end))
-        block_ids = torch.tensor(table, device=self.device)
-        rows.prefills.append(PrefillSeq(row0, n, start, block_ids))
+        rows.prefills.append((row0, n, start, table))
         if it.samples:
             rows.sample_rows.append(row0 + n - 1)
             rows.sampled.append(it)
@@ -227,7 +365,7 @@ class TorchModelRunner:
             num_decodes=len(rows.dec_lens),
             decode_rows=None,
             decode_mask=None,
-            prefills=rows.prefills,
+            prefills=[PrefillSeq(r, n, c, long(table)) for r, n, c, table in rows.prefills],
             decode_kernel=self.decode_kernel,
         )
         if not rows.dec_lens:
@@ -238,7 +376,9 @@ class TorchModelRunner:
         meta.decode_block_tables, meta.decode_ctx_lens = tables, lens
         if self.decode_kernel is None:  # the torch gather: row indices and a padding mask
             bs, layout = self.block_size, self.layout
-            meta.decode_rows = decode_row_index(tables, bs, layout.num_layers, layout.num_kv_heads)
+            meta.decode_rows = decode_row_index(
+                tables, bs, layout.num_layers, layout.num_kv_heads, self.kv_heads
+            )
             cols = torch.arange(width * bs, device=self.device)
             mask = torch.zeros((len(lens), width * bs), dtype=self.model.dtype, device=self.device)
             meta.decode_mask = mask.masked_fill_(cols[None, :] >= lens[:, None], float("-inf"))
@@ -255,6 +395,19 @@ class TorchModelRunner:
 
 
 DecodeKernel = Callable[..., torch.Tensor]  # NativeKernels.paged_decode
+
+
+def _bind_rank_cores(rank: int, world: int, threads: int) -> None:
+    """A rank other than 0 on cores of its own where the engine holds exactly the cores its
+    ranks' threads need (a replica bound by ``cpu_binding``, or a host that size): rank r takes
+    the r-th ``threads`` of them, rank 0 keeps the rest to share with its other threads."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) != world * threads:
+        return
+    mine = set(cores[rank * threads : (rank + 1) * threads])
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(tid), mine)
 
 
 def _decoding(it: ScheduledRequest) -> bool:
@@ -276,7 +429,23 @@ class _StepRows:
     prompt_rows: list[int] = field(default_factory=list)
     dec_tables: list[list[int]] = field(default_factory=list)
     dec_lens: list[int] = field(default_factory=list)
-    prefills: list[PrefillSeq] = field(default_factory=list)
+    # each prefill chunk: first row, rows, tokens of context before it, its block table
+    prefills: list[tuple[int, int, int, list[int]]] = field(default_factory=list)
+
+    # What the other tensor-parallel ranks need: the rows, not the requests they sample.
+    _WIRE: ClassVar[tuple[str, ...]] = (
+        "ids", "positions", "slot_blocks", "slot_offsets", "sample_rows", "prompt_rows",
+        "dec_tables", "dec_lens", "prefills",
+    )  # fmt: skip
+
+    def wire(self) -> dict[str, list[Any]]:
+        return {key: getattr(self, key) for key in self._WIRE}
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> _StepRows:
+        rows = cls(**{key: data[key] for key in cls._WIRE})
+        rows.prefills = [tuple(p) for p in rows.prefills]  # type: ignore[misc]
+        return rows
 
 
 @dataclass(slots=True)

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from cluster.common import shared_regions
 from cluster.common.kv_layout import KVLayout
 
 # A shared pool's memfd (its name in /proc/<pid>/fd links) and the only path a peer may name.
@@ -98,6 +99,8 @@ class KVPool:
         tensor = torch.frombuffer(region, dtype=dtype).view(shape)
         pool = cls(tensor, layout, shm_path=f"/proc/{os.getpid()}/fd/{fd}")
         pool._memfd = fd
+        # the engine's tensor-parallel ranks map this cache too (cluster.common.shared_regions)
+        shared_regions.register(tensor.data_ptr(), pool.shm_path, fd)
         return pool
 
     def check_range(self, start: int, count: int) -> bool:
@@ -120,6 +123,7 @@ class KVPool:
     def close(self) -> None:
         """Drop the memfd descriptor; the memory lives on while the tensor or a peer maps it."""
         if self._memfd >= 0:
+            shared_regions.forget(self.tensor.data_ptr())
             os.close(self._memfd)
             self._memfd = -1
             self.shm_path = ""

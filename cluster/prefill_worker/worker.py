@@ -124,7 +124,10 @@ class PrefillWorker:
         self, layout: KVLayout, num_blocks: int, device: torch.device
     ) -> torch.Tensor:
         # Same-host decode replicas map this pool read-only (shm transport: one copy).
-        shared = device.type == "cpu" and "shm" in self.config.transfer.transports
+        # A tensor-parallel engine's ranks share it too (every rank its heads).
+        shared = device.type == "cpu" and (
+            "shm" in self.config.transfer.transports or self.config.model.tensor_parallel_size > 1
+        )
         self._pool = KVPool.allocate(layout, num_blocks, shared=shared, device=device.type)
         return self._pool.tensor
 

@@ -99,7 +99,9 @@ def bind_pool_replica(
     ``serving.cpu_binding``); call before the worker starts its threads (``retry``: a later
     attempt, see ``PoolReplica.maybe_rebind``). The cores, or None."""
     pool: PoolConfig = config.prefill if role == "prefill" else config.decode
-    threads = config.for_pool(role).model.num_threads
+    model = config.for_pool(role).model
+    # a tensor-parallel replica's ranks each run num_threads threads, on cores of the replica's
+    threads = model.num_threads * model.tensor_parallel_size if model.num_threads else None
     return bind_replica(role, pool.cpu_binding, threads, quiet=retry)
 
 

@@ -144,9 +144,9 @@ int pdserve_decode_forward(const pd_model *m, float *h, int64_t n, const int64_t
             break;
         pdserve_rope(qkv, qkv_w, n, hq + hkv, d, m->cos, m->sin, positions);
         pdserve_write_kv(kv, qkv + hq * d, qkv + (hq + hkv) * d, qkv_w, n, slot_blocks,
-                         slot_offsets, m->num_layers, l, block_size, hkv, d, kv_int8);
+                         slot_offsets, m->num_layers, l, block_size, hkv, hkv, d, kv_int8);
         for (int64_t i = 0; i < n; i++) memcpy(q + i * hq * d, qkv + i * qkv_w, sizeof(float) * hq * d);
-        if (pdserve_paged_decode(q, kv, tables, ctx_lens, att, n, hq, hkv, d, max_blocks,
+        if (pdserve_paged_decode(q, kv, tables, ctx_lens, att, n, hq, hkv, hkv, d, max_blocks,
                                  block_size, m->num_layers, l, m->scale, kv_int8,
                                  (int)m->num_threads) != 0) {
             rc = -2;

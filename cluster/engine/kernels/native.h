@@ -75,14 +75,17 @@ int pdserve_swiglu(const float *gu, int64_t ld, int64_t n, int64_t inter, float 
                    int64_t ldo);
 int pdserve_write_kv(void *kv, const float *k, const float *v, int64_t ld, int64_t n,
                      const int64_t *slot_blocks, const int64_t *slot_offsets, int64_t num_layers,
-                     int64_t layer, int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
-                     int int8);
+                     int64_t layer, int64_t block_size, int64_t num_kv_heads, int64_t row_heads,
+                     int64_t head_dim, int int8);
 
 /* paged_decode.c: decode attention over a paged KV cache of fp32 rows or int8 rows and their
- * scales (kv_int8); the (request, kv head) items split between up to num_threads threads. */
+ * scales (kv_int8); the (request, kv head) items split between up to num_threads threads.
+ * row_heads: the heads one token's row holds in memory (num_kv_heads, or more where kv points at
+ * a tensor-parallel rank's first head in a cache holding every rank's: pdserve_write_kv too). */
 int pdserve_paged_decode(const float *q, const void *kv, const int64_t *tables,
                          const int64_t *ctx_lens, float *out, int64_t batch, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t head_dim, int64_t max_blocks,
+                         int64_t num_kv_heads, int64_t row_heads, int64_t head_dim,
+                         int64_t max_blocks,
                          int64_t block_size, int64_t num_layers, int64_t layer, float scale,
                          int kv_int8, int num_threads);
 #endif

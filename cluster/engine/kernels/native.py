@@ -31,8 +31,8 @@ _SIGNATURES = {
     "pdserve_rms_norm": "plpplllfi",
     "pdserve_rope": "pllllppp",
     "pdserve_swiglu": "plllpl",
-    "pdserve_write_kv": "pppllppllllli",
-    "pdserve_paged_decode": "pppppllllllllfii",
+    "pdserve_write_kv": "pppllpplllllli",
+    "pdserve_paged_decode": "ppppplllllllllfii",
     "pdserve_isa": "",
     "pdserve_set_isa": "i",
     "pdserve_qlinear_isa": "",
@@ -221,7 +221,7 @@ class NativeKernels:
         self._lib.pdserve_write_kv(
             kv_cache.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.shape[0],
             slot_blocks.data_ptr(), slot_offsets.data_ptr(), num_layers, layer, block_size, hkv,
-            head_dim, int(kv_cache.dtype == torch.uint8),
+            row_heads(kv_cache), head_dim, int(kv_cache.dtype == torch.uint8),
         )  # fmt: skip
 
     # -- attention ------------------------------------------------------------------------------
@@ -243,8 +243,8 @@ class NativeKernels:
         out = torch.empty_like(q)
         rc = self._lib.pdserve_paged_decode(
             q.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), ctx_lens.data_ptr(),
-            out.data_ptr(), b, hq, hkv, d, tables.shape[1], block_size, num_layers, layer, scale,
-            int(kv_cache.dtype == torch.uint8), self.num_threads,
+            out.data_ptr(), b, hq, hkv, row_heads(kv_cache), d, tables.shape[1], block_size,
+            num_layers, layer, scale, int(kv_cache.dtype == torch.uint8), self.num_threads,
         )  # fmt: skip
         if rc == -2:
             raise ValueError(f"paged decode: {hq // hkv} query heads per kv head (at most 64)")
@@ -254,6 +254,27 @@ class NativeKernels:
 
 
 MAX_GROUP = 64  # query heads per kv head paged_decode takes (PD_MAX_GROUP)
+
+
+def row_heads(kv_cache: torch.Tensor) -> int:
+    """The heads one token's row holds in memory: the cache's own, or, for a tensor-parallel
+    rank's view of its heads in a cache holding every rank's (``kv[..., h0:h1, :]``), all of
+    them. Any other layout is refused: the kernels address rows by these strides."""
+    _, layers, two, bs, hkv, width = kv_cache.shape
+    heads = kv_cache.stride(3) // width if width else hkv
+    expected = (layers * two * bs * heads * width, two * bs * heads * width, bs * heads * width)
+    if (
+        kv_cache.stride(5) != 1
+        or kv_cache.stride(4) != width
+        or kv_cache.stride(3) != heads * width
+        or heads < hkv
+        or tuple(kv_cache.stride()[:3]) != expected
+    ):
+        raise ValueError(
+            f"kv cache: strides {kv_cache.stride()} are not a paged cache's, nor a head range of "
+            f"one (shape {tuple(kv_cache.shape)})"
+        )
+    return heads
 
 
 def load_native(cache_dir: Path, num_threads: int) -> NativeKernels | None:

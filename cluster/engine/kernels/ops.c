@@ -111,11 +111,11 @@ int pdserve_swiglu(const float *gu, int64_t ld, int64_t n, int64_t inter, float 
  * 127, then s), the encoding of kv_codec.Int8KV. */
 int pdserve_write_kv(void *kv, const float *k, const float *v, int64_t ld, int64_t n,
                      const int64_t *slot_blocks, const int64_t *slot_offsets, int64_t num_layers,
-                     int64_t layer, int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
-                     int int8) {
+                     int64_t layer, int64_t block_size, int64_t num_kv_heads, int64_t row_heads,
+                     int64_t head_dim, int int8) {
     const int64_t width = int8 ? head_dim + 4 : head_dim;
     const int64_t esize = int8 ? 1 : 4;
-    const int64_t row = num_kv_heads * width * esize; /* bytes of one token's heads */
+    const int64_t row = row_heads * width * esize; /* bytes of one token's heads in memory */
     const int64_t plane = block_size * row;
     const int64_t block_stride = num_layers * 2 * plane;
     for (int64_t i = 0; i < n; i++) {

@@ -308,7 +308,7 @@ typedef struct {
     const uint8_t *kv;
     const int64_t *tables, *ctx_lens;
     float *out;
-    int64_t hq, hkv, d, max_blocks, block_size, num_layers, layer;
+    int64_t hq, hkv, row_heads, d, max_blocks, block_size, num_layers, layer;
     float scale;
     int i8;
     _Atomic int failed;
@@ -320,7 +320,7 @@ static void attn_items(const void *ctx, int64_t i0, int64_t i1) {
     attn_job *j = (attn_job *)ctx;
     const int64_t hkv = j->hkv, d = j->d, g = j->hq / hkv;
     const int64_t width = j->i8 ? d + 4 : d * 4; /* bytes of one (token, head) row */
-    const int64_t row = hkv * width, plane = j->block_size * row;
+    const int64_t row = j->row_heads * width, plane = j->block_size * row;
     const int64_t block_stride = j->num_layers * 2 * plane, layer_off = j->layer * 2 * plane;
     int64_t max_ctx = 0;
     for (int64_t it = i0; it < i1; it++) {
@@ -368,12 +368,13 @@ static void attn_items(const void *ctx, int64_t i0, int64_t i1) {
 /* 0; -1: no memory for the scratch; -2: more query heads per kv head than PD_MAX_GROUP */
 int pdserve_paged_decode(const float *q, const void *kv, const int64_t *tables,
                          const int64_t *ctx_lens, float *out, int64_t batch, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t head_dim, int64_t max_blocks,
-                         int64_t block_size, int64_t num_layers, int64_t layer, float scale,
-                         int kv_int8, int num_threads) {
+                         int64_t num_kv_heads, int64_t row_heads, int64_t head_dim,
+                         int64_t max_blocks, int64_t block_size, int64_t num_layers,
+                         int64_t layer, float scale, int kv_int8, int num_threads) {
     if (num_heads / num_kv_heads > PD_MAX_GROUP) return -2;
-    attn_job job = {q, kv, tables, ctx_lens, out, num_heads, num_kv_heads, head_dim, max_blocks,
-                    block_size, num_layers, layer, scale, kv_int8, 0};
+    attn_job job = {q,         kv,         tables,     ctx_lens,   out,   num_heads,
+                    num_kv_heads, row_heads, head_dim, max_blocks, block_size, num_layers,
+                    layer,     scale,      kv_int8,    0};
     const int64_t items = batch * num_kv_heads;
     int64_t max_ctx = 0;
     for (int64_t i = 0; i < batch; i++) max_ctx = ctx_lens[i] > max_ctx ? ctx_lens[i] : max_ctx;

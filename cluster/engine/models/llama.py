@@ -97,6 +97,9 @@ class LlamaModel:
         self.final_norm = final_norm
         self.lm_head = lm_head  # [V, H] (the embedding itself when tied)
         self.kv_codec: KVCodec = FLOAT_KV  # how K/V rows are stored; the runner sets it
+        # Tensor parallelism: this rank's collectives (``tensor_parallel.ShardedForward``), set
+        # where the model is one rank's shard; None: the whole model.
+        self.tp: Any = None
         # tokens per expert, for the engine's stats (a mixture-of-experts model only)
         self.expert_load = ExpertLoad(arch.num_experts) if arch.num_experts else None
         self.scale = arch.attn_scale if arch.attn_scale is not None else arch.head_dim**-0.5
@@ -165,7 +168,8 @@ class LlamaModel:
         hq, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
         eps, inter = a.rms_norm_eps, a.intermediate_size
         ops = self.ops
-        h = ops.embed(self.embed, input_ids)  # [N, H]
+        tp = self.tp
+        h = ops.embed(self.embed, input_ids) if tp is None else tp.embed(ops, self.embed, input_ids)
         if a.embed_scale != 1.0:  # (Gemma: in the weights' dtype, as transformers does)
             h = h * torch.tensor(a.embed_scale, dtype=torch.float32).to(h.dtype)
         if ops.run_layers(self, h, positions, meta, kv_cache):
@@ -182,15 +186,32 @@ class LlamaModel:
             q, k, v = ops.rope(qkv, rope, hq, hkv, d)  # [N, Hq, D], [N, Hkv, D], [N, Hkv, D]
             ops.write_kv(kv_cache, i, k, v, meta, self.kv_codec)
             attn = paged_attention(q, k, v, kv_cache, i, meta, self.scale, self.kv_codec)
-            h = ops.linear_add(h, attn.reshape(n, hq * d), lw.o)
+            h = self._row_parallel(ops.linear_add, h, attn.reshape(n, hq * d), lw.o)
             if lw.moe is not None:  # the experts the router picks for each token
                 x = rms_norm(h, lw.post_norm, eps)
                 h = moe_add(h, x, lw.moe, ops, self.expert_load)
                 continue
             assert lw.gate_up is not None and lw.down is not None
             gu = ops.norm_linear(h, lw.post_norm, eps, lw.gate_up, None)  # [N, 2 * I]
-            h = ops.mlp_add(h, gu, lw.down, inter)
+            h = self._row_parallel(lambda r, x, w: ops.mlp_add(r, x, w, inter), h, gu, lw.down)
         return h  # [N, H]
+
+    def _row_parallel(
+        self,
+        add: Callable[[torch.Tensor, torch.Tensor, Weight], torch.Tensor],
+        h: torch.Tensor,
+        x: torch.Tensor,
+        w: Weight,
+    ) -> torch.Tensor:
+        """``add(h, x, w)`` (h plus a product with ``w``); on a tensor-parallel rank, of its
+        slice of ``w``, summed across the ranks (rank 0's carrying ``h``)."""
+        tp = self.tp
+        if tp is None:
+            return add(h, x, w)
+        return tp.reduce(add(tp.residual(h), x, w))
+
+    def _reduced(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.tp is None else self.tp.reduce(out)
 
     def _sandwich_layers(
         self,
@@ -213,21 +234,28 @@ class LlamaModel:
             q, k, v = ops.rope(qkv, ropes[a.layer_rope[i]], hq, hkv, d)
             ops.write_kv(kv_cache, i, k, v, meta, self.kv_codec)
             attn = paged_attention(q, k, v, kv_cache, i, meta, self.scale, self.kv_codec)
-            out = ops.linear(attn.reshape(n, hq * d), lw.o, None)
+            out = self._reduced(ops.linear(attn.reshape(n, hq * d), lw.o, None))
             h = h + rms_norm(out, lw.post_attn_norm, eps)
             gu = ops.norm_linear(h, lw.post_norm, eps, lw.gate_up, None)
             inter = gu.shape[1] // 2
             act = F.gelu(gu[:, :inter], approximate="tanh") * gu[:, inter:]
-            h = h + rms_norm(ops.linear(act, lw.down, None), lw.post_ffn_norm, eps)
+            down = self._reduced(ops.linear(act, lw.down, None))
+            h = h + rms_norm(down, lw.post_ffn_norm, eps)
         return h
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [S, H] -> [S, V] in fp32
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden: [S, H] -> [S, V] in fp32; a tensor-parallel rank other than 0 computes its
+        vocabulary slice for rank 0 and returns None."""
         ops = self.ops
         logits = ops.norm_linear(
             hidden, self.final_norm, self.arch.rms_norm_eps, self.lm_head, None
         ).float()
+        if self.tp is not None:
+            gathered = self.tp.logits(logits)
+            if gathered is None:
+                return None
+            logits = gathered
         cap = self.arch.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
