@@ -72,6 +72,7 @@ class EngineClient:
 
     def stop(self) -> None:
         self._loop.stop()
+        self._engine.close()
 
     def is_alive(self) -> bool:
         return self._loop.is_alive()

@@ -388,6 +388,13 @@ class LLMEngine:
 
     # -- the step -----------------------------------------------------------------------------
 
+    def close(self) -> None:
+        """Let go of what the runner holds outside this process (a tensor-parallel engine's
+        other ranks)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._pending_outputs)
 

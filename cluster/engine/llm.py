@@ -54,6 +54,17 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop what the engine runs outside this process (a tensor-parallel engine's other
+        ranks; they also stop when the LLM is collected or the interpreter exits)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,7 +70,8 @@ class TorchModelRunner:
         self.tp_rank = rank.rank if rank is not None else 0
         self._group: ShmGroup | None = None
         self._ranks: Ranks | None = None
-        self._own_shared_kv = 0  # the address of a shared KV cache this runner allocated
+        self._shared_kv: list[int] = []  # the address of a shared KV cache it allocated
+        self._release: Callable[[], Any] = lambda: None
         try:
             self._start(config, source, dtype, kv_allocator, rank, model_dir)
         except BaseException:
@@ -164,9 +166,10 @@ class TorchModelRunner:
             )
         timeout = config.model.tensor_parallel_timeout_s
         if rank is None:
-            self._group = ShmGroup.create(world, timeout)
-            self._ranks = spawn_ranks(config, model_dir, self._group.path, world)
-            self._group.peer_alive = self._ranks.peer_alive
+            group = self._group = ShmGroup.create(world, timeout)
+            ranks = self._ranks = spawn_ranks(config, model_dir, group.path, world)
+            group.peer_alive = ranks.peer_alive
+            self._release = weakref.finalize(self, _stop_ranks, ranks, group, self._shared_kv)
             return
         self._group = ShmGroup.attach(rank.group_path, rank.rank, world, timeout)
         self._group.peer_alive = lambda: driver_gone(rank.driver_pid)
@@ -191,7 +194,7 @@ class TorchModelRunner:
                 kv_allocator = shared_kv_allocator
             kv = kv_allocator(self.layout, self.num_blocks, self.device)
             if group is not None and kv_allocator is shared_kv_allocator:
-                self._own_shared_kv = kv.data_ptr()
+                self._shared_kv.append(kv.data_ptr())
             if group is not None and shared_kv_path(kv) is None:
                 raise ValueError(
                     "model.tensor_parallel_size > 1: the server's KV allocator gave private "
@@ -221,21 +224,11 @@ class TorchModelRunner:
             self.forward(self._inputs(_StepRows.from_wire(message)))
 
     def close(self) -> None:
-        """Stop the other ranks (rank 0) and let go of the group."""
-        if self._ranks is not None:
-            if self._group is not None and self._ranks.peer_alive() is None:
-                with contextlib.suppress(RankFailure):
-                    self._group.broadcast(STOP)
-            self._ranks.close()
-            self._ranks = None
-        if self._group is not None:
-            self._group.close()
-            self._group = None
-        if self._own_shared_kv:
-            fd = shared_regions.forget(self._own_shared_kv)
-            if fd >= 0:
-                os.close(fd)
-            self._own_shared_kv = 0
+        """Stop the other ranks (rank 0) and let go of the group and the shared cache's fd
+        (also done when the runner is collected, or at exit)."""
+        self._ranks = None
+        self._group = None
+        self._release()
 
     def _load_decode_kernel(self, config: ClusterConfig) -> DecodeKernel | None:
         """The native paged decode attention (fp32 or int8 KV), or None: the torch gather."""
@@ -395,6 +388,20 @@ class TorchModelRunner:
 
 
 DecodeKernel = Callable[..., torch.Tensor]  # NativeKernels.paged_decode
+
+
+def _stop_ranks(ranks: Ranks, group: ShmGroup, shared_kv: list[int]) -> None:
+    """Rank 0's end: ``STOP`` to the others (where they all live), then their processes, the
+    group and the fd of the shared cache it allocated."""
+    if ranks.peer_alive() is None:
+        with contextlib.suppress(RankFailure):
+            group.broadcast(STOP)
+    ranks.close()
+    group.close()
+    for address in shared_kv:
+        fd = shared_regions.forget(address)
+        if fd >= 0:
+            os.close(fd)
 
 
 def _bind_rank_cores(rank: int, world: int, threads: int) -> None:
