@@ -123,3 +123,46 @@ def test_pools_bound_to_cores_of_their_own_hand_off_and_give_them_back(
         return not any(c["pid"] in pids and start_time(c["pid"]) == c["start"] for c in claims)
 
     assert wait_until(released, timeout=30)
+
+
+def _rank_processes() -> int:
+    """Tensor-parallel ranks alive on this host (``python -m cluster.engine.tp_rank_main``)."""
+    import subprocess
+
+    out = subprocess.run(["pgrep", "-f", "cluster.engine.tp_rank_main"], capture_output=True)
+    return len(out.stdout.split())
+
+
+def test_tensor_parallel_prefill_pool_hands_off_on_serve(
+    serve_cluster: ServeCluster, tiny_model_dir: Any
+) -> None:
+    """A prefill pool at TP=2 (a replica and its second rank, a process it started) hands off
+    to a decode pool at TP=1 through Serve: the tokens of a local TP=1 run, both pools clean,
+    and the rank stops with its replica."""
+    model = {"model.runner": "torch", "model.path": str(tiny_model_dir), "model.num_threads": 1}
+    cfg, handle = deploy_pools("tp-pools", **model, **{"prefill.tensor_parallel_size": 2})
+    try:
+        prompts = {
+            f"t{i}": [3 + (i * 31 + j * 5) % 400 for j in range(40 + 9 * i)] for i in range(3)
+        }
+        ref = LLMEngine(fake_config(**{**CFG, **model}))
+        for rid, p in prompts.items():
+            ref.add(EngineRequest(rid, p, greedy(8)))
+        expected = run_until_done(ref)
+        assert _rank_processes() >= 1
+
+        async def one(rid: str, p: list[int]) -> list[int]:
+            call = GenerateCall(rid, p, hash_block_tokens(p, 16), greedy(8))
+            stream = handle.options(stream=True).generate.remote(call)
+            items = [x async for x in stream if not isinstance(x, Keepalive)]
+            return [t for c in items[1:] for t in c.token_ids]
+
+        for rid, p in prompts.items():
+            assert asyncio.run(one(rid, p)) == expected[rid], rid
+        stats = handle.stats.remote().result()
+        assert stats["remote_prefills"] == len(prompts)
+        assert handle.check_integrity.remote().result() == "ok"
+        assert wait_until(lambda: handle.stats.remote().result()["kv_used_blocks"] == 0)
+    finally:
+        serve.delete("tp-pools")
+    assert wait_until(lambda: _rank_processes() == 0, timeout=30)
