@@ -140,7 +140,7 @@ def test_tensor_parallel_prefill_pool_hands_off_on_serve(
     to a decode pool at TP=1 through Serve: the tokens of a local TP=1 run, both pools clean,
     and the rank stops with its replica."""
     model = {"model.runner": "torch", "model.path": str(tiny_model_dir), "model.num_threads": 1}
-    cfg, handle = deploy_pools("tp-pools", **model, **{"prefill.tensor_parallel_size": 2})
+    _, handle = deploy_pools("tp-pools", **model, **{"prefill.tensor_parallel_size": 2})
     try:
         prompts = {
             f"t{i}": [3 + (i * 31 + j * 5) % 400 for j in range(40 + 9 * i)] for i in range(3)
