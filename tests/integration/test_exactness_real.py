@@ -78,3 +78,24 @@ def test_preemption_matches_transformers(real_model_dir: Path, workload: Any) ->
     tokens = _run(eng, prompts, "p-")
     assert eng.scheduler.num_preemptions > 0
     _check(eng, prompts, refs, tokens, captured, "p-")
+
+
+@pytest.mark.parametrize("weights", ["auto", "dense"])
+def test_two_tensor_parallel_ranks_match_transformers(
+    real_model_dir: Path, workload: Any, weights: str
+) -> None:
+    """The default model split over two ranks (6 + 3 query heads, 2 + 1 KV heads; its GGUF
+    blocks or de-quantized fp32): the same acceptance as one rank, chunks and prefix hits."""
+    prompts, refs = workload
+    eng = _engine(
+        real_model_dir,
+        **{"model.tensor_parallel_size": 2, "model.num_threads": 1, "model.weights": weights},
+    )
+    try:
+        captured = capture_logits(eng)
+        first = _run(eng, prompts, "t-")
+        _check(eng, prompts, refs, first, captured, "t-")
+        second = _run(eng, prompts, "u-")  # from the prefix cache the ranks share
+        _check(eng, prompts, refs, second, captured, "u-")
+    finally:
+        eng.close()
