@@ -30,6 +30,7 @@ BENCHMARKS: dict[str, str] = {
     "gpu": "benchmarks.gpu",
     "anchor-serve": "benchmarks.anchor_serve",
     "models": "benchmarks.models",
+    "parallel": "benchmarks.parallel",
 }
 # Only where a device is lent: left out of ``all`` on a machine without CUDA.
 DEVICE_ONLY = frozenset({"gpu"})

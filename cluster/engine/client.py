@@ -63,6 +63,7 @@ class EngineClient:
         self.kv_cache: torch.Tensor = engine.runner.kv_cache  # the pool the KV transfer uses
         self.kv_layout: KVLayout = engine.runner.layout
         self.block_size = engine.config.cache.block_size
+        self.vocab_size: int = engine.vocab_size
 
     # -- lifecycle ----------------------------------------------------------------------------
 

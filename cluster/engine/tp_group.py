@@ -66,6 +66,8 @@ class ShmGroup:
         self.peer_alive = peer_alive or (lambda: None)
         self.path = ""
         self._fd = -1
+        self.num_ops = 0  # operations so far, and the seconds spent waiting for other ranks
+        self.wait_s = 0.0
 
     @staticmethod
     def region_bytes(world: int, slot_bytes: int = SLOT_BYTES) -> int:
@@ -105,6 +107,7 @@ class ShmGroup:
         """Until each of ``ranks`` has published ``seq`` or later."""
         lines = self._lines
         start = time.monotonic()
+        t0 = time.perf_counter()
         spins = 0
         for r in ranks:
             while int(lines[r, 0]) < seq:
@@ -116,6 +119,7 @@ class ShmGroup:
                 waited = now - start
                 if waited > _SPIN_S:
                     time.sleep(0 if waited < 0.05 else min(0.001, waited / 100))
+        self.wait_s += time.perf_counter() - t0
 
     def _check(self, now: float, deadline: float | None, rank: int, seq: int) -> None:
         gone = self.peer_alive()
@@ -133,6 +137,7 @@ class ShmGroup:
         if seq > 2:
             self._wait(seq - 1, range(self.world), deadline)
         self._seq = seq
+        self.num_ops += 1
         return seq, seq & 1
 
     def _publish(self, seq: int, length: int) -> None:

@@ -1,0 +1,191 @@
+"""``parallel``: tensor parallelism on this host's cores (docs/benchmarks/index.md, P12).
+
+How:
+  1. ``tp2_vs_tp1_b8``: batch-8 decode of the default model (its GGUF weights, as served), two
+     arms on the same cores: ``tp1``, one rank with two threads, and ``tp2``, two ranks with one
+     thread each (``model.tensor_parallel_size: 2``). Each arm's engine is built once; every
+     repetition submits 8 requests of 64 random prompt tokens asking for exactly ``N`` tokens
+     (128; quick 48; smoke 8) and times the steps after every request has its first token
+     (decode only). Arms run in an order shuffled afresh each repetition
+     (``interleaved_order``); the key is the median of the per-repetition ratios tp2 / tp1
+     (tok/s). Beside it: ``collective_ms_per_step_b8``, the time rank 0 spent per decode step
+     waiting in the ranks' collectives (61 all-reduces and a gather per step of a 30-layer model,
+     plus whatever the other rank's share of the work took longer than rank 0's).
+  2. ``reshard_pull_ratio_2048``: the pull of a 2048-token prompt's KV (quick 512, smoke 64)
+     from a prefill replica at TP=2 into a decode replica at TP=1, over the same pull from a
+     prefill replica at TP=1 (lower is better; 1.0: re-sharding costs nothing). Both pairs of
+     pool cores run in this process (``PrefillWorker`` and ``DecodeWorker``, zmq ipc), the
+     decode side's prefix cache off so each prompt's blocks all move; the time is the decode
+     side's receiver's ``transfer_time_s`` for that pull. A TP=2 replica's ranks share one
+     cache holding every head, so the decode side pulls the same bytes from the same
+     layout: there is no re-sharding step to pay for.
+
+Not measured: ``pp2_vs_pp1_b16`` (pipeline parallelism is not built).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+from typing import Any
+
+from benchmarks.harness import BenchContext, BenchReport, interleaved_order
+from benchmarks.workloads import bench_model_dir, exact_tokens, random_prompt
+from cluster.common.hashing import hash_block_tokens
+from cluster.common.protocol import GenerateCall, PrefillCall
+from cluster.config import ClusterConfig
+from cluster.engine.engine import LLMEngine
+from cluster.engine.request import EngineRequest
+from cluster.engine.torch_runner import TorchModelRunner
+
+ARMS = ("tp1", "tp2")
+
+
+def _config(ctx: BenchContext, tp: int, **overrides: Any) -> ClusterConfig:
+    threads = max(1, 2 // tp)
+    return ctx.config.replace(
+        {
+            "model.path": str(bench_model_dir(ctx)),
+            "model.tensor_parallel_size": tp,
+            "model.num_threads": threads,
+            "cache.num_blocks": 1024,
+            **overrides,
+        }
+    )
+
+
+def _decode_rate(engine: LLMEngine, rep: int, num_tokens: int) -> tuple[float, float]:
+    """(decode tok/s, seconds rank 0 waited in collectives per decode step) of one batch."""
+    rng = random.Random(rep)
+    rids = [f"{rep}-{i}" for i in range(8)]
+    for rid in rids:
+        prompt = random_prompt(rng, 64, engine.vocab_size)
+        engine.add(EngineRequest(rid, prompt, exact_tokens(num_tokens)))
+    started: set[str] = set()
+    while len(started) < len(rids):  # prefill, up to every request's first token
+        started.update(o.request_id for o in engine.step() if o.new_token_ids)
+    runner = engine.runner
+    group = runner._group if isinstance(runner, TorchModelRunner) else None
+    wait0 = group.wait_s if group is not None else 0.0
+    steps, tokens = 0, 0
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        tokens += sum(len(o.new_token_ids) for o in engine.step())
+        steps += 1
+    elapsed = time.perf_counter() - t0
+    waited = (group.wait_s - wait0) if group is not None else 0.0
+    engine.check_integrity()
+    return tokens / elapsed, waited / max(1, steps)
+
+
+def _tp_decode(ctx: BenchContext) -> dict[str, Any]:
+    reps = int(ctx.pick(5, 3, 1))
+    num_tokens = int(ctx.pick(128, 48, 8))
+    engines = {arm: LLMEngine(_config(ctx, 1 if arm == "tp1" else 2)) for arm in ARMS}
+    try:
+        for engine in engines.values():  # warm-up: first-call allocations off the clock
+            _decode_rate(engine, -1, 4)
+        rates: dict[str, list[float]] = {arm: [] for arm in ARMS}
+        waits: list[float] = []
+        for rep in range(reps):
+            for arm in interleaved_order(ARMS, rep):
+                rate, wait = _decode_rate(engines[arm], rep, num_tokens)
+                rates[arm].append(rate)
+                if arm == "tp2":
+                    waits.append(wait)
+                ctx.progress(f"rep {rep + 1}/{reps} {arm}: {rate:.1f} tok/s")
+    finally:
+        for engine in engines.values():
+            engine.close()
+    ratios = [b / a for a, b in zip(rates["tp1"], rates["tp2"], strict=True)]
+    return {"rates": rates, "ratios": ratios, "wait_s": waits, "num_tokens": num_tokens}
+
+
+class _InProcessPrefill:
+    def __init__(self, server: Any) -> None:
+        self.server = server
+
+    def prefill(self, call: PrefillCall) -> Any:
+        return self.server.prefill(call)
+
+
+def _pull_s(prefill_tp: int, ctx: BenchContext, prompt_len: int, reps: int) -> list[float]:
+    from cluster.decode_worker.worker import DecodeWorker
+    from cluster.prefill_worker.worker import PrefillWorker
+
+    base = _config(
+        ctx,
+        1,
+        **{
+            "transfer.transports": ["zmq"],
+            "decode.local_prefill_threshold": 8,
+            "scheduler.max_num_batched_tokens": 512,
+            "scheduler.chunk_size": 512,
+        },
+    )
+    prefill = PrefillWorker(
+        base.replace({"prefill.tensor_parallel_size": prefill_tp, "prefill.num_threads": 1})
+    ).start()
+    decode_cfg = base.replace({"cache.enable_prefix_caching": False, "decode.num_threads": 1})
+    decode = DecodeWorker(decode_cfg, _InProcessPrefill(prefill)).start()
+    times: list[float] = []
+    vocab = decode.engine.vocab_size
+    try:
+        for rep in range(reps + 1):  # the first pull warms the path up, off the record
+            prompt = random_prompt(random.Random(1000 + rep), prompt_len, vocab)
+            call = GenerateCall(f"p{rep}", prompt, hash_block_tokens(prompt, 16), exact_tokens(2))
+            hist = decode.stats()["transfer"]["transfer_time_s"]
+            before = (hist["sum"], hist["count"])
+
+            async def run(c: GenerateCall = call) -> None:
+                async for _ in decode.generate(c):
+                    pass
+
+            asyncio.run(run())
+            hist = decode.stats()["transfer"]["transfer_time_s"]
+            assert hist["count"] == before[1] + 1, "the prompt's KV did not move"
+            if rep:
+                times.append(hist["sum"] - before[0])
+    finally:
+        decode.close()
+        prefill.close()
+    return times
+
+
+def run(ctx: BenchContext) -> BenchReport:
+    ctx.progress("batch-8 decode: TP=1 x 2 threads against TP=2 x 1 thread")
+    dec = _tp_decode(ctx)
+    prompt_len = int(ctx.pick(2048, 512, 64))
+    reps = int(ctx.pick(3, 2, 1))
+    ctx.progress(f"{prompt_len}-token pulls from prefill TP=1 and TP=2 into decode TP=1")
+    pulls: dict[int, list[float]] = {1: [], 2: []}
+    for rep in range(reps):
+        for arm in interleaved_order(("1", "2"), rep):
+            pulls[int(arm)] += _pull_s(int(arm), ctx, prompt_len, 1)
+    reshard = statistics.median(pulls[2]) / statistics.median(pulls[1])
+    table = [{"arm": arm, "decode_tok_s_b8": statistics.median(dec["rates"][arm])} for arm in ARMS]
+    table += [
+        {"arm": f"pull_from_tp{tp}", f"pull_ms_{prompt_len}": statistics.median(t) * 1e3}
+        for tp, t in pulls.items()
+    ]
+    wait_ms = statistics.median(dec["wait_s"]) * 1e3
+    return BenchReport(
+        keys={
+            "tp2_vs_tp1_b8": statistics.median(dec["ratios"]),
+            "collective_ms_per_step_b8": wait_ms,
+            "reshard_pull_ratio_2048": reshard,  # (quick and smoke: shorter prompts)
+        },
+        table=table,
+        targets={"tp2_vs_tp1_b8": ">= 0.8", "reshard_pull_ratio_2048": "<= 1.3"},
+        details={
+            "decode_tok_s": dec["rates"],
+            "tp2_vs_tp1_per_rep": dec["ratios"],
+            "collective_wait_ms_per_step": [w * 1e3 for w in dec["wait_s"]],
+            "num_output_tokens": dec["num_tokens"],
+            "pull_s": {f"tp{tp}": t for tp, t in pulls.items()},
+            "prompt_len": prompt_len,
+            "not_measured": {"pp2_vs_pp1_b16": "pipeline parallelism is not built"},
+        },
+    )
