@@ -810,9 +810,13 @@ def test_pools_land_on_their_worker_groups(
         gpus = _quantity(container["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
         assert float(params.get("num-gpus", gpus)) == gpus
         assert opts.get("num_gpus", 0) <= gpus
-        threads = cfg.for_pool(pool_name).model.num_threads
+        model = cfg.for_pool(pool_name).model
+        threads = model.num_threads
         assert threads is not None, f"{pool_name}.num_threads: set it to the pod's CPUs"
-        assert threads <= _quantity(container["resources"]["limits"]["cpu"])
+        # every tensor-parallel rank runs num_threads threads, all in this pod
+        assert threads * model.tensor_parallel_size <= _quantity(
+            container["resources"]["limits"]["cpu"]
+        )
         # Enough pods for the most replicas the pool may ask for, no idle pods at the minimum.
         pool = getattr(cfg, pool_name)
         auto = loaded.deployments[dep_name]._deployment_config.autoscaling_config
@@ -910,6 +914,140 @@ def test_ray_cluster_settings(variant: tuple[str, list[dict[str, Any]]], loaded:
             container["resources"]["limits"]["memory"]
         )
         assert group["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism (docs/architecture/parallelism.md)
+
+# What each variant's pools run at: the CPU overlay shows decode TP=2 for real; the GPU base keeps
+# TP=1 and carries the TP it would run (prefill 4, decode 2) as commented keys, since CUDA ranks
+# are not built.
+TP_ACTIVE = {"base": {"prefill": 1, "decode": 1}, "cpu": {"prefill": 1, "decode": 2}}
+TP_COMMENTED = {"base": {"prefill": 4, "decode": 2}, "cpu": {}}
+COMMENTED_TP = re.compile(r"^(\s*)#\s*(tensor_parallel_size:\s*\d+)\s*$", re.M)
+
+
+def _default_arch() -> Any:
+    """The default model's shape, from its GGUF header (no conversion, no weights read)."""
+    from cluster.engine.models.default_model import find_gguf
+    from cluster.engine.models.gguf_index import read_gguf_index
+    from cluster.engine.models.llama import LlamaArch
+
+    f = read_gguf_index(find_gguf()).fields
+    heads = int(f["llama.attention.head_count"])
+    hidden = int(f["llama.embedding_length"])
+    return LlamaArch(
+        architecture="LlamaForCausalLM",
+        num_layers=int(f["llama.block_count"]),
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=int(f["llama.attention.head_count_kv"]),
+        head_dim=hidden // heads,
+        intermediate_size=int(f["llama.feed_forward_length"]),
+        vocab_size=int(f["llama.vocab_size"]),
+        rms_norm_eps=float(f["llama.attention.layer_norm_rms_epsilon"]),
+        tie_word_embeddings=True,
+        qkv_bias=False,
+        max_position_embeddings=int(f["llama.context_length"]),
+    )
+
+
+def _splits_the_default_model(tp: int) -> bool:
+    """Whether start-up's split (``plan_shards``) takes ``tp`` ranks of the default model, with
+    packed (GGUF) weights and dense ones alike; False where it refuses both."""
+    from cluster.engine.models.tensor_parallel import plan_shards
+
+    arch = _default_arch()
+    results = []
+    for packed in (True, False):
+        try:
+            assert len(plan_shards(arch, tp, packed)) == tp
+            results.append(True)
+        except ValueError as e:
+            assert f"tensor_parallel_size: {tp}" in str(e)
+            results.append(False)
+    assert len(set(results)) == 1, f"TP {tp}: the packed and dense splits disagree"
+    return results[0]
+
+
+def test_tensor_parallel_pools_fit_their_pods(
+    variant: tuple[str, list[dict[str, Any]]], loaded: Loaded
+) -> None:
+    """A pool replica at tensor_parallel_size n is n processes in one pod (the ranks share the
+    KV cache through shared memory): its pod requests and offers num_threads x n CPUs, Ray
+    reserves them, each pod holds one replica, the ranks run on CPUs (CUDA ranks are not built)
+    and the default model splits n ways."""
+    name, objs = variant
+    cfg = loaded.config
+    groups = dict(_groups(_one(objs, "RayService")))
+    found = {pool: cfg.for_pool(pool).model.tensor_parallel_size for pool in POOLS.values()}
+    assert found == TP_ACTIVE[name]
+    raw, _args = _raw_config(objs)
+    assert raw.get("model", {}).get("path") is None, "the checks below split the default model"
+    for dep_name, pool_name in POOLS.items():
+        model = cfg.for_pool(pool_name).model
+        tp = model.tensor_parallel_size
+        if tp == 1:
+            continue
+        assert model.device == "cpu", f"{pool_name}: tensor-parallel ranks run on CPUs only"
+        # The pool sets its TP itself (the model section's applies to the offline engine too).
+        assert raw[pool_name]["tensor_parallel_size"] == tp
+        assert raw.get("model", {}).get("tensor_parallel_size", 1) == 1
+        assert model.num_threads is not None
+        cores = model.num_threads * tp
+        group = groups[pool_name]
+        resources = _ray_container(group)["resources"]
+        assert _quantity(resources["requests"]["cpu"]) >= cores, pool_name
+        assert _quantity(resources["limits"]["cpu"]) >= cores, pool_name
+        opts = loaded.deployments[dep_name].ray_actor_options
+        assert cores <= opts["num_cpus"] <= float(group["rayStartParams"]["num-cpus"]), pool_name
+        # One replica per pod: its ranks never share the pod's CPUs with another replica's.
+        wanted = _resources_of(loaded, dep_name)
+        offered = _custom_resources(group["rayStartParams"])
+        assert wanted and all(offered[k] < 2 * v for k, v in wanted.items()), pool_name
+        assert _splits_the_default_model(tp), f"{pool_name}: the default model does not split {tp}"
+
+
+def _commented_tp(text: str) -> dict[str, int]:
+    """Section -> the tensor_parallel_size commented out in it (a ``# tensor_parallel_size: n``
+    line of its own), in a pdserve config's text."""
+    found: dict[str, int] = {}
+    section = ""
+    for line in text.splitlines():
+        top = re.match(r"^(\w+):", line)
+        if top:
+            section = top.group(1)
+        m = COMMENTED_TP.match(line)
+        if m:
+            assert section not in found, f"{section}: two commented tensor_parallel_size lines"
+            found[section] = int(m.group(2).split(":")[1])
+    return found
+
+
+def test_the_gpu_example_carries_its_tensor_parallel_sizes_commented_out(
+    variant: tuple[str, list[dict[str, Any]]],
+) -> None:
+    """The GPU base's TP keys are commented out (CUDA ranks are not built); uncommented, each
+    sits in its pool's section, the config validates (``config_from_dict``) and the pools get
+    those sizes, and the ConfigMap's warning holds: the default model's 3 KV heads split 2 ways,
+    not 4."""
+    from cluster.config import config_from_dict
+
+    name, objs = variant
+    rs = _one(objs, "RayService")
+    config_path = Path(_app_config(rs)["args"]["config_path"])
+    text = _config_map_for(objs, rs, config_path)["data"][config_path.name]
+    commented = _commented_tp(text)
+    assert commented == TP_COMMENTED[name]
+    cfg = config_from_dict(yaml.safe_load(COMMENTED_TP.sub(r"\1\2", text)))
+    for pool in POOLS.values():
+        want = commented.get(pool, TP_ACTIVE[name][pool])
+        assert cfg.for_pool(pool).model.tensor_parallel_size == want, pool
+    if commented:
+        assert cfg.model.device != "cpu", "commented out because these pools run on GPUs"
+        assert _default_arch().num_kv_heads == 3, "the ConfigMap's comment names 3 KV heads"
+        assert _splits_the_default_model(commented["decode"])
+        assert not _splits_the_default_model(commented["prefill"]), "the comment says 4 is not"
 
 
 # ---------------------------------------------------------------------------------------------
