@@ -31,6 +31,8 @@ import statistics
 import time
 from typing import Any
 
+import torch
+
 from benchmarks.harness import BenchContext, BenchReport, interleaved_order
 from benchmarks.workloads import bench_model_dir, exact_tokens, random_prompt
 from cluster.common.hashing import hash_block_tokens
@@ -86,11 +88,14 @@ def _tp_decode(ctx: BenchContext) -> dict[str, Any]:
     engines = {arm: LLMEngine(_config(ctx, 1 if arm == "tp1" else 2)) for arm in ARMS}
     try:
         for engine in engines.values():  # warm-up: first-call allocations off the clock
+            torch.set_num_threads(engine.config.model.num_threads or 1)
             _decode_rate(engine, -1, 4)
         rates: dict[str, list[float]] = {arm: [] for arm in ARMS}
         waits: list[float] = []
         for rep in range(reps):
             for arm in interleaved_order(ARMS, rep):
+                # torch's thread count is the process's: each arm's own before it runs
+                torch.set_num_threads(engines[arm].config.model.num_threads or 1)
                 rate, wait = _decode_rate(engines[arm], rep, num_tokens)
                 rates[arm].append(rate)
                 if arm == "tp2":

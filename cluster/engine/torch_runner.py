@@ -169,10 +169,12 @@ class TorchModelRunner:
             group = self._group = ShmGroup.create(world, timeout)
             ranks = self._ranks = spawn_ranks(config, model_dir, group.path, world)
             group.peer_alive = ranks.peer_alive
+            group.wake_fds = ranks.wake_fds
             self._release = weakref.finalize(self, _stop_ranks, ranks, group, self._shared_kv)
             return
         self._group = ShmGroup.attach(rank.group_path, rank.rank, world, timeout)
         self._group.peer_alive = lambda: driver_gone(rank.driver_pid)
+        self._group.wake_fd = rank.wake_fd
         _bind_rank_cores(rank.rank, world, torch.get_num_threads())
 
     def _allocate_kv(

@@ -14,15 +14,20 @@ until every line it reads shows ``seq``. Before writing, it waits until every ra
 ``seq - 1``: nobody still reads the slots of ``seq - 2``, the same parity. The all-reduce sums
 the slots in rank order on every rank, so every rank gets the same bits.
 
-Waiting spins (each rank has its own cores), yielding after a while, then sleeping in growing
-steps for the long waits of an idle engine. A wait inside a step gives up after ``timeout_s``,
-or at once when ``peer_alive`` reports a rank gone: the engine's step fails instead of hanging.
+Waiting spins (each rank has its own cores), then yields; after 50 ms a rank waiting for rank
+0's next message blocks on an eventfd rank 0 writes after each one (an idle engine's ranks
+then cost nothing: sleeping in 1 ms steps instead woke each 1000 times a second, which took a
+third off another engine's decode in the same process); other waits sleep in short steps. A
+wait inside a step gives up after ``timeout_s``, or at once when ``peer_alive`` reports a rank
+gone: the engine's step fails instead of hanging.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
+import select
 import time
 from collections.abc import Callable
 
@@ -68,6 +73,10 @@ class ShmGroup:
         self._fd = -1
         self.num_ops = 0  # operations so far, and the seconds spent waiting for other ranks
         self.wait_s = 0.0
+        # Rank 0: an eventfd per other rank, written after each broadcast; another rank: its own
+        # (``tp_ranks.spawn_ranks`` makes them), which its long waits for a message block on.
+        self.wake_fds: list[int] = []
+        self.wake_fd = -1
 
     @staticmethod
     def region_bytes(world: int, slot_bytes: int = SLOT_BYTES) -> int:
@@ -104,22 +113,39 @@ class ShmGroup:
     # -- waiting ----------------------------------------------------------------------------
 
     def _wait(self, seq: int, ranks: range | list[int], deadline: float | None) -> None:
-        """Until each of ``ranks`` has published ``seq`` or later."""
+        """Until each of ``ranks`` has published ``seq`` or later: spinning for ``_SPIN_S``
+        (checking the clock every 256 reads), then yielding, then sleeping at every read."""
         lines = self._lines
         start = time.monotonic()
         t0 = time.perf_counter()
         spins = 0
+        patient = False
         for r in ranks:
             while int(lines[r, 0]) < seq:
                 spins += 1
-                if spins & 1023:
+                if spins & 255 and not patient:
                     continue
                 now = time.monotonic()
                 self._check(now, deadline, r, seq)
                 waited = now - start
                 if waited > _SPIN_S:
-                    time.sleep(0 if waited < 0.05 else min(0.001, waited / 100))
+                    patient = True
+                    self._doze(waited, deadline is None and r == 0)
         self.wait_s += time.perf_counter() - t0
+
+    def _doze(self, waited: float, for_root: bool) -> None:
+        """A pause in a long wait: a yield at first; then, waiting for rank 0's next message
+        with a wake-up fd, blocking on it (rank 0 writes it after each message: an idle rank
+        costs nothing and wakes at once); else a short sleep."""
+        if waited < 0.05:
+            time.sleep(0)
+        elif for_root and self.wake_fd >= 0:
+            ready, _, _ = select.select([self.wake_fd], [], [], 0.1)
+            if ready:
+                with contextlib.suppress(BlockingIOError):
+                    os.eventfd_read(self.wake_fd)
+        else:
+            time.sleep(min(0.001, waited / 100))
 
     def _check(self, now: float, deadline: float | None, rank: int, seq: int) -> None:
         gone = self.peer_alive()
@@ -204,6 +230,8 @@ class ShmGroup:
                 self._slots[p, 0, : len(part)].copy_(payload)
                 more = int(a + self.slot_bytes < len(data)) << 62
                 self._publish(seq, len(part) | more)
+                for fd in self.wake_fds:
+                    os.eventfd_write(fd, 1)
             return message
         chunks = []
         more = True

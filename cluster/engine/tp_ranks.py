@@ -41,6 +41,7 @@ class RankSpec:
     config: ClusterConfig
     model_dir: str | None
     driver_pid: int
+    wake_fd: int = -1  # the eventfd rank 0 writes after each message (inherited, same number)
 
     def to_json(self) -> str:
         data = {
@@ -50,6 +51,7 @@ class RankSpec:
             "config": self.config.to_dict(),
             "model_dir": self.model_dir,
             "driver_pid": self.driver_pid,
+            "wake_fd": self.wake_fd,
         }
         return json.dumps(data)
 
@@ -63,8 +65,9 @@ class RankSpec:
 class Ranks:
     """The driver's handle on its other ranks' processes."""
 
-    def __init__(self, procs: list[subprocess.Popen[bytes]]) -> None:
+    def __init__(self, procs: list[subprocess.Popen[bytes]], wake_fds: list[int]) -> None:
         self.procs = procs
+        self.wake_fds = wake_fds  # rank 0's ends of each rank's wake-up eventfd
 
     def wait_ready(self, timeout_s: float) -> None:
         """Until every rank has loaded its shard; RuntimeError naming the first that failed."""
@@ -100,26 +103,38 @@ class Ranks:
                 proc.wait(5.0)
             if proc.stdout is not None:
                 proc.stdout.close()
+        for fd in self.wake_fds:
+            os.close(fd)
+        self.wake_fds = []
 
 
 def spawn_ranks(
     config: ClusterConfig, model_dir: Path | None, group_path: str, world: int
 ) -> Ranks:
-    procs = []
+    procs, wake_fds = [], []
     for rank in range(1, world):
+        wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        wake_fds.append(wake)
         spec = RankSpec(
-            rank, world, group_path, config, str(model_dir) if model_dir else None, os.getpid()
+            rank,
+            world,
+            group_path,
+            config,
+            str(model_dir) if model_dir else None,
+            os.getpid(),
+            wake,
         )
         proc = subprocess.Popen(
             [sys.executable, "-m", "cluster.engine.tp_rank_main"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            pass_fds=(wake,),
         )
         assert proc.stdin is not None
         proc.stdin.write(spec.to_json().encode())
         proc.stdin.close()
         procs.append(proc)
-    return Ranks(procs)
+    return Ranks(procs, wake_fds)
 
 
 def _read_line(proc: subprocess.Popen[bytes], deadline: float) -> bytes | None:
