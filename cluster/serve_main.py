@@ -4,6 +4,7 @@ down cleanly on Ctrl-C (or SIGTERM)."""
 from __future__ import annotations
 
 import faulthandler
+import logging
 import signal
 import sys
 import threading
@@ -11,6 +12,8 @@ from typing import Any
 
 from cluster.config import ClusterConfig, RouterConfig, cpu_count, ray_auth_disabled
 from cluster.router.auth import check_exposure
+
+logger = logging.getLogger(__name__)
 
 CALL_HELP = """\
 pdserve is up: {model}
@@ -30,8 +33,20 @@ def local_threads(config: ClusterConfig, *, bind: bool = True) -> ClusterConfig:
     """On one machine, split the cores between the replicas (oversubscription is ruinous),
     and (``bind``) bind each replica to its share: ``cpu_binding: auto`` -> on, no other tenant
     here. Benchmarks that run several apps on one node pass ``bind=False``: no app owns cores."""
-    replicas = config.prefill.num_replicas + config.decode.num_replicas
-    share = max(1, (config.model.num_threads or cpu_count()) // max(1, replicas))
+    # every rank of a tensor-parallel replica runs the share (its pool's threads per rank)
+    ranks = sum(
+        config.for_pool(role).model.tensor_parallel_size * pool.num_replicas
+        for role, pool in (("prefill", config.prefill), ("decode", config.decode))
+    )
+    cores = config.model.num_threads or cpu_count()
+    share = max(1, cores // max(1, ranks))
+    if ranks > cores:
+        logger.warning(
+            "%d replica ranks (tensor parallelism included) on %d cores: each gets one thread, "
+            "more threads than cores",
+            ranks,
+            cores,
+        )
     overrides: dict[str, Any] = {}
     for role, pool in (("prefill", config.prefill), ("decode", config.decode)):
         if pool.num_threads is None:

@@ -76,7 +76,9 @@ class EngineClient:
         self._engine.close()
 
     def is_alive(self) -> bool:
-        return self._loop.is_alive()
+        """The loop thread runs and the runner's other processes live (a tensor-parallel
+        engine's ranks: one that died is seen here, not only at the next step)."""
+        return self._loop.is_alive() and self._engine.runner_problem() is None
 
     @property
     def fatal_error(self) -> str | None:

@@ -388,6 +388,11 @@ class LLMEngine:
 
     # -- the step -----------------------------------------------------------------------------
 
+    def runner_problem(self) -> str | None:
+        """Why the runner cannot run a step (a tensor-parallel rank died), or None."""
+        problem = getattr(self.runner, "problem", None)
+        return problem() if problem is not None else None
+
     def close(self) -> None:
         """Let go of what the runner holds outside this process (a tensor-parallel engine's
         other ranks)."""

@@ -225,6 +225,10 @@ class TorchModelRunner:
             assert isinstance(message, dict)
             self.forward(self._inputs(_StepRows.from_wire(message)))
 
+    def problem(self) -> str | None:
+        """Why a step cannot run: a tensor-parallel rank that exited (its exit code); None."""
+        return self._ranks.peer_alive() if self._ranks is not None else None
+
     def close(self) -> None:
         """Stop the other ranks (rank 0) and let go of the group and the shared cache's fd
         (also done when the runner is collected, or at exit)."""
@@ -395,9 +399,9 @@ DecodeKernel = Callable[..., torch.Tensor]  # NativeKernels.paged_decode
 def _stop_ranks(ranks: Ranks, group: ShmGroup, shared_kv: list[int]) -> None:
     """Rank 0's end: ``STOP`` to the others (where they all live), then their processes, the
     group and the fd of the shared cache it allocated."""
-    if ranks.peer_alive() is None:
+    if ranks.peer_alive() is None:  # a rank that hangs has 2 s to take it, then is killed
         with contextlib.suppress(RankFailure):
-            group.broadcast(STOP)
+            group.broadcast(STOP, timeout_s=2.0)
     ranks.close()
     group.close()
     for address in shared_kv:

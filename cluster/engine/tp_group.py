@@ -217,12 +217,13 @@ class ShmGroup:
                     out[r][a : a + part.shape[0]].copy_(src)
         return out
 
-    def broadcast(self, message: object | None = None) -> object:
-        """Rank 0 sends ``message`` (msgpack-able); every rank returns it. The other ranks may
-        wait indefinitely (an idle engine): only a peer's death ends their wait."""
+    def broadcast(self, message: object | None = None, timeout_s: float | None = None) -> object:
+        """Rank 0 sends ``message`` (msgpack-able; waiting at most ``timeout_s``, default the
+        group's, for the ranks to reach it); every rank returns it. The other ranks may wait
+        indefinitely (an idle engine): only a peer's death ends their wait."""
         if self.rank == 0:
             data = msgpack.packb(message, use_bin_type=True)
-            deadline = time.monotonic() + self.timeout_s
+            deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
             for a in range(0, max(1, len(data)), self.slot_bytes):
                 part = data[a : a + self.slot_bytes]
                 seq, p = self._begin(deadline)

@@ -168,6 +168,19 @@ def test_the_local_launcher_turns_auto_on_and_keeps_an_explicit_choice() -> None
         load_config(None).replace({"decode.cpu_binding": "always"})
 
 
+def test_the_local_launcher_counts_every_rank_of_a_tensor_parallel_replica(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import cluster.serve_main as serve_main
+
+    monkeypatch.setattr(serve_main, "cpu_count", lambda: 16)
+    cfg = local_threads(load_config(None).replace({"decode.tensor_parallel_size": 2}))
+    # 1 prefill replica + 1 decode replica of 2 ranks: 3 ranks, 5 threads each
+    assert (cfg.prefill.num_threads, cfg.decode.num_threads) == (5, 5)
+    cfg = local_threads(load_config(None))
+    assert (cfg.prefill.num_threads, cfg.decode.num_threads) == (8, 8)
+
+
 def test_an_unbound_replica_takes_cores_once_they_are_free(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -7,6 +7,7 @@ Every run ends with the block-integrity check.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -305,3 +306,33 @@ def test_a_rank_that_fails_to_start_reports_why(tiny_model_dir: Path) -> None:
             ranks.wait_ready(120)
     finally:
         ranks.close()
+
+
+def test_a_rank_dying_while_idle_is_seen_by_the_liveness_check(two_ranks: LLMEngine) -> None:
+    assert two_ranks.runner_problem() is None
+    pid = _rank_pid(two_ranks)
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while two_ranks.runner_problem() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert two_ranks.runner_problem() == "tensor-parallel rank 1 exited (-9)"
+
+
+def test_closing_an_engine_whose_rank_hangs_does_not_wait_out_the_timeout(
+    tiny_model_dir: Path,
+) -> None:
+    config = tiny_config(
+        tiny_model_dir,
+        **{"cache.num_blocks": 32, "model.tensor_parallel_size": 2},  # the 60 s default timeout
+    )
+    engine = LLMEngine(config)
+    pid = _rank_pid(engine)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        engine.close()
+        assert time.monotonic() - t0 < 15
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGCONT)
