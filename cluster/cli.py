@@ -170,20 +170,32 @@ def _mode(args: argparse.Namespace) -> str:
     return "smoke" if args.smoke else "quick" if args.quick else "full"
 
 
+def _int_list(text: str, flag: str) -> list[int]:
+    """``1,2`` -> [1, 2]: counts >= 1, or ValueError naming the flag."""
+    try:
+        values = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag}: expected a list like 1,2, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise ValueError(f"{flag}: every count must be >= 1")
+    return values
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from cluster.planner.measure.profiler import run_profile
 
-    threads = None
-    if args.threads:
-        try:
-            threads = [int(t) for t in args.threads.split(",")]
-        except ValueError:
-            raise ValueError(f"--threads: expected a list like 1,2, got {args.threads!r}") from None
-        if any(t < 1 for t in threads):
-            raise ValueError("--threads: every count must be >= 1")
-    run_profile(_config(args), _mode(args), Path(args.out), threads, serving=not args.no_serving)
+    threads = _int_list(args.threads, "--threads") if args.threads else None
+    tps = _int_list(args.tp, "--tp") if args.tp else [1]
+    run_profile(
+        _config(args),
+        _mode(args),
+        Path(args.out),
+        threads,
+        serving=not args.no_serving,
+        tp_sizes=tps,
+    )
     return 0
 
 
@@ -288,6 +300,11 @@ def _add_profile(sub: Any) -> None:
     prof = sub.add_parser("profile", help="measure this machine's step costs for pdserve plan")
     prof.add_argument("--out", default="bench/results/profile.json", help="the profile file")
     prof.add_argument("--threads", help="torch thread counts to profile, e.g. 1,2 (CPU)")
+    prof.add_argument(
+        "--tp",
+        help="tensor-parallel sizes to profile too, e.g. 1,2 (CPU: each size with the thread "
+        "counts whose ranks x threads fit the cores; default 1)",
+    )
     prof.add_argument("--no-serving", action="store_true", help="skip the local-cluster part")
     pmode = prof.add_mutually_exclusive_group()
     pmode.add_argument("--quick", action="store_true", help="a coarser grid")

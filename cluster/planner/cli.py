@@ -66,6 +66,7 @@ def run_plan(
             f"best split: {best.arm.name} (goodput {best.knee_rate or 0:.3g} req/s at >= "
             f"{100 * inp.attainment:.0f}% SLO attainment)"
         )
+        print(f"tensor parallelism: {result.tp_choice()}")
     overall = result.best_overall
     print(f"best arm overall: {overall.arm.name} (goodput {overall.knee_rate or 0:.3g} req/s)")
     out.mkdir(parents=True, exist_ok=True)
@@ -74,6 +75,8 @@ def run_plan(
     print(f"wrote {out / 'plan.json'}" + (f" and {png}" if png else ""), file=sys.stderr)
     keys = {
         "best": best.arm.name if best else "none",
+        "best_prefill_tp": best.row()["P_tp"] if best else 0,
+        "best_decode_tp": best.row()["D_tp"] if best else 0,
         "best_overall": overall.arm.name,
         "devices": devices,
     }

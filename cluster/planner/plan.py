@@ -1,11 +1,15 @@
 """``pdserve plan``: the best prefill/decode split of a device count, by simulation.
 
 For ``devices`` N (a device is one accelerator, or on a CPU profile one core: one torch thread),
-the candidate arms are every xPyD split (x prefill + y decode replicas, x + y = N, one device
-each), ``colocated`` (N replicas doing both, no chunking) and ``colocated_chunked`` (the same
-with 128-token chunks); on a CPU profile with a table for N threads also the one-replica forms
+the candidate arms are every xPyD split (x prefill + y decode replicas, one device per rank),
+``colocated`` (N replicas doing both, no chunking) and ``colocated_chunked`` (the same with
+128-token chunks); on a CPU profile with a table for N threads also the one-replica forms
 (``colocated_1xN``, ``colocated_chunked_1xN``), which is what ``bench serve`` runs on 2 cores.
-Every arm gets the same total KV blocks.
+Where the profile has step costs for tensor-parallel engines (``steps_key``: ``pdserve profile
+--tp``), each pool's TP size is searched with the split: ``xPyD_tpPxQ`` runs x prefill
+replicas of P ranks and y decode replicas of Q ranks (x P + y Q = N), and ``colocated_tpT``
+N / T replicas of T ranks. A replica holds ``kv_blocks_per_device`` KV blocks per rank: every
+colocated arm and every split's decode pool has the same total KV.
 
 Each arm is simulated (``simulator.SimCluster``) on the workload:
   1. unloaded, one request at a time, to set the SLOs as ``bench serve`` does: per prompt-length
@@ -73,6 +77,8 @@ class ArmResult:
             "arm": self.arm.name,
             "P": self.arm.prefill,
             "D": self.arm.decode,
+            "P_tp": self.arm.config.for_pool("prefill").model.tensor_parallel_size,
+            "D_tp": self.arm.config.for_pool("decode").model.tensor_parallel_size,
             "goodput": m["goodput"],
             "slo_%": 100 * m["slo_attainment"],
             "ttft_p50": m["ttft_s"]["p50"],
@@ -97,6 +103,27 @@ class PlanResult:
         """The arm with the highest goodput under the SLOs, colocated ones included."""
         return max(self.arms, key=lambda r: (r.knee_rate or 0.0, r.at_rate["goodput"]))
 
+    def tp_choice(self) -> str | None:
+        """Why the best split has its tensor parallelism: its goodput against the best split
+        of every other (prefill TP, decode TP) pair the profile allowed; None without a split."""
+        if self.best is None:
+            return None
+        by_tp: dict[tuple[int, int], ArmResult] = {}
+        for r in self.arms:
+            if r.arm.colocated:
+                continue
+            key = _tps(r.arm)
+            if key not in by_tp or _score(r) > _score(by_tp[key]):
+                by_tp[key] = r
+        p, d = _tps(self.best.arm)
+        others = [
+            f"{r.arm.name} {r.knee_rate or 0:.3g}" for k, r in sorted(by_tp.items()) if k != (p, d)
+        ]
+        why = f"prefill TP {p}, decode TP {d}: goodput {self.best.knee_rate or 0:.3g} req/s"
+        if not others:
+            return why + " (the profile has step costs for no other TP size)"
+        return why + "; the best split at each other TP pair: " + ", ".join(others)
+
     def to_dict(self) -> dict[str, Any]:
         inp = self.input
         return {
@@ -105,6 +132,7 @@ class PlanResult:
             "workload": inp.workload.to_dict(),
             "slos": self.slos.to_dict(),
             "best_split": self.best.arm.name if self.best is not None else None,
+            "tp_choice": self.tp_choice(),
             "best_overall": self.best_overall.arm.name,
             "arms": [
                 {
@@ -131,22 +159,38 @@ def arms_for(
         "decode.num_threads": 1,
     }
     arms = []
-    for x in range(1, devices):
-        cfg = base.replace(
-            {
-                **per_device,
-                "cache.num_blocks": total // devices,
-                "decode.local_prefill_threshold": 0,
-            }
-        )
-        arms.append(ArmSpec(f"{x}P{devices - x}D", x, devices - x, cfg))
+    tps = profile.tensor_parallel_sizes(1) or [1]
+    for p, d in ((p, d) for p in tps for d in tps):
+        for x in range(1, devices):
+            y, rest = divmod(devices - x * p, d)
+            if y < 1 or rest:
+                continue
+            cfg = base.replace(
+                {
+                    **per_device,
+                    # a replica of Q ranks holds Q devices' KV (a split's decode pool: all of it
+                    # at Q = P = 1; the prefill pool's replicas get as many)
+                    "cache.num_blocks": kv_blocks_per_device * d,
+                    "decode.local_prefill_threshold": 0,
+                    "prefill.tensor_parallel_size": p,
+                    "decode.tensor_parallel_size": d,
+                }
+            )
+            arms.append(ArmSpec(f"{x}P{y}D" + _tp_suffix(p, d), x, y, cfg))
     colocated = {"max_num_seqs": 64, "max_num_batched_tokens": 4096, "chunk_size": None}
     chunked = {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "chunk_size": 128}
     for name, sched in (("colocated", colocated), ("colocated_chunked", chunked)):
-        cfg = base.replace(
-            {**per_device, "cache.num_blocks": total // devices, "decode.scheduler": sched}
-        )
-        arms.append(ArmSpec(name, 0, devices, cfg))
+        for tp in (t for t in tps if devices % t == 0):
+            n = devices // tp
+            cfg = base.replace(
+                {
+                    **per_device,
+                    "cache.num_blocks": kv_blocks_per_device * tp,
+                    "decode.scheduler": sched,
+                    "decode.tensor_parallel_size": tp,
+                }
+            )
+            arms.append(ArmSpec(name + (f"_tp{tp}" if tp > 1 else ""), 0, n, cfg))
         if devices > 1 and str(devices) in profile.steps:  # one replica on every core
             one = base.replace(
                 {
@@ -158,6 +202,22 @@ def arms_for(
             )
             arms.append(ArmSpec(f"{name}_1x{devices}", 0, 1, one))
     return arms
+
+
+def _tps(arm: ArmSpec) -> tuple[int, int]:
+    cfg = arm.config
+    return (
+        cfg.for_pool("prefill").model.tensor_parallel_size,
+        cfg.for_pool("decode").model.tensor_parallel_size,
+    )
+
+
+def _score(r: ArmResult) -> tuple[float, float]:
+    return (r.knee_rate or 0.0, r.at_rate["goodput"])
+
+
+def _tp_suffix(prefill_tp: int, decode_tp: int) -> str:
+    return "" if prefill_tp == decode_tp == 1 else f"_tp{prefill_tp}x{decode_tp}"
 
 
 def simulate(

@@ -3,7 +3,8 @@
 ``pdserve profile`` (``cluster.planner.measure.profiler``) measures them on the actual hardware
 and writes a JSON file of this shape (``format: pdserve-profile/1``); the simulator reads it:
 
-  * ``steps[threads]``: per torch-thread count (CPU) or per device (GPU: one entry):
+  * ``steps[key]``: per torch-thread count (CPU; ``steps_key``: ``"2"``, or ``"1tp2"`` for an
+    engine of 2 tensor-parallel ranks of 1 thread each) or per device (GPU: one entry):
       - ``prefill``: one prefill chunk of N tokens at context 0: ``tokens`` -> ``seconds``;
       - ``prefill_context_s``: extra seconds per (chunk token x earlier context token);
       - ``decode``: a decode step of B sequences at mean context C: a ``batch`` x ``context``
@@ -40,6 +41,11 @@ from pathlib import Path
 from typing import Any
 
 FORMAT = "pdserve-profile/1"
+
+
+def steps_key(threads: int, tp: int = 1) -> str:
+    """The ``steps`` key of an engine of ``tp`` ranks of ``threads`` threads each."""
+    return str(threads) if tp == 1 else f"{threads}tp{tp}"
 
 
 def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -185,13 +191,17 @@ class Profile:
     def bytes_per_block(self) -> int:
         return int(self.model["bytes_per_block"])
 
-    def costs(self, threads: int | str) -> StepCosts:
-        key = str(threads)
+    def costs(self, threads: int | str, tp: int = 1) -> StepCosts:
+        key = steps_key(int(threads), tp) if isinstance(threads, int) else threads
         if key not in self.steps:
-            if len(self.steps) == 1:
+            if len(self.steps) == 1 and tp == 1:
                 return next(iter(self.steps.values()))  # one device: one table
             raise ValueError(f"profile: no step costs for {key!r}; have {sorted(self.steps)}")
         return self.steps[key]
+
+    def tensor_parallel_sizes(self, threads: int = 1) -> list[int]:
+        """The TP sizes this profile has step costs for at ``threads`` threads per rank."""
+        return sorted(tp for tp in range(1, 65) if steps_key(threads, tp) in self.steps)
 
     def transfer_cost(self, transport: str) -> TransferCost:
         if transport not in self.transfer:

@@ -309,7 +309,8 @@ class SimCluster:
 
         def engine(name: str, role: str) -> SimEngine:
             pool = cfg.prefill if role == "prefill" else cfg.decode
-            costs = profile.costs(pool.num_threads or cfg.model.num_threads or 1)
+            threads = pool.num_threads or cfg.model.num_threads or 1
+            costs = profile.costs(threads, cfg.for_pool(role).model.tensor_parallel_size)
             return SimEngine(name, role, cfg, costs, self.serving, self.clock, self._token)
 
         if arm.colocated:

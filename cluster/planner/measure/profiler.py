@@ -35,7 +35,7 @@ from cluster.planner.measure.engine import (
     model_dir,
     step_costs,
 )
-from cluster.planner.profile import Profile, ServingCost, StepCosts, TransferCost
+from cluster.planner.profile import Profile, ServingCost, StepCosts, TransferCost, steps_key
 
 
 def measure_serving(
@@ -93,20 +93,26 @@ def _engine_steps(
     threads: Sequence[int],
     cuda: bool,
     progress: Progress,
+    tp_sizes: Sequence[int] = (1,),
 ) -> tuple[dict[str, StepCosts], dict[str, Any], Any]:
-    """Per thread count (a GPU: the one device): the step-cost table, the raw points and the
-    self-check under ``measured``; and the engine's KV layout."""
+    """Per thread count and tensor-parallel size (ranks x threads within the cores; a GPU:
+    the one device): the step-cost table, the raw points and the self-check under
+    ``measured``; and the engine's KV layout."""
     steps: dict[str, StepCosts] = {}
     measured: dict[str, Any] = {}
     layout = None
-    for n in threads:
-        progress(f"engine steps, {n} torch thread(s)")
+    shapes = [(n, tp) for tp in tp_sizes for n in threads if tp == 1 or n * tp <= cpu_count()]
+    for n, tp in shapes:
+        progress(f"engine steps, {tp} rank(s) of {n} torch thread(s)")
         torch.set_num_threads(n)
-        engine = grid_engine(config, n, points)
+        engine = grid_engine(config.replace({"model.tensor_parallel_size": tp}), n, points)
         layout = engine.runner.layout
-        raw = measure_steps(engine, points, progress)
+        try:
+            raw = measure_steps(engine, points, progress)
+        finally:
+            engine.close()
         costs = step_costs(raw, points)
-        key = "device" if cuda else str(n)
+        key = "device" if cuda else steps_key(n, tp)
         steps[key] = costs
         measured[f"steps_{key}"] = raw
         measured[f"self_check_{key}"] = self_check(costs, raw["mixed"])
@@ -135,8 +141,10 @@ def run_profile(
     threads: Sequence[int] | None = None,
     serving: bool = True,
     progress: Progress = lambda msg: print(msg, flush=True),
+    tp_sizes: Sequence[int] = (1,),
 ) -> Profile:
-    """Measure the profile (``mode``: full, quick or smoke) and write it to ``out``."""
+    """Measure the profile (``mode``: full, quick or smoke) and write it to ``out``;
+    ``tp_sizes``: the tensor-parallel sizes whose engines are measured too (CPU)."""
     points = grid(mode)
     config = config.replace({"model.path": str(model_dir(config, mode))})
     cuda = torch.cuda.is_available() and config.model.device != "cpu"
@@ -145,7 +153,8 @@ def run_profile(
     measured: dict[str, Any] = {
         "grid": {k: list(v) if isinstance(v, tuple) else v for k, v in points.items()}
     }
-    steps, per_threads, layout = _engine_steps(config, points, threads, cuda, progress)
+    tps = (1,) if cuda else tp_sizes  # (ranks on CUDA devices are not built)
+    steps, per_threads, layout = _engine_steps(config, points, threads, cuda, progress, tps)
     measured.update(per_threads)
     transfer = measure_transfer(config, layout, progress, reps=points["reps"] + 1)
     serving_costs: dict[str, ServingCost] = {}

@@ -102,3 +102,37 @@ def test_plan_quick_on_the_shipped_profile(tmp_path: Path) -> None:
     assert (tmp_path / "plan.png").stat().st_size > 1000
     payload = json.loads((tmp_path / "plan.json").read_text())
     assert payload["best_split"] == keys["best"]
+
+
+def _with_tp2(factor: float) -> Profile:
+    from tests.unit.planner.synthetic import costs
+
+    prof = synthetic_profile()
+    prof.steps["1tp2"] = costs(factor)  # an engine of two 1-thread ranks
+    return prof
+
+
+def test_tensor_parallel_sizes_are_searched_with_the_split_on_every_device() -> None:
+    arms = {a.name: a for a in arms_for(4, _with_tp2(0.6), 100)}
+    assert {"1P3D", "1P1D_tp2x2", "2P1D_tp1x2", "1P2D_tp2x1", "colocated_tp2"} <= set(arms)
+    for arm in arms.values():
+        cfg = arm.config
+        p = cfg.for_pool("prefill").model.tensor_parallel_size
+        d = cfg.for_pool("decode").model.tensor_parallel_size
+        assert arm.prefill * p + arm.decode * d == 4 or arm.name.startswith("colocated_1x"), arm
+        assert cfg.cache.num_blocks == 100 * d or arm.name.startswith("colocated_1x"), arm.name
+    assert [a.name for a in arms_for(4, synthetic_profile(), 100)][:3] == ["1P3D", "2P2D", "3P1D"]
+
+
+@pytest.mark.parametrize(("factor", "chosen"), [(0.3, True), (3.0, False)])
+def test_the_plan_takes_tensor_parallelism_where_it_pays_and_says_why(
+    factor: float, chosen: bool
+) -> None:
+    inp = PlanInput(_with_tp2(factor), MIXED_LONG, 0.5, 4, num_requests=60, sweep_steps=3)
+    result = plan(inp)
+    assert result.best is not None
+    row = result.best.row()
+    assert (max(row["P_tp"], row["D_tp"]) == 2) is chosen, result.tp_choice()
+    why = result.tp_choice()
+    assert why is not None and why.startswith(f"prefill TP {row['P_tp']}, decode TP {row['D_tp']}")
+    assert "the best split at each other TP pair" in why
