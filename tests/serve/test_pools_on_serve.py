@@ -166,3 +166,82 @@ def test_tensor_parallel_prefill_pool_hands_off_on_serve(
     finally:
         serve.delete("tp-pools")
     assert wait_until(lambda: _rank_processes() == 0, timeout=30)
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
+def test_a_decode_rank_killed_or_stopped_mid_stream_ends_it_and_the_replica_is_replaced(
+    serve_cluster: ServeCluster, tiny_model_dir: Any, how: str
+) -> None:
+    """A decode replica at TP=2 loses its second rank mid-stream (killed; or stopped, which the
+    step sees within ``model.tensor_parallel_timeout_s``, 3 s here): the stream ends, ABORTED
+    as for any decode engine dying mid-stream; the replica fails its health check and Serve
+    replaces it (a new rank process, the old one gone); the new replica serves the next
+    request with the tokens of a local run; both pools end clean."""
+    import os
+    import signal
+
+    model = {"model.runner": "torch", "model.path": str(tiny_model_dir), "model.num_threads": 1}
+    health = {
+        "decode.health_check_period_s": 0.5,
+        "decode.health_check_timeout_s": 5.0,
+        "model.tensor_parallel_timeout_s": 3.0,
+    }
+    _, handle = deploy_pools("tp-fault", **model, **health, **{"decode.tensor_parallel_size": 2})
+    try:
+        assert wait_until(lambda: _rank_processes() == 1)
+        old = subprocess_pids()
+        prompt = [3 + (j * 7) % 400 for j in range(40)]
+        call = GenerateCall("long", prompt, hash_block_tokens(prompt, 16), greedy(400))
+
+        async def interrupted() -> tuple[list[int], BaseException | None]:
+            tokens: list[int] = []
+            try:
+                async for item in handle.options(stream=True).generate.remote(call):
+                    if isinstance(item, Keepalive | Accepted):
+                        continue
+                    tokens.extend(item.token_ids)
+                    if len(tokens) >= 5 and old:
+                        os.kill(old.pop(), getattr(signal, how))
+            except Exception as exc:  # the stream's end: what the caller sees
+                return tokens, exc
+            return tokens, None
+
+        tokens, error = asyncio.run(interrupted())
+        assert error is not None and 5 <= len(tokens) < 400, (len(tokens), error)
+        # the client has tokens: ABORTED, as for any decode engine dying mid-stream (the replica's
+        # log names the rank and its exit code)
+        assert "ABORTED: the decode replica failed" in str(error), error
+        assert wait_until(lambda: _rank_processes() == 1 and subprocess_pids(), timeout=60)
+        ref = LLMEngine(fake_config(**{**CFG, **model}))
+        short = [5 + (j * 3) % 400 for j in range(30)]
+        ref.add(EngineRequest("after", short, greedy(8)))
+        expected = run_until_done(ref)["after"]
+
+        def served() -> list[int] | None:
+            async def one() -> list[int]:
+                c = GenerateCall("after", short, hash_block_tokens(short, 16), greedy(8))
+                items = [
+                    x
+                    async for x in handle.options(stream=True).generate.remote(c)
+                    if not isinstance(x, Keepalive)
+                ]
+                return [t for x in items[1:] for t in x.token_ids]
+
+            try:
+                return asyncio.run(one())
+            except Exception:  # the replica being replaced
+                return None
+
+        assert wait_until(lambda: served() == expected, timeout=60)
+        assert handle.check_integrity.remote().result() == "ok"
+        assert wait_until(lambda: handle.stats.remote().result()["kv_used_blocks"] == 0)
+    finally:
+        serve.delete("tp-fault")
+    assert wait_until(lambda: _rank_processes() == 0, timeout=30)
+
+
+def subprocess_pids() -> list[int]:
+    import subprocess
+
+    out = subprocess.run(["pgrep", "-f", "cluster.engine.tp_rank_main"], capture_output=True)
+    return [int(p) for p in out.stdout.split()]
