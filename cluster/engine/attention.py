@@ -11,7 +11,9 @@ for int8 KV, see ``kv_codec.py``): values are encoded when written and decoded w
 
 A step's tokens are flattened: the decode tokens (one per request) first, then each prefill
 chunk. Decodes are attended in one batched pass over padded block tables; prefill chunks one
-sequence at a time (they are few per step and long).
+sequence at a time (they are few per step and long). On CUDA the runner may name kernels that
+read the cache in place instead (``decode_kernel``, ``prefill_kernel``: the Triton ones of
+``cluster/engine/gpu``); on the CPU ``decode_kernel`` is the native library's, if any.
 """
 
 from __future__ import annotations
@@ -47,6 +49,10 @@ class AttentionMetadata:
     decode_kernel: Callable[..., torch.Tensor] | None = None
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] long
     decode_ctx_lens: torch.Tensor | None = None  # [num_decodes] long
+    # The GPU path instead attends every prefill chunk of the step in one call reading the
+    # cache (the chunks' KV already written): (q, kv_cache, layer, scale, out) -> out with the
+    # chunks' rows written (``gpu.triton_attention.prefill_kernel_for``). None: one SDPA a chunk.
+    prefill_kernel: Callable[..., torch.Tensor] | None = None
 
 
 def decode_row_index(
@@ -115,6 +121,8 @@ def paged_attention(
     out = torch.empty_like(q)
     if nd:
         out[:nd] = _decode_attention(q[:nd], kv_cache, layer, meta, scale, codec)
+    if meta.prefill_kernel is not None and meta.prefills:
+        return meta.prefill_kernel(q, kv_cache, layer, scale, out)
     k_cache, v_cache = kv_cache[:, layer, 0], kv_cache[:, layer, 1]
     if meta.prefills:
         # What the cache returns for this step's own keys and values (exact for float KV).

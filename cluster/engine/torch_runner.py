@@ -20,6 +20,10 @@ from cluster.config import ClusterConfig
 from cluster.config.model_paths import model_name
 from cluster.engine import prompt_logprobs
 from cluster.engine.attention import AttentionMetadata, PrefillSeq, decode_row_index
+from cluster.engine.gpu.device_sampler import sample_step
+from cluster.engine.gpu.graphs import DEFAULT_BUCKETS, StepGraphs
+from cluster.engine.gpu.plan import GpuPath, choose_gpu_path, triton_imports
+from cluster.engine.gpu.triton_attention import prefill_kernel_for, triton_paged_decode
 from cluster.engine.kernels.native import MAX_GROUP, load_native
 from cluster.engine.kv_codec import kv_codec_for
 from cluster.engine.models.default_model import ModelSource, model_source
@@ -130,6 +134,7 @@ class TorchModelRunner:
             SCHEMES[kv_dtype],
         )
         self.model.kv_codec = kv_codec_for(self.layout)
+        self.gpu = self._gpu_path(config)
         self.decode_kernel = self._load_decode_kernel(config)
         # Fast numerics round every activation to int8, so a last-bit difference upstream of a
         # matrix becomes a whole rounding step, and then other tokens. Prefill chunks' rows
@@ -139,6 +144,9 @@ class TorchModelRunner:
         # output does not depend on how it was scheduled.
         self.rows_as_decodes = self.decode_kernel is not None and self.model.int8_activations
         self._allocate_kv(config, kv_allocator, rank)
+        self.graphs: StepGraphs | None = None
+        if self.gpu.cuda_graphs:
+            self.graphs = self._capture_graphs(config)
         self.formats = {"weights": self.model.weight_format, "kv_cache": self.layout.dtype}
         logger.info(
             "weights %s (%.1f MiB); KV cache %s: %d blocks of %d tokens (%.1f MiB, %d bytes a "
@@ -194,7 +202,9 @@ class TorchModelRunner:
             self.num_blocks = num_kv_blocks(config, self.layout.bytes_per_block, self.device)
             if group is not None and kv_allocator is default_kv_allocator:
                 kv_allocator = shared_kv_allocator
-            kv = kv_allocator(self.layout, self.num_blocks, self.device)
+            # CUDA graphs: one more block, after the block manager's, where pad rows write
+            scratch = 1 if self.gpu.cuda_graphs else 0
+            kv = kv_allocator(self.layout, self.num_blocks + scratch, self.device)
             if group is not None and kv_allocator is shared_kv_allocator:
                 self._shared_kv.append(kv.data_ptr())
             if group is not None and shared_kv_path(kv) is None:
@@ -236,8 +246,59 @@ class TorchModelRunner:
         self._group = None
         self._release()
 
+    def _gpu_path(self, config: ClusterConfig) -> GpuPath:
+        """What of the GPU path this runner uses (``gpu.plan``; none of it on the CPU)."""
+        if self.device.type != "cuda":
+            return GpuPath()
+        path = choose_gpu_path(
+            device_type=self.device.type,
+            kernels=config.model.kernels,
+            kv_dtype=self.layout.dtype,
+            head_dim=self.layout.head_dim,
+            triton_available=triton_imports(),
+            tensor_parallel=self.model.tp is not None,
+            moe=self.model.expert_load is not None,
+            packed_weights=has_packed_rows(self.model.matrices()),
+        )
+        logger.info("GPU path: %s", path.describe())
+        return path
+
+    def _capture_graphs(self, config: ClusterConfig) -> StepGraphs:
+        """Decode-only steps as CUDA graphs, one per batch bucket up to the most rows such a
+        step can have (a larger one runs eagerly); pad rows write only the scratch block."""
+        assert self.decode_kernel is not None
+        spec = config.decode.speculative
+        per_seq = 1 + (spec.num_speculative_tokens if spec.method != "none" else 0)
+        rows = min(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs * per_seq)
+        top = next((b for b in DEFAULT_BUCKETS if b >= rows), DEFAULT_BUCKETS[-1])
+        graphs = StepGraphs(
+            self._graph_step,
+            self.decode_kernel,
+            max_blocks=-(-self.max_model_len // self.block_size),
+            scratch_block=self.num_blocks,
+            device=self.device,
+            buckets=[b for b in DEFAULT_BUCKETS if b <= top],
+        )
+        seconds = graphs.capture_all()
+        logger.info(
+            "CUDA graphs: decode steps of %s rows captured in %.1f s", list(graphs.buckets), seconds
+        )
+        return graphs
+
+    def _graph_step(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """What a captured step runs: every row's logits."""
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_view)
+        logits = self.model.compute_logits(hidden)
+        assert logits is not None
+        return logits
+
     def _load_decode_kernel(self, config: ClusterConfig) -> DecodeKernel | None:
-        """The native paged decode attention (fp32 or int8 KV), or None: the torch gather."""
+        """The native paged decode attention (fp32 or int8 KV) on the CPU, the Triton one on
+        CUDA (``self.gpu``), or None: the torch gather."""
+        if self.gpu.triton_attention:
+            return triton_paged_decode
         arch = self.model.arch
         kernels = None
         if (
@@ -263,7 +324,11 @@ class TorchModelRunner:
         logits = self.forward(inputs)
         assert logits is not None
         s = inputs.sample_rows.shape[0]
-        out = sample_and_verify(logits[:s], inputs.sampled, batch.masks)
+        out = None
+        if self.gpu.device_sampling:
+            out = sample_step(logits[:s], inputs.sampled, batch.masks)
+        if out is None:
+            out = sample_and_verify(logits[:s], inputs.sampled, batch.masks)
         out.prompt_logprobs = prompt_logprobs.score(logits[s:], inputs.prompt)
         return out
 
@@ -271,7 +336,12 @@ class TorchModelRunner:
         """Logits (fp32) of the rows sampled: each request's last known token's and, with
         drafts, each draft's (``ScheduledRequest.num_sampled_rows``); then the prompt rows
         scored for prompt logprobs (``prompt_logprobs``). None on a tensor-parallel rank other
-        than 0 (its slice went to rank 0)."""
+        than 0 (its slice went to rank 0). A decode-only step without prompt rows replays its
+        bucket's CUDA graph where ``self.graphs`` holds them."""
+        n = inputs.input_ids.shape[0]
+        meta = inputs.meta
+        if self.graphs is not None and not inputs.prompt and 0 < n == meta.num_decodes:
+            return self.graphs.run(inputs.input_ids, inputs.positions, meta)[inputs.sample_rows]
         hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_view)
         rows = inputs.sample_rows
         if inputs.prompt:
@@ -367,6 +437,8 @@ class TorchModelRunner:
             prefills=[PrefillSeq(r, n, c, long(table)) for r, n, c, table in rows.prefills],
             decode_kernel=self.decode_kernel,
         )
+        if self.gpu.triton_attention and meta.prefills:
+            meta.prefill_kernel = prefill_kernel_for(meta.prefills, self.device)
         if not rows.dec_lens:
             return meta
         width = max(len(t) for t in rows.dec_tables)

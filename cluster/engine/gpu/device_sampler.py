@@ -23,6 +23,15 @@ top ``k``, gathered on the device and brought to the host in one copy (``to_host
 Not here (the host sampler keeps them): repetition/presence/frequency penalties, ``logit_bias``
 and suppressed ids below ``min_tokens``; ``supported`` says which rows can come here. A boolean
 ``allowed`` mask ([B, V], structured output) is applied to the logits first, greedy rows too.
+
+In the engine (``sample_step``, called by the torch runner on CUDA where ``gpu.plan`` turns
+device sampling on): a plain step, each item one sampled row (no drafts, no parallel-sampling
+fan-out, no structured-output masks), every row ``supported`` and at least one not greedy, is
+drawn here in one pass; any other step goes to ``spec.verify.sample_and_verify`` (the host
+sampler; an all-greedy step is one device argmax there anyway). So on CUDA a seeded, sampled
+request's tokens differ from what the same seed gave before this path was wired (or gives with
+``model.kernels: torch``, or on the CPU): the same seed still gives the same tokens every run
+and on every CUDA replica, and greedy outputs do not change.
 """
 
 from __future__ import annotations
@@ -32,7 +41,10 @@ from dataclasses import dataclass
 
 import torch
 
+from cluster.engine.batch import ScheduledRequest, TokenMasks
+from cluster.engine.runner import RunnerOutput
 from cluster.engine.sampler import SampleRequest
+from cluster.engine.spec.verify import sample_request
 
 
 def _signed(c: int) -> int:
@@ -162,3 +174,25 @@ def sample_on_device(
     chosen = lp.gather(1, tokens[:, None]).squeeze(1)
     top_vals, top_ids = lp.topk(num_top_logprobs, dim=-1)
     return DeviceSample(tokens, chosen, top_ids, top_vals)
+
+
+def sample_step(
+    logits: torch.Tensor, items: Sequence[ScheduledRequest], masks: TokenMasks | None = None
+) -> RunnerOutput | None:
+    """A plain step's tokens drawn on the device (``RunnerOutput`` as ``sample_and_verify``
+    gives it), or None: the step is not plain (see the module docstring), sample it on the host.
+    logits: [len(items), V] fp32, one row per item."""
+    if masks is not None or any(it.draft_token_ids or it.fanout for it in items):
+        return None
+    rows = [sample_request(it) for it in items]
+    if not rows or not all(map(supported, rows)) or all(r.params.is_greedy for r in rows):
+        return None
+    want = any(r.params.logprobs is not None for r in rows)
+    k = max(r.params.logprobs or 0 for r in rows) if want else None
+    drawn = sample_on_device(logits, DeviceSamplingParams.of(rows, logits.device), k)
+    ids, lps, tops = drawn.to_host()
+    out = RunnerOutput([it.request.request_id for it in items], ids, None, None)
+    if want and lps is not None:
+        out.logprobs = [lp if r.params.logprobs is not None else 0.0 for lp, r in zip(lps, rows)]
+        out.top_logprobs = [top[: r.params.logprobs or 0] for top, r in zip(tops, rows)]
+    return out

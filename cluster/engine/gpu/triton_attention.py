@@ -34,6 +34,7 @@ tensor-core arithmetic up to summation order.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from types import ModuleType
@@ -227,3 +228,19 @@ def triton_prefill_attention(
     """One chunk: q [n, Hq, D] (the chunk's rows) -> [n, Hq, D]. Its KV is already written."""
     batch = PrefillBatch.of([p], q.device, row0=p.start)
     return triton_prefill_batch(q, kv_cache, layer, batch, scale)
+
+
+PrefillKernel = Callable[[torch.Tensor, torch.Tensor, int, float, torch.Tensor], torch.Tensor]
+
+
+def prefill_kernel_for(prefills: list[PrefillSeq], device: torch.device) -> PrefillKernel:
+    """``AttentionMetadata.prefill_kernel`` for a step's chunks: their ``PrefillBatch`` built
+    once (a few small host-to-device copies), then one launch per layer over the whole q."""
+    batch = PrefillBatch.of(prefills, device)
+
+    def kernel(
+        q: torch.Tensor, kv_cache: torch.Tensor, layer: int, scale: float, out: torch.Tensor
+    ) -> torch.Tensor:
+        return triton_prefill_batch(q, kv_cache, layer, batch, scale, out)
+
+    return kernel

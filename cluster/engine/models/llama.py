@@ -103,6 +103,13 @@ class LlamaModel:
         # tokens per expert, for the engine's stats (a mixture-of-experts model only)
         self.expert_load = ExpertLoad(arch.num_experts) if arch.num_experts else None
         self.scale = arch.attn_scale if arch.attn_scale is not None else arch.head_dim**-0.5
+        # Gemma's embedding multiplier, rounded to the weights' dtype as transformers does, made
+        # once on the model's device: a step then holds no host tensor (CUDA graphs capture it).
+        self.embed_scale = (
+            torch.tensor(arch.embed_scale, dtype=torch.float32)
+            .to(final_norm.dtype)
+            .to(final_norm.device)
+        )
         tables = inv_freq if isinstance(inv_freq, dict) else {"": (inv_freq, attention_scaling)}
         self.rope_tables = {
             name: _rope_table(f, scaling, max_model_len, final_norm)
@@ -171,7 +178,10 @@ class LlamaModel:
         tp = self.tp
         h = ops.embed(self.embed, input_ids) if tp is None else tp.embed(ops, self.embed, input_ids)
         if a.embed_scale != 1.0:  # (Gemma: in the weights' dtype, as transformers does)
-            h = h * torch.tensor(a.embed_scale, dtype=torch.float32).to(h.dtype)
+            scale = self.embed_scale
+            if scale.dtype != h.dtype:  # an embedding in another dtype than the model's
+                scale = torch.tensor(a.embed_scale, dtype=torch.float32).to(h.dtype)
+            h = h * scale
         if ops.run_layers(self, h, positions, meta, kv_cache):
             return h
         if a.layer_rope:
