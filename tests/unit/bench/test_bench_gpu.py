@@ -11,7 +11,15 @@ import pytest
 import torch
 
 from benchmarks import BENCHMARKS, DEVICE_ONLY
-from benchmarks.gpu import NO_CUDA, roofline_seconds, weight_bytes_per_step
+from benchmarks.gpu import (
+    BUDGET_S,
+    NEEDS_S,
+    NO_CUDA,
+    PYTEST_TIMEOUT_S,
+    TARGETS,
+    roofline_seconds,
+    weight_bytes_per_step,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")
@@ -34,6 +42,18 @@ def test_bench_gpu_without_cuda_fails_clearly(tmp_path: Path) -> None:
 
 def test_gpu_is_registered_but_device_only() -> None:
     assert "gpu" in BENCHMARKS and "gpu" in DEVICE_ONLY
+
+
+def test_the_gpu_path_keys_have_their_targets_and_the_run_its_budget() -> None:
+    """Issue 38 item 4's keys, each with its target; the parts' time limits fit one device
+    call of 8 minutes (the tests' timeout and every part's least time within the budget)."""
+    assert TARGETS["decode_step_ms_b1"].startswith("<= 3")
+    assert TARGETS["roofline_b256_ctx512"] == ">= 0.35"
+    assert TARGETS["triton_attn_vs_sdpa_b32_ctx2048"] == ">= 1.5"
+    assert TARGETS["p6_b1_vs_hf"] == ">= 5"
+    assert TARGETS["handoff_vs_device_copy_2048"] == ">= 0.5"
+    assert {"decode_step_ms_b32", "graphs_vs_eager_b1"} <= set(TARGETS)
+    assert PYTEST_TIMEOUT_S + max(NEEDS_S.values()) < BUDGET_S <= 8 * 60
 
 
 def test_roofline_counts_every_weight_and_the_batch_kv(tiny_model_dir: Path) -> None:
