@@ -20,7 +20,7 @@ from cluster.config import ClusterConfig
 from cluster.config.model_paths import model_name
 from cluster.engine import prompt_logprobs
 from cluster.engine.attention import AttentionMetadata, PrefillSeq, decode_row_index
-from cluster.engine.gpu.device_sampler import sample_step
+from cluster.engine.gpu.device_sampler import sample_rows
 from cluster.engine.gpu.graphs import DEFAULT_BUCKETS, StepGraphs
 from cluster.engine.gpu.plan import GpuPath, choose_gpu_path, triton_imports
 from cluster.engine.gpu.triton_attention import prefill_kernel_for, triton_paged_decode
@@ -43,6 +43,7 @@ from cluster.engine.runner import (
     shared_kv_allocator,
     shared_kv_path,
 )
+from cluster.engine.sampler import sample
 from cluster.engine.scheduler import ScheduledBatch, ScheduledRequest
 from cluster.engine.spec.verify import sample_and_verify
 from cluster.engine.tp_group import RankFailure, ShmGroup
@@ -324,11 +325,8 @@ class TorchModelRunner:
         logits = self.forward(inputs)
         assert logits is not None
         s = inputs.sample_rows.shape[0]
-        out = None
-        if self.gpu.device_sampling:
-            out = sample_step(logits[:s], inputs.sampled, batch.masks)
-        if out is None:
-            out = sample_and_verify(logits[:s], inputs.sampled, batch.masks)
+        sampler = sample_rows if self.gpu.device_sampling else sample
+        out = sample_and_verify(logits[:s], inputs.sampled, batch.masks, sampler)
         out.prompt_logprobs = prompt_logprobs.score(logits[s:], inputs.prompt)
         return out
 

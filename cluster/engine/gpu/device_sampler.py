@@ -24,14 +24,14 @@ Not here (the host sampler keeps them): repetition/presence/frequency penalties,
 and suppressed ids below ``min_tokens``; ``supported`` says which rows can come here. A boolean
 ``allowed`` mask ([B, V], structured output) is applied to the logits first, greedy rows too.
 
-In the engine (``sample_step``, called by the torch runner on CUDA where ``gpu.plan`` turns
-device sampling on): a plain step, each item one sampled row (no drafts, no parallel-sampling
-fan-out, no structured-output masks), every row ``supported`` and at least one not greedy, is
-drawn here in one pass; any other step goes to ``spec.verify.sample_and_verify`` (the host
-sampler; an all-greedy step is one device argmax there anyway). So on CUDA a seeded, sampled
-request's tokens differ from what the same seed gave before this path was wired (or gives with
+In the engine (``sample_rows``, the sampler ``spec.verify.sample_and_verify`` is given by the
+torch runner on CUDA where ``gpu.plan`` turns device sampling on): every row ``supported`` is
+drawn here, drafts' rows, structured-output rows (masked first) and parallel samples' first
+tokens included, so which stream draws a token depends on its own request's parameters and
+output index only, never on the batch around it. So on CUDA a seeded, sampled request's tokens
+differ from what the same seed gives the host sampler (before this path was wired, with
 ``model.kernels: torch``, or on the CPU): the same seed still gives the same tokens every run
-and on every CUDA replica, and greedy outputs do not change.
+and on every CUDA replica, speculation on or off, and greedy outputs do not change.
 """
 
 from __future__ import annotations
@@ -41,10 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.engine.batch import ScheduledRequest, TokenMasks
-from cluster.engine.runner import RunnerOutput
-from cluster.engine.sampler import SampleRequest
-from cluster.engine.spec.verify import sample_request
+from cluster.engine.sampler import SampleRequest, SamplerOutput, sample
 
 
 def _signed(c: int) -> int:
@@ -176,23 +173,35 @@ def sample_on_device(
     return DeviceSample(tokens, chosen, top_ids, top_vals)
 
 
-def sample_step(
-    logits: torch.Tensor, items: Sequence[ScheduledRequest], masks: TokenMasks | None = None
-) -> RunnerOutput | None:
-    """A plain step's tokens drawn on the device (``RunnerOutput`` as ``sample_and_verify``
-    gives it), or None: the step is not plain (see the module docstring), sample it on the host.
-    logits: [len(items), V] fp32, one row per item."""
-    if masks is not None or any(it.draft_token_ids or it.fanout for it in items):
-        return None
-    rows = [sample_request(it) for it in items]
-    if not rows or not all(map(supported, rows)) or all(r.params.is_greedy for r in rows):
-        return None
+def sample_rows(logits: torch.Tensor, rows: list[SampleRequest]) -> SamplerOutput:
+    """``sampler.sample`` with every ``supported`` row drawn here: the same output (tokens,
+    logprobs of the given logits, top k per row), the rows ``supported`` refuses drawn by the
+    host sampler. A step of greedy rows only goes to the host sampler whole (on CUDA that is
+    one device argmax: the same tokens). logits: [len(rows), V] fp32 (masks already applied)."""
+    here = [i for i, r in enumerate(rows) if supported(r)]
+    if not here or all(rows[i].params.is_greedy for i in here):
+        return sample(logits, rows)
     want = any(r.params.logprobs is not None for r in rows)
+    tokens = [0] * len(rows)
+    lps = [0.0] * len(rows)
+    tops: list[list[tuple[int, float]]] = [[] for _ in rows]
     k = max(r.params.logprobs or 0 for r in rows) if want else None
-    drawn = sample_on_device(logits, DeviceSamplingParams.of(rows, logits.device), k)
-    ids, lps, tops = drawn.to_host()
-    out = RunnerOutput([it.request.request_id for it in items], ids, None, None)
-    if want and lps is not None:
-        out.logprobs = [lp if r.params.logprobs is not None else 0.0 for lp, r in zip(lps, rows)]
-        out.top_logprobs = [top[: r.params.logprobs or 0] for top, r in zip(tops, rows)]
-    return out
+    sub = logits if len(here) == len(rows) else logits[here]
+    mine = [rows[i] for i in here]
+    ids, dev_lps, dev_tops = sample_on_device(
+        sub, DeviceSamplingParams.of(mine, logits.device), k
+    ).to_host()
+    for j, i in enumerate(here):
+        tokens[i] = ids[j]
+        if dev_lps is not None and rows[i].params.logprobs is not None:
+            lps[i] = dev_lps[j]
+            tops[i] = dev_tops[j][: rows[i].params.logprobs]
+    taken = set(here)
+    rest = [i for i in range(len(rows)) if i not in taken]
+    if rest:
+        out = sample(logits[rest], [rows[i] for i in rest])
+        for j, i in enumerate(rest):
+            tokens[i] = out.token_ids[j]
+            if out.logprobs is not None and out.top_logprobs is not None:
+                lps[i], tops[i] = out.logprobs[j], out.top_logprobs[j]
+    return SamplerOutput(tokens, lps if want else None, tops if want else None)

@@ -18,14 +18,18 @@ at every index, and the same seed reproduces the same tokens with speculation on
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from cluster.engine.batch import ScheduledRequest, TokenMasks
 from cluster.engine.request import Request
 from cluster.engine.runner import RunnerOutput
-from cluster.engine.sampler import SampleRequest, sample
+from cluster.engine.sampler import SampleRequest, SamplerOutput, sample
+
+# (logits [S, V], one request per row) -> the rows' tokens: ``sampler.sample``, or on CUDA
+# ``gpu.device_sampler.sample_rows`` (the same contract, its own random stream)
+Sampler = Callable[[torch.Tensor, list[SampleRequest]], SamplerOutput]
 
 
 def sample_request(item: ScheduledRequest, row: int = 0) -> SampleRequest:
@@ -48,10 +52,14 @@ def sample_request(item: ScheduledRequest, row: int = 0) -> SampleRequest:
 
 
 def sample_and_verify(
-    logits: torch.Tensor, items: Sequence[ScheduledRequest], masks: TokenMasks | None = None
+    logits: torch.Tensor,
+    items: Sequence[ScheduledRequest],
+    masks: TokenMasks | None = None,
+    sampler: Sampler = sample,
 ) -> RunnerOutput:
     """logits: [sum of items' num_sampled_rows, V] fp32, each item's rows in order; ``masks``:
-    grammar masks of constrained rows (structured output), applied before anything is sampled.
+    grammar masks of constrained rows (structured output), applied before anything is sampled;
+    ``sampler``: what draws each round's rows.
 
     Returns one entry per emitted token (``RunnerOutput``): per item its accepted drafts, then
     the correction or bonus token; an item without drafts emits exactly one.
@@ -71,7 +79,7 @@ def sample_and_verify(
     while live:
         rows = [first_row[i] + j for i in live]
         step_logits = logits if rows == list(range(num_rows)) else logits[rows]
-        out = sample(step_logits, [sample_request(items[i], j) for i in live])
+        out = sampler(step_logits, [sample_request(items[i], j) for i in live])
         still: list[int] = []
         for pos, i in enumerate(live):
             token = out.token_ids[pos]
@@ -86,7 +94,7 @@ def sample_and_verify(
     result = RunnerOutput([], [], [] if want_logprobs else None, [] if want_logprobs else None)
     for i, (it, tokens) in enumerate(zip(items, emitted, strict=True)):
         if it.fanout:  # its samples' first tokens, before its own (``parallel``)
-            _fan_out(logits[first_row[i]], it.fanout, result)
+            _fan_out(logits[first_row[i]], it.fanout, result, sampler)
         for token, lp, top in tokens:
             result.request_ids.append(it.request.request_id)
             result.token_ids.append(token)
@@ -96,11 +104,13 @@ def sample_and_verify(
     return result
 
 
-def _fan_out(row: torch.Tensor, samples: Sequence[Request], result: RunnerOutput) -> None:
+def _fan_out(
+    row: torch.Tensor, samples: Sequence[Request], result: RunnerOutput, sampler: Sampler = sample
+) -> None:
     """Each sample's first token from its leader's last prompt row (masked already), drawn
     with the sample's own seed: what a request of its own would draw from the same logits."""
     rows = [sample_request(ScheduledRequest(s, 0, [])) for s in samples]
-    out = sample(row.unsqueeze(0).expand(len(rows), -1), rows)
+    out = sampler(row.unsqueeze(0).expand(len(rows), -1), rows)
     for k, s in enumerate(samples):
         result.request_ids.append(s.request_id)
         result.token_ids.append(out.token_ids[k])

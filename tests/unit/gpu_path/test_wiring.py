@@ -130,14 +130,51 @@ def test_the_cuda_wiring_runs_on_the_cpu(
     engine.check_integrity()
 
     drawn: list[int] = []
-    sample_step = device_sampler.sample_step
+    on_device = device_sampler.sample_on_device
 
-    def counting(*args: Any, **kw: Any) -> Any:
-        out = sample_step(*args, **kw)
-        drawn.append(out is not None)
-        return out
+    def counting(logits: Any, *args: Any, **kw: Any) -> Any:
+        drawn.append(logits.shape[0])
+        return on_device(logits, *args, **kw)
 
-    monkeypatch.setattr("cluster.engine.torch_runner.sample_step", counting)
+    monkeypatch.setattr(device_sampler, "sample_on_device", counting)
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, ignore_eos=True, seed=7)
     sampled = [_run(engine, prompts, params) for _ in range(2)]
-    assert sampled[0] == sampled[1] and drawn and all(drawn)
+    assert sampled[0] == sampled[1] and sum(drawn) == 2 * 12 * len(prompts)
+
+
+def test_seeded_tokens_on_the_gpu_path_do_not_depend_on_speculation(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Drafts' rows are drawn by the device sampler too (row by row, ``sample_rows``), so a
+    seeded request gives the same tokens with prompt-lookup speculation on and off, as on the
+    host sampler; the verify rows run through the graphs' twin (buckets up to 4 x 5 rows)."""
+    monkeypatch.setattr(TorchModelRunner, "_gpu_path", lambda self, cfg: GpuPath(True, True, True))
+    params = SamplingParams(temperature=0.7, top_k=8, max_tokens=16, ignore_eos=True, seed=3)
+    runs = {}
+    for method in ("none", "ngram"):
+        overrides = {
+            "cache.num_blocks": 64,
+            "model.kernels": "torch",
+            "scheduler.max_num_seqs": 4,
+            "decode.speculative.method": method,
+            "decode.speculative.num_speculative_tokens": 4,
+            "decode.speculative.min_ngram": 1,  # a random model's tokens: draft often
+            "decode.speculative.min_acceptance_rate": 0.0,
+            "decode.speculative.measure_row_cost": False,
+            "decode.speculative.draft_row_cost": 0.01,
+        }
+        engine = LLMEngine(tiny_config(tiny_model_dir, **overrides))
+        graphs = engine.runner.graphs  # type: ignore[attr-defined]
+        assert graphs is not None and graphs.buckets[-1] == (4 if method == "none" else 32)
+        sizes: list[int] = []
+        run = graphs.run
+
+        def recording_run(ids: Any, *args: Any, run: Any = run, sizes: list[int] = sizes) -> Any:
+            sizes.append(ids.shape[0])
+            return run(ids, *args)
+
+        monkeypatch.setattr(graphs, "run", recording_run)
+        runs[method] = _run(engine, _prompts(engine), params)
+        engine.check_integrity()
+        assert max(sizes) == 4 if method == "none" else max(sizes) > 4  # drafts' rows in
+    assert runs["none"] == runs["ngram"]
