@@ -16,9 +16,10 @@ not touched. On CUDA, with ``model.kernels`` auto:
   dispatch read counts back to the host inside the step), packed (GGUF/int8) weights
   (de-quantized on each call: not worth capturing and not checked) and tensor parallelism
   (CPU ranks only);
-* ``device_sampling``: a step's sampled rows drawn on the device (``device_sampler``) where
-  every row is plain (no drafts, no structured-output masks, no penalties, bias or suppressed
-  ids: ``device_sampler.supported``) and at least one row is not greedy.
+* ``device_sampling``: a step's sampled rows drawn on the device (``device_sampler.sample_rows``
+  as ``spec.verify.sample_and_verify``'s sampler): every row without penalties, bias or
+  suppressed ids (``device_sampler.supported``), drafts' and structured-output rows included;
+  the others on the host sampler.
 
 ``model.kernels: torch`` turns all three off on CUDA (plain torch ops, the host sampler): the
 escape hatch, and the baseline the GPU benchmark compares against.
