@@ -264,9 +264,11 @@ class TorchModelRunner:
         logger.info("GPU path: %s", path.describe())
         return path
 
-    def _capture_graphs(self, config: ClusterConfig) -> StepGraphs:
+    def _capture_graphs(self, config: ClusterConfig) -> StepGraphs | None:
         """Decode-only steps as CUDA graphs, one per batch bucket up to the most rows such a
-        step can have (a larger one runs eagerly); pad rows write only the scratch block."""
+        step can have (a larger one runs eagerly); pad rows write only the scratch block. A
+        capture that fails leaves every step eager (logged with its error), not the replica
+        down."""
         assert self.decode_kernel is not None
         spec = config.decode.speculative
         per_seq = 1 + (spec.num_speculative_tokens if spec.method != "none" else 0)
@@ -280,7 +282,13 @@ class TorchModelRunner:
             device=self.device,
             buckets=[b for b in DEFAULT_BUCKETS if b <= top],
         )
-        seconds = graphs.capture_all()
+        try:
+            seconds = graphs.capture_all()
+        except RuntimeError as e:
+            logger.warning("CUDA graphs: the capture failed, decode steps run eagerly: %s", e)
+            del graphs
+            torch.cuda.empty_cache()
+            return None
         logger.info(
             "CUDA graphs: decode steps of %s rows captured in %.1f s", list(graphs.buckets), seconds
         )

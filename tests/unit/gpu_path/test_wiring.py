@@ -178,3 +178,22 @@ def test_seeded_tokens_on_the_gpu_path_do_not_depend_on_speculation(
         engine.check_integrity()
         assert max(sizes) == 4 if method == "none" else max(sizes) > 4  # drafts' rows in
     assert runs["none"] == runs["ngram"]
+
+
+def test_a_failed_capture_leaves_the_steps_eager(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from cluster.engine.gpu.graphs import StepGraphs
+
+    def fail(self: StepGraphs, warmup: int = 2) -> float:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(TorchModelRunner, "_gpu_path", lambda self, cfg: GpuPath(True, True, True))
+    monkeypatch.setattr(StepGraphs, "capture_all", fail)
+    monkeypatch.setattr("torch.cuda.empty_cache", lambda: None)
+    overrides = {"cache.num_blocks": 64, "model.kernels": "torch", "scheduler.max_num_seqs": 4}
+    engine = LLMEngine(tiny_config(tiny_model_dir, **overrides))
+    assert engine.runner.graphs is None  # type: ignore[attr-defined]
+    assert "capture failed" in caplog.text
+    prompts = _prompts(engine)
+    assert set(_run(engine, prompts)) == set(prompts)
