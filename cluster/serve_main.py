@@ -35,7 +35,9 @@ def local_threads(config: ClusterConfig, *, bind: bool = True) -> ClusterConfig:
     here. Benchmarks that run several apps on one node pass ``bind=False``: no app owns cores."""
     # every rank of a tensor-parallel replica runs the share (its pool's threads per rank)
     ranks = sum(
-        config.for_pool(role).model.tensor_parallel_size * pool.num_replicas
+        config.for_pool(role).model.tensor_parallel_size
+        * config.for_pool(role).model.pipeline_parallel_size
+        * pool.num_replicas
         for role, pool in (("prefill", config.prefill), ("decode", config.decode))
     )
     cores = config.model.num_threads or cpu_count()

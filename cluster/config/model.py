@@ -88,6 +88,13 @@ class ModelConfig:
     the vocabulary divided among them, one all-reduce after each attention and MLP. Each rank
     runs ``num_threads`` threads. Set per pool with ``prefill.tensor_parallel_size`` and
     ``decode.tensor_parallel_size``."""
+    pipeline_parallel_size: int = 1
+    """Stages (processes) one engine's layers are split across, in order; each step's batch
+    passes through them in ``pipeline_microbatches`` micro-batches, so the stages work on
+    different micro-batches at once. Not combined with tensor parallelism yet. Set per pool
+    with ``prefill.pipeline_parallel_size`` and ``decode.pipeline_parallel_size``."""
+    pipeline_microbatches: int = 4
+    """Micro-batches a pipelined step's requests are dealt into (at most one per request)."""
     tensor_parallel_timeout_s: float = 60.0
     """A collective among the ranks unfinished this long fails the engine's step (a rank that
     died or hangs), rather than the step waiting forever."""
@@ -107,6 +114,15 @@ class ModelConfig:
         if self.num_threads is not None:
             check(self.num_threads >= 1, "model.num_threads", "must be >= 1")
         check(self.tensor_parallel_size >= 1, "model.tensor_parallel_size", "must be >= 1")
+        check(self.pipeline_parallel_size >= 1, "model.pipeline_parallel_size", "must be >= 1")
+        check(self.pipeline_microbatches >= 1, "model.pipeline_microbatches", "must be >= 1")
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            fail(
+                "model.pipeline_parallel_size",
+                f"{self.pipeline_parallel_size} with tensor_parallel_size "
+                f"{self.tensor_parallel_size}: tensor and pipeline parallelism together are not "
+                "built; use one of them",
+            )
         check(self.tensor_parallel_timeout_s > 0, "model.tensor_parallel_timeout_s", "must be > 0")
 
     def _check_fast(self) -> None:

@@ -146,6 +146,9 @@ class PoolConfig:
     tensor_parallel_size: int | None = None
     """Ranks each replica's model is split across (``model.tensor_parallel_size``); null: that
     key."""
+    pipeline_parallel_size: int | None = None
+    """Stages each replica's layers are split across (``model.pipeline_parallel_size``); null:
+    that key."""
     cpu_binding: str = "auto"
     """on: each replica binds its process to ``num_threads`` cores no other pdserve replica on
     the node holds (unbound when too few are free); off: never. auto: on where pdserve started
@@ -186,6 +189,10 @@ class PoolConfig:
             check(self.num_threads >= 1, f"{name}.num_threads", "must be >= 1")
         if self.tensor_parallel_size is not None:
             check(self.tensor_parallel_size >= 1, f"{name}.tensor_parallel_size", "must be >= 1")
+        if self.pipeline_parallel_size is not None:
+            check(
+                self.pipeline_parallel_size >= 1, f"{name}.pipeline_parallel_size", "must be >= 1"
+            )
         if self.max_ongoing_requests is not None:
             check(self.max_ongoing_requests >= 1, f"{name}.max_ongoing_requests", "must be >= 1")
         check(self.max_queued_requests >= 0, f"{name}.max_queued_requests", "must be >= 0")

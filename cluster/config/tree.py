@@ -79,6 +79,8 @@ class ClusterConfig:
             model = dataclasses.replace(model, num_threads=pool.num_threads)
         if pool.tensor_parallel_size is not None:
             model = dataclasses.replace(model, tensor_parallel_size=pool.tensor_parallel_size)
+        if pool.pipeline_parallel_size is not None:
+            model = dataclasses.replace(model, pipeline_parallel_size=pool.pipeline_parallel_size)
         return dataclasses.replace(cfg, model=model) if model is not cfg.model else cfg
 
     def replace(self, overrides: Mapping[str, Any]) -> ClusterConfig:

@@ -28,8 +28,14 @@ from cluster.engine.kernels.native import MAX_GROUP, load_native
 from cluster.engine.kv_codec import kv_codec_for
 from cluster.engine.models.default_model import ModelSource, model_source
 from cluster.engine.models.packed import has_packed_rows
-from cluster.engine.models.tensor_parallel import plan_shards, shard_model
+from cluster.engine.models.tensor_parallel import (
+    keep_stage,
+    plan_shards,
+    plan_stages,
+    shard_model,
+)
 from cluster.engine.models.weights import LoadSpec, load_model
+from cluster.engine.pipeline import execute_pipelined, run_stage
 from cluster.engine.runner import (
     KVAllocator,
     RunnerOutput,
@@ -48,6 +54,9 @@ from cluster.engine.scheduler import ScheduledBatch, ScheduledRequest
 from cluster.engine.spec.verify import sample_and_verify
 from cluster.engine.tp_group import RankFailure, ShmGroup
 from cluster.engine.tp_ranks import STOP, Ranks, RankSpec, driver_gone, spawn_ranks
+
+# Messages a pipeline stage's queue holds (each up to the group's slot size)
+PIPE_SLOTS = 8
 
 # The integer kernels' variants where model.numerics auto means fast (when the gates chose fast):
 # the AVX-512 ones beat the exact kernel 2-4x on batches; AVX2's maddubs path does not.
@@ -92,7 +101,7 @@ class TorchModelRunner:
         rank: RankSpec | None,
         model_dir: Path | None,
     ) -> None:
-        world = config.model.tensor_parallel_size
+        world = config.model.tensor_parallel_size * config.model.pipeline_parallel_size
         if world > 1:
             self._join_group(config, model_dir, rank, world)
         # CPU fp32: the native library's linear, layer ops and paged decode attention
@@ -116,7 +125,10 @@ class TorchModelRunner:
             ),
         )
         self.tokenizer = Tokenizer(source.model_dir)
-        if self._group is not None:
+        if self._group is not None and config.model.pipeline_parallel_size > 1:
+            stages = plan_stages(self.model.arch, world)
+            keep_stage(self.model, self.tp_rank, stages)
+        elif self._group is not None:
             packed = has_packed_rows(self.model.matrices())
             shard = plan_shards(self.model.arch, world, packed)[self.tp_rank]
             shard_model(self.model, shard, self._group)
@@ -175,13 +187,15 @@ class TorchModelRunner:
             )
         timeout = config.model.tensor_parallel_timeout_s
         if rank is None:
-            group = self._group = ShmGroup.create(world, timeout)
+            pipes = PIPE_SLOTS if config.model.pipeline_parallel_size > 1 else 0
+            group = self._group = ShmGroup.create(world, timeout, pipe_slots=pipes)
             ranks = self._ranks = spawn_ranks(config, model_dir, group.path, world)
             group.peer_alive = ranks.peer_alive
             group.wake_fds = ranks.wake_fds
             self._release = weakref.finalize(self, _stop_ranks, ranks, group, self._shared_kv)
             return
-        self._group = ShmGroup.attach(rank.group_path, rank.rank, world, timeout)
+        pipes = PIPE_SLOTS if config.model.pipeline_parallel_size > 1 else 0
+        self._group = ShmGroup.attach(rank.group_path, rank.rank, world, timeout, pipe_slots=pipes)
         self._group.peer_alive = lambda: driver_gone(rank.driver_pid)
         self._group.wake_fd = rank.wake_fd
         _bind_rank_cores(rank.rank, world, torch.get_num_threads())
@@ -234,6 +248,10 @@ class TorchModelRunner:
             if message == STOP:
                 return
             assert isinstance(message, dict)
+            if "micro_batches" in message:  # a pipeline stage
+                parts = message["micro_batches"]
+                run_stage(self, [self._inputs(_StepRows.from_wire(w)) for w in parts])
+                continue
             self.forward(self._inputs(_StepRows.from_wire(message)))
 
     def problem(self) -> str | None:
@@ -325,7 +343,14 @@ class TorchModelRunner:
 
     # -- the step -----------------------------------------------------------------------------
 
+    @property
+    def group(self) -> ShmGroup | None:
+        """The ranks' group (tensor or pipeline parallelism), or None."""
+        return self._group
+
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
+        if self.config.model.pipeline_parallel_size > 1:
+            return execute_pipelined(self, batch)
         rows = self._collect(batch)
         if self._group is not None:  # the other ranks run the same step on their shards
             self._group.broadcast(rows.wire())
@@ -349,13 +374,25 @@ class TorchModelRunner:
         if self.graphs is not None and not inputs.prompt and 0 < n == meta.num_decodes:
             return self.graphs.run(inputs.input_ids, inputs.positions, meta)[inputs.sample_rows]
         hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_view)
+        return self.logits_of(hidden, inputs)
+
+    def logits_of(self, hidden: torch.Tensor, inputs: ForwardInputs) -> torch.Tensor | None:
+        """The logits of a step's sampled rows, then its prompt rows, from the last layer's
+        output (None on a tensor-parallel rank other than 0)."""
         rows = inputs.sample_rows
-        if inputs.prompt:
+        if inputs.prompt_rows.numel():
             rows = torch.cat([rows, inputs.prompt_rows])
         return self.model.compute_logits(hidden[rows])
 
     def prepare(self, batch: ScheduledBatch) -> ForwardInputs:
         return self._inputs(self._collect(batch))
+
+    def step_inputs(self, rows: _StepRows) -> ForwardInputs:
+        return self._inputs(rows)
+
+    def collect_items(self, items: list[ScheduledRequest]) -> _StepRows:
+        """``_collect`` of some of a step's requests (a pipeline's micro-batch)."""
+        return self._collect(ScheduledBatch(items))
 
     def _collect(self, batch: ScheduledBatch) -> _StepRows:
         # A decode with drafts is 1 + k decode rows over its one table (row j sees its context

@@ -6,6 +6,9 @@ sharded 30-layer step runs 61 of them. Ranks on one host instead meet in one sha
 
     header   one 64-byte line per rank: [seq, length at even seq, length at odd seq] int64
     slots    2 (parity) x world x ``slot_bytes``: each rank's contribution to an operation
+    pipes    (pipeline parallelism only) per rank, a queue of ``pipe_slots`` messages to it:
+             [head, tail] in lines of their own, then the slots; one producer (the stage
+             before it), one consumer (itself): ``send_to`` and ``recv``
 
 Every operation takes the next sequence number ``seq``. A rank writes its contribution into its
 slot of parity ``seq & 1``, then publishes ``seq`` in its line (x86 stores are not reordered
@@ -57,6 +60,7 @@ class ShmGroup:
         timeout_s: float,
         slot_bytes: int = SLOT_BYTES,
         peer_alive: Callable[[], str | None] | None = None,
+        pipe_slots: int = 0,
     ) -> None:
         if not 1 <= world <= MAX_RANKS or not 0 <= rank < world:
             raise ValueError(f"rank {rank} of {world}: at most {MAX_RANKS} ranks")
@@ -67,6 +71,14 @@ class ShmGroup:
         self._lines = raw[: world * _LINE * 8].view(torch.int64).view(world, _LINE)
         body = raw[_HEADER_BYTES : _HEADER_BYTES + 2 * world * slot_bytes]
         self._slots = body.view(2, world, slot_bytes)
+        self.pipe_slots = pipe_slots
+        pipes = raw[_HEADER_BYTES + 2 * world * slot_bytes :]
+        per = _pipe_bytes(pipe_slots, slot_bytes)
+        self._pipes = (
+            [_Pipe(pipes[r * per : (r + 1) * per], pipe_slots, slot_bytes) for r in range(world)]
+            if pipe_slots
+            else []
+        )
         self._seq = int(self._lines[rank, 0])
         self.peer_alive = peer_alive or (lambda: None)
         self.path = ""
@@ -79,13 +91,15 @@ class ShmGroup:
         self.wake_fd = -1
 
     @staticmethod
-    def region_bytes(world: int, slot_bytes: int = SLOT_BYTES) -> int:
-        return _HEADER_BYTES + 2 * world * slot_bytes
+    def region_bytes(world: int, slot_bytes: int = SLOT_BYTES, pipe_slots: int = 0) -> int:
+        return _HEADER_BYTES + 2 * world * slot_bytes + world * _pipe_bytes(pipe_slots, slot_bytes)
 
     @classmethod
-    def create(cls, world: int, timeout_s: float, slot_bytes: int = SLOT_BYTES) -> ShmGroup:
+    def create(
+        cls, world: int, timeout_s: float, slot_bytes: int = SLOT_BYTES, pipe_slots: int = 0
+    ) -> ShmGroup:
         """Rank 0's group: a new zeroed memfd region others attach to by ``path``."""
-        size = cls.region_bytes(world, slot_bytes)
+        size = cls.region_bytes(world, slot_bytes, pipe_slots)
         fd = os.memfd_create("pdserve-tp", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, size)
@@ -93,17 +107,23 @@ class ShmGroup:
         except BaseException:
             os.close(fd)
             raise
-        group = cls(region, 0, world, timeout_s, slot_bytes)
+        group = cls(region, 0, world, timeout_s, slot_bytes, pipe_slots=pipe_slots)
         group.path, group._fd = f"/proc/{os.getpid()}/fd/{fd}", fd
         return group
 
     @classmethod
     def attach(
-        cls, path: str, rank: int, world: int, timeout_s: float, slot_bytes: int = SLOT_BYTES
+        cls,
+        path: str,
+        rank: int,
+        world: int,
+        timeout_s: float,
+        slot_bytes: int = SLOT_BYTES,
+        pipe_slots: int = 0,
     ) -> ShmGroup:
         with open(path, "r+b") as f:
-            region = mmap.mmap(f.fileno(), cls.region_bytes(world, slot_bytes))
-        return cls(region, rank, world, timeout_s, slot_bytes)
+            region = mmap.mmap(f.fileno(), cls.region_bytes(world, slot_bytes, pipe_slots))
+        return cls(region, rank, world, timeout_s, slot_bytes, pipe_slots=pipe_slots)
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -245,3 +265,82 @@ class ShmGroup:
             length &= (1 << 62) - 1
             chunks.append(bytes(self._slots[p, 0, :length].numpy()))
         return msgpack.unpackb(b"".join(chunks), raw=False, strict_map_key=False)
+
+    # -- point to point (pipeline stages) ---------------------------------------------------
+
+    def send_to(self, dst: int, t: torch.Tensor) -> None:
+        """``t``'s bytes into rank ``dst``'s queue (in slot-sized messages), waiting while it is
+        full; ``dst`` takes them with ``recv`` of the same shape."""
+        pipe = self._pipes[dst]
+        data = t.contiguous().view(-1).view(torch.uint8)
+        deadline = time.monotonic() + self.timeout_s
+        for a in range(0, max(1, data.numel()), self.slot_bytes):
+            part = data[a : a + self.slot_bytes]
+            spins = 0
+            while pipe.head() - pipe.tail() >= pipe.slots:
+                spins = self._pipe_wait(deadline, dst, spins)
+            pipe.slot(pipe.head())[: part.numel()].copy_(part)
+            pipe.advance_head()
+
+    def recv(self, out: torch.Tensor) -> torch.Tensor:
+        """The next tensor sent to this rank, into ``out`` (its shape and dtype, contiguous)."""
+        pipe = self._pipes[self.rank]
+        data = out.view(-1).view(torch.uint8)
+        deadline = time.monotonic() + self.timeout_s
+        t0 = time.perf_counter()
+        for a in range(0, max(1, data.numel()), self.slot_bytes):
+            part = data[a : a + self.slot_bytes]
+            spins = 0
+            while pipe.head() <= pipe.tail():
+                spins = self._pipe_wait(deadline, self.rank, spins)
+            part.copy_(pipe.slot(pipe.tail())[: part.numel()])
+            pipe.advance_tail()
+        self.wait_s += time.perf_counter() - t0
+        return out
+
+    def _pipe_wait(self, deadline: float, rank: int, spins: int) -> int:
+        """One turn of a queue wait: a spin; every 256th, the clock and the peers, and after
+        ``_SPIN_S`` of it a yield."""
+        spins += 1
+        if spins & 255:
+            return spins
+        now = time.monotonic()
+        gone = self.peer_alive()
+        if gone is not None:
+            raise RankFailure(gone)
+        if now > deadline:
+            raise RankFailure(
+                f"pipeline: rank {rank}'s queue did not move within {self.timeout_s:g} s "
+                "(model.tensor_parallel_timeout_s): a stage hangs or died"
+            )
+        if now > deadline - self.timeout_s + _SPIN_S:
+            time.sleep(0)
+        return spins
+
+
+def _pipe_bytes(pipe_slots: int, slot_bytes: int) -> int:
+    return 128 + pipe_slots * slot_bytes if pipe_slots else 0
+
+
+class _Pipe:
+    """One rank's queue of messages: a single producer advances ``head``, the rank ``tail``."""
+
+    def __init__(self, raw: torch.Tensor, slots: int, slot_bytes: int) -> None:
+        self.slots = slots
+        self._ends = raw[:128].view(torch.int64)  # head at [0], tail at [8]: separate lines
+        self._data = raw[128 : 128 + slots * slot_bytes].view(slots, slot_bytes)
+
+    def head(self) -> int:
+        return int(self._ends[0])
+
+    def tail(self) -> int:
+        return int(self._ends[8])
+
+    def slot(self, index: int) -> torch.Tensor:
+        return self._data[index % self.slots]
+
+    def advance_head(self) -> None:
+        self._ends[0] += 1
+
+    def advance_tail(self) -> None:
+        self._ends[8] += 1

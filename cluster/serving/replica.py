@@ -101,7 +101,8 @@ def bind_pool_replica(
     pool: PoolConfig = config.prefill if role == "prefill" else config.decode
     model = config.for_pool(role).model
     # a tensor-parallel replica's ranks each run num_threads threads, on cores of the replica's
-    threads = model.num_threads * model.tensor_parallel_size if model.num_threads else None
+    ranks = model.tensor_parallel_size * model.pipeline_parallel_size
+    threads = model.num_threads * ranks if model.num_threads else None
     return bind_replica(role, pool.cpu_binding, threads, quiet=retry)
 
 

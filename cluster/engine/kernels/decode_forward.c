@@ -34,6 +34,8 @@ typedef struct {
     float eps, scale;
     const pd_layer *layers;
     const float *cos, *sin; /* [max_len, head_dim] */
+    /* the cache's layer of layers[0] (a pipeline stage's first), and the layers it holds */
+    int64_t first_layer, cache_layers;
 } pd_model;
 
 /* y[n, ldy] (+)= x W^T (+ bias), segment after segment (adjacent output columns); the calling
@@ -134,20 +136,21 @@ int pdserve_decode_forward(const pd_model *m, float *h, int64_t n, const int64_t
     float *gu = att + n * hq * d, *act = gu + n * 2 * I;
     const int64_t kv_row = hkv * (kv_int8 ? d + 4 : d * 4), kv_plane = block_size * kv_row;
     kv_prefetch pf = {kv, tables, ctx_lens, n, max_blocks, block_size, kv_row, kv_plane,
-                      m->num_layers * 2 * kv_plane, 0};
+                      m->cache_layers * 2 * kv_plane, 0};
     int rc = 0;
     for (int64_t l = 0; l < m->num_layers && rc == 0; l++) {
         const pd_layer *lw = &m->layers[l];
         pdserve_rms_norm(h, H, lw->input_norm, x, H, n, H, m->eps, (int)m->num_threads);
-        pf.layer_off = l * 2 * kv_plane;
+        const int64_t cl = m->first_layer + l; /* the layer's rows in the cache */
+        pf.layer_off = cl * 2 * kv_plane;
         if ((rc = linear_hook(m, &lw->qkv, x, n, H, qkv, qkv_w, lw->qkv_bias, 0, prefetch_kv, &pf)))
             break;
         pdserve_rope(qkv, qkv_w, n, hq + hkv, d, m->cos, m->sin, positions);
         pdserve_write_kv(kv, qkv + hq * d, qkv + (hq + hkv) * d, qkv_w, n, slot_blocks,
-                         slot_offsets, m->num_layers, l, block_size, hkv, hkv, d, kv_int8);
+                         slot_offsets, m->cache_layers, cl, block_size, hkv, hkv, d, kv_int8);
         for (int64_t i = 0; i < n; i++) memcpy(q + i * hq * d, qkv + i * qkv_w, sizeof(float) * hq * d);
         if (pdserve_paged_decode(q, kv, tables, ctx_lens, att, n, hq, hkv, hkv, d, max_blocks,
-                                 block_size, m->num_layers, l, m->scale, kv_int8,
+                                 block_size, m->cache_layers, cl, m->scale, kv_int8,
                                  (int)m->num_threads) != 0) {
             rc = -2;
             break;

@@ -61,6 +61,8 @@ class _Model(ctypes.Structure):
         ("layers", ctypes.POINTER(_Layer)),
         ("cos", _ptr),
         ("sin", _ptr),
+        ("first_layer", _i64),
+        ("cache_layers", _i64),
     ]
 
 
@@ -107,7 +109,10 @@ class DecodeForward:
         cos: torch.Tensor,
         sin: torch.Tensor,
         num_threads: int,
+        layers_in_cache: tuple[int, int] | None = None,
     ) -> None:
+        """``layers_in_cache``: (the cache's layer of ``layers[0]``, the layers the cache holds),
+        for a pipeline stage's layers; default (0, len(layers))."""
         self._keep = (layers, cos, sin)  # the described tensors outlive the description
         c_layers = (_Layer * len(layers))()
         for i, lw in enumerate(layers):
@@ -122,9 +127,10 @@ class DecodeForward:
             )
         hidden, heads, kv_heads, head_dim, inter = shape
         self._layers = c_layers
+        first, total = layers_in_cache or (0, len(layers))
         self._model = _Model(
             len(layers), hidden, heads, kv_heads, head_dim, inter, num_threads, eps, scale,
-            c_layers, cos.data_ptr(), sin.data_ptr(),
+            c_layers, cos.data_ptr(), sin.data_ptr(), first, total,
         )  # fmt: skip
         fn = lib.pdserve_decode_forward
         fn.argtypes = [ctypes.POINTER(_Model), _ptr, _i64, _ptr, _ptr, _i64, ctypes.c_int]

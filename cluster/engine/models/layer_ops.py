@@ -269,9 +269,9 @@ def whole_forward(model: Any, kernels: NativeKernels, fast: bool = False) -> Dec
     a = model.arch
     layers = []
     if a.layer_rope or a.embed_scale != 1.0 or a.activation != "silu":
-        return None
-    if model.tp is not None:  # a tensor-parallel shard all-reduces between layers: the loop runs
         return None  # Gemma 3's layers: the one-call step has none of it; the layer loop runs
+    if model.tp is not None:  # a tensor-parallel shard all-reduces between layers: the loop runs
+        return None
     for lw in model.layers:
         if lw.moe is not None or lw.gate_up is None or lw.down is None:
             return None  # experts: the one-call step has none; the layer loop runs
@@ -295,4 +295,5 @@ def whole_forward(model: Any, kernels: NativeKernels, fast: bool = False) -> Dec
         model.cos,
         model.sin,
         kernels.num_threads,
+        (model.first_layer, a.num_layers),  # a pipeline stage's layers in the whole cache
     )

@@ -100,6 +100,9 @@ class LlamaModel:
         # Tensor parallelism: this rank's collectives (``tensor_parallel.ShardedForward``), set
         # where the model is one rank's shard; None: the whole model.
         self.tp: Any = None
+        # Pipeline parallelism: a stage holds layers first_layer .. first_layer + len(layers)
+        # (their KV at those layer indices of the shared cache); the whole model: 0.
+        self.first_layer = 0
         # tokens per expert, for the engine's stats (a mixture-of-experts model only)
         self.expert_load = ExpertLoad(arch.num_experts) if arch.num_experts else None
         self.scale = arch.attn_scale if arch.attn_scale is not None else arch.head_dim**-0.5
@@ -170,18 +173,34 @@ class LlamaModel:
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, Hkv, D]
     ) -> torch.Tensor:
-        a = self.arch
-        n = input_ids.shape[0]
-        hq, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
-        eps, inter = a.rms_norm_eps, a.intermediate_size
-        ops = self.ops
-        tp = self.tp
+        return self.forward_layers(self.embed_tokens(input_ids), positions, meta, kv_cache)
+
+    @torch.inference_mode()
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input: [N] ids -> [N, H]."""
+        a, ops, tp = self.arch, self.ops, self.tp
         h = ops.embed(self.embed, input_ids) if tp is None else tp.embed(ops, self.embed, input_ids)
         if a.embed_scale != 1.0:  # (Gemma: in the weights' dtype, as transformers does)
             scale = self.embed_scale
             if scale.dtype != h.dtype:  # an embedding in another dtype than the model's
                 scale = torch.tensor(a.embed_scale, dtype=torch.float32).to(h.dtype)
             h = h * scale
+        return h
+
+    @torch.inference_mode()
+    def forward_layers(
+        self,
+        h: torch.Tensor,  # [N, H]: the embedding, or the previous pipeline stage's output
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """This model's layers (a pipeline stage's) over ``h``: [N, H]."""
+        a = self.arch
+        n = h.shape[0]
+        hq, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
+        eps, inter = a.rms_norm_eps, a.intermediate_size
+        ops = self.ops
         if ops.run_layers(self, h, positions, meta, kv_cache):
             return h
         if a.layer_rope:
@@ -189,7 +208,7 @@ class LlamaModel:
         rope = ops.rope_state(self.cos, self.sin, positions)
         if self.expert_load is not None:
             self.expert_load.start_step()
-        for i, lw in enumerate(self.layers):
+        for i, lw in enumerate(self.layers, self.first_layer):
             qkv = ops.norm_linear(h, lw.input_norm, eps, lw.qkv, lw.qkv_bias)  # [N, (Hq+2Hkv)*D]
             if lw.qk_norm is not None:  # Qwen3: each head's q and k normalized, in place
                 ops.qk_norm(qkv, lw.qk_norm, hq, hkv, d, eps)
@@ -235,7 +254,7 @@ class LlamaModel:
         a, ops = self.arch, self.ops
         n, hq, hkv, d, eps = h.shape[0], a.num_heads, a.num_kv_heads, a.head_dim, a.rms_norm_eps
         ropes = {k: ops.rope_state(c, s, positions) for k, (c, s) in self.rope_tables.items()}
-        for i, lw in enumerate(self.layers):
+        for i, lw in enumerate(self.layers, self.first_layer):
             assert lw.gate_up is not None and lw.down is not None
             assert lw.post_attn_norm is not None and lw.post_ffn_norm is not None
             qkv = ops.norm_linear(h, lw.input_norm, eps, lw.qkv, lw.qkv_bias)

@@ -246,3 +246,33 @@ class ShardedForward:
         """Every rank's vocabulary slice of the logits, in order, on rank 0; None elsewhere."""
         parts = self.group.gather(local.contiguous())
         return torch.cat(parts, dim=1) if parts is not None else None
+
+
+# -- pipeline stages ----------------------------------------------------------------------------
+
+
+def plan_stages(arch: LlamaArch, stages: int) -> list[tuple[int, int]]:
+    """Each pipeline stage's layers, contiguous and as even as they divide (the earlier stages
+    take the remainder)."""
+    if arch.num_layers < stages:
+        raise ValueError(
+            f"model.pipeline_parallel_size: {stages} stages, but the model has "
+            f"{arch.num_layers} layers"
+        )
+    return _even(arch.num_layers, stages)
+
+
+def keep_stage(model: LlamaModel, stage: int, layers: list[tuple[int, int]]) -> LlamaModel:
+    """``model`` cut down to stage ``stage``'s layers (in place): the embedding stays on the first
+    stage, the final norm and lm_head on the last (a tied embedding on both)."""
+    l0, l1 = layers[stage]
+    last = stage == len(layers) - 1
+    tied = model.lm_head is model.embed
+    model.layers = model.layers[l0:l1]
+    model.first_layer = l0
+    nothing = torch.empty(0, dtype=model.dtype, device=model.device)
+    if stage != 0 and not (last and tied):
+        model.embed = nothing
+    if not last:
+        model.lm_head = model.embed if (tied and stage == 0) else nothing
+    return model

@@ -29,7 +29,7 @@ from cluster.engine.models.packed import PackedWeight
 from cluster.engine.models.tensor_parallel import plan_shards, take_cols, take_rows
 from cluster.engine.torch_runner import TorchModelRunner
 from cluster.engine.tp_group import RankFailure, ShmGroup
-from tests.helpers import greedy, run_until_done, tiny_config
+from tests.helpers import greedy, tiny_config
 from tests.tiny_families import FAMILIES
 
 pytestmark = pytest.mark.timeout(300)
@@ -193,13 +193,28 @@ def _run(
             engine.add(EngineRequest(rid, prompt, params, seed=100 + i, n=n))
             if i == 0:  # the others arrive while it runs: mixed prefill and decode steps
                 engine.step()
-        out = run_until_done(engine)
+        out = _run_all(engine)
         engine.check_integrity()
         return out
     finally:
         runner = engine.runner
         assert isinstance(runner, TorchModelRunner)
         runner.close()
+
+
+def _run_all(engine: LLMEngine) -> dict[str, Any]:
+    """Every request's tokens, and its logprobs and prompt logprobs where asked (rounded: the
+    ranks sum in another order than one rank)."""
+    out: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            got = out.setdefault(o.request_id, {"tokens": []})
+            got["tokens"] += o.new_token_ids
+            if o.new_logprobs:
+                got.setdefault("logprobs", []).extend(round(x, 3) for x in o.new_logprobs)
+            if o.prompt_logprobs:
+                got["prompt"] = [None if p is None else round(p[0], 3) for p in o.prompt_logprobs]
+    return out
 
 
 SCENARIOS: dict[str, tuple[SamplingParams, dict[str, Any]]] = {
@@ -213,6 +228,7 @@ SCENARIOS: dict[str, tuple[SamplingParams, dict[str, Any]]] = {
     }),
     "int8_weights": (greedy(12), {"model.weights": "int8"}),
     "torch_kernels": (greedy(12), {"model.kernels": "torch"}),
+    "logprobs_and_prompt_logprobs": (greedy(6, logprobs=2, prompt_logprobs=2), {}),
 }  # fmt: skip
 
 
@@ -222,7 +238,9 @@ def test_two_ranks_give_the_tokens_of_one(tiny_model_dir: Path, scenario: str) -
     one = _run(tiny_model_dir, 1, params, **overrides)
     two = _run(tiny_model_dir, 2, params, **overrides)
     assert two == one
-    assert sum(len(t) for t in one.values()) >= 4 * params.max_tokens
+    assert sum(len(t["tokens"]) for t in one.values()) >= 4 * params.max_tokens
+    if params.prompt_logprobs:
+        assert all(len(t["prompt"]) > 1 and len(t["logprobs"]) == 6 for t in one.values())
 
 
 def test_four_ranks_replicate_the_kv_heads_and_give_the_same_tokens(tiny_model_dir: Path) -> None:
