@@ -20,7 +20,9 @@ How:
      cache holding every head, so the decode side pulls the same bytes from the same
      layout: there is no re-sharding step to pay for.
 
-Not measured: ``pp2_vs_pp1_b16`` (pipeline parallelism is not built).
+  3. ``pp2_vs_pp1_b16``: as 1, at batch 16, the arms ``pp1`` (one rank, two threads) and
+     ``pp2`` (two pipeline stages of one thread each, ``model.pipeline_parallel_size: 2``, the
+     step's requests in ``model.pipeline_microbatches`` micro-batches, 4 by default).
 """
 
 from __future__ import annotations
@@ -43,14 +45,16 @@ from cluster.engine.request import EngineRequest
 from cluster.engine.torch_runner import TorchModelRunner
 
 ARMS = ("tp1", "tp2")
+PP_ARMS = ("pp1", "pp2")
 
 
-def _config(ctx: BenchContext, tp: int, **overrides: Any) -> ClusterConfig:
-    threads = max(1, 2 // tp)
+def _config(ctx: BenchContext, tp: int, pp: int = 1, **overrides: Any) -> ClusterConfig:
+    threads = max(1, 2 // (tp * pp))
     return ctx.config.replace(
         {
             "model.path": str(bench_model_dir(ctx)),
             "model.tensor_parallel_size": tp,
+            "model.pipeline_parallel_size": pp,
             "model.num_threads": threads,
             "cache.num_blocks": 1024,
             **overrides,
@@ -58,10 +62,12 @@ def _config(ctx: BenchContext, tp: int, **overrides: Any) -> ClusterConfig:
     )
 
 
-def _decode_rate(engine: LLMEngine, rep: int, num_tokens: int) -> tuple[float, float]:
+def _decode_rate(
+    engine: LLMEngine, rep: int, num_tokens: int, batch: int = 8
+) -> tuple[float, float]:
     """(decode tok/s, seconds rank 0 waited in collectives per decode step) of one batch."""
     rng = random.Random(rep)
-    rids = [f"{rep}-{i}" for i in range(8)]
+    rids = [f"{rep}-{i}" for i in range(batch)]
     for rid in rids:
         prompt = random_prompt(rng, 64, engine.vocab_size)
         engine.add(EngineRequest(rid, prompt, exact_tokens(num_tokens)))
@@ -82,29 +88,32 @@ def _decode_rate(engine: LLMEngine, rep: int, num_tokens: int) -> tuple[float, f
     return tokens / elapsed, waited / max(1, steps)
 
 
-def _tp_decode(ctx: BenchContext) -> dict[str, Any]:
+def _decode_arms(ctx: BenchContext, arms: tuple[str, str], batch: int) -> dict[str, Any]:
+    """Batch-``batch`` decode of the one-rank arm ``arms[0]`` against ``arms[1]`` (two ranks:
+    tensor-parallel ``tp2`` or pipelined ``pp2``), interleaved, each engine built once."""
     reps = int(ctx.pick(5, 3, 1))
     num_tokens = int(ctx.pick(128, 48, 8))
-    engines = {arm: LLMEngine(_config(ctx, 1 if arm == "tp1" else 2)) for arm in ARMS}
+    ranks = {"tp1": (1, 1), "tp2": (2, 1), "pp1": (1, 1), "pp2": (1, 2)}
+    engines = {arm: LLMEngine(_config(ctx, *ranks[arm])) for arm in arms}
     try:
         for engine in engines.values():  # warm-up: first-call allocations off the clock
             torch.set_num_threads(engine.config.model.num_threads or 1)
-            _decode_rate(engine, -1, 4)
-        rates: dict[str, list[float]] = {arm: [] for arm in ARMS}
+            _decode_rate(engine, -1, 4, batch)
+        rates: dict[str, list[float]] = {arm: [] for arm in arms}
         waits: list[float] = []
         for rep in range(reps):
-            for arm in interleaved_order(ARMS, rep):
+            for arm in interleaved_order(arms, rep):
                 # torch's thread count is the process's: each arm's own before it runs
                 torch.set_num_threads(engines[arm].config.model.num_threads or 1)
-                rate, wait = _decode_rate(engines[arm], rep, num_tokens)
+                rate, wait = _decode_rate(engines[arm], rep, num_tokens, batch)
                 rates[arm].append(rate)
-                if arm == "tp2":
+                if arm == arms[1]:
                     waits.append(wait)
                 ctx.progress(f"rep {rep + 1}/{reps} {arm}: {rate:.1f} tok/s")
     finally:
         for engine in engines.values():
             engine.close()
-    ratios = [b / a for a, b in zip(rates["tp1"], rates["tp2"], strict=True)]
+    ratios = [b / a for a, b in zip(rates[arms[0]], rates[arms[1]], strict=True)]
     return {"rates": rates, "ratios": ratios, "wait_s": waits, "num_tokens": num_tokens}
 
 
@@ -161,7 +170,9 @@ def _pull_s(prefill_tp: int, ctx: BenchContext, prompt_len: int, reps: int) -> l
 
 def run(ctx: BenchContext) -> BenchReport:
     ctx.progress("batch-8 decode: TP=1 x 2 threads against TP=2 x 1 thread")
-    dec = _tp_decode(ctx)
+    dec = _decode_arms(ctx, ARMS, 8)
+    ctx.progress("batch-16 decode: one rank x 2 threads against 2 pipeline stages x 1 thread")
+    pipe = _decode_arms(ctx, PP_ARMS, 16)
     prompt_len = int(ctx.pick(2048, 512, 64))
     reps = int(ctx.pick(3, 2, 1))
     ctx.progress(f"{prompt_len}-token pulls from prefill TP=1 and TP=2 into decode TP=1")
@@ -172,6 +183,9 @@ def run(ctx: BenchContext) -> BenchReport:
     reshard = statistics.median(pulls[2]) / statistics.median(pulls[1])
     table = [{"arm": arm, "decode_tok_s_b8": statistics.median(dec["rates"][arm])} for arm in ARMS]
     table += [
+        {"arm": arm, "decode_tok_s_b16": statistics.median(pipe["rates"][arm])} for arm in PP_ARMS
+    ]
+    table += [
         {"arm": f"pull_from_tp{tp}", f"pull_ms_{prompt_len}": statistics.median(t) * 1e3}
         for tp, t in pulls.items()
     ]
@@ -181,9 +195,14 @@ def run(ctx: BenchContext) -> BenchReport:
             "tp2_vs_tp1_b8": statistics.median(dec["ratios"]),
             "collective_ms_per_step_b8": wait_ms,
             "reshard_pull_ratio_2048": reshard,  # (quick and smoke: shorter prompts)
+            "pp2_vs_pp1_b16": statistics.median(pipe["ratios"]),
         },
         table=table,
-        targets={"tp2_vs_tp1_b8": ">= 0.8", "reshard_pull_ratio_2048": "<= 1.3"},
+        targets={
+            "tp2_vs_tp1_b8": ">= 0.8",
+            "reshard_pull_ratio_2048": "<= 1.3",
+            "pp2_vs_pp1_b16": ">= 0.8",
+        },
         details={
             "decode_tok_s": dec["rates"],
             "tp2_vs_tp1_per_rep": dec["ratios"],
@@ -191,6 +210,8 @@ def run(ctx: BenchContext) -> BenchReport:
             "num_output_tokens": dec["num_tokens"],
             "pull_s": {f"tp{tp}": t for tp, t in pulls.items()},
             "prompt_len": prompt_len,
-            "not_measured": {"pp2_vs_pp1_b16": "pipeline parallelism is not built"},
+            "decode_tok_s_b16": pipe["rates"],
+            "pp2_vs_pp1_per_rep": pipe["ratios"],
+            "pipeline_microbatches": ctx.config.model.pipeline_microbatches,
         },
     )

@@ -89,7 +89,12 @@ EXPECTED_KEYS = {
         ),
         "moe_grouped_vs_loop_b32",
     },
-    "parallel": {"tp2_vs_tp1_b8", "collective_ms_per_step_b8", "reshard_pull_ratio_2048"},
+    "parallel": {
+        "tp2_vs_tp1_b8",
+        "collective_ms_per_step_b8",
+        "reshard_pull_ratio_2048",
+        "pp2_vs_pp1_b16",
+    },
 }
 
 
