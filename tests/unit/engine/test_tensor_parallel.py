@@ -16,14 +16,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.engine import EngineRequest, LLMEngine
 from cluster.engine.kernels.quant import INT8_G32, INT8_ROW, Q4_0, Q4_1, Q8_0
-from cluster.engine.models.int8 import quantize_int8_groups, quantize_int8_rows
 from cluster.engine.models.llama import LlamaArch
 from cluster.engine.models.packed import PackedWeight
 from cluster.engine.models.tensor_parallel import plan_shards, take_cols, take_rows
@@ -31,6 +29,7 @@ from cluster.engine.torch_runner import TorchModelRunner
 from cluster.engine.tp_group import RankFailure, ShmGroup
 from tests.helpers import greedy, tiny_config
 from tests.tiny_families import FAMILIES
+from tests.unit.engine.test_quant_kernels import packed
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -79,23 +78,10 @@ def test_an_impossible_split_is_refused_naming_the_numbers(
     assert all(w in str(err.value) for w in words), str(err.value)
 
 
-def _packed(qtype: int, rows: int, cols: int) -> PackedWeight:
-    import gguf
-
-    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(qtype)) * 0.05
-    w[:, :5] *= 20
-    if qtype == INT8_ROW:
-        return quantize_int8_rows(w)
-    if qtype == INT8_G32:
-        return quantize_int8_groups(w)
-    data = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType(qtype))
-    return PackedWeight.of(qtype, torch.from_numpy(np.ascontiguousarray(data)), cols)
-
-
 @pytest.mark.parametrize("qtype", [Q4_0, Q4_1, Q8_0, INT8_ROW, INT8_G32])
 def test_slices_of_packed_weights_are_the_same_values(qtype: int) -> None:
-    w = _packed(qtype, 24, 128)
-    other = _packed(Q8_0, 8, 128)
+    w = packed(qtype, 24, 128, seed=qtype)
+    other = packed(Q8_0, 8, 128)
     fused = PackedWeight.cat([w, other])  # two segments, as q/k/v of mixed formats are
     full = fused.dequantize()
     rows = take_rows(fused, [(2, 5), (20, 30)])
