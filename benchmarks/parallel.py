@@ -48,7 +48,9 @@ ARMS = ("tp1", "tp2")
 PP_ARMS = ("pp1", "pp2")
 
 
-def _config(ctx: BenchContext, tp: int, pp: int = 1, **overrides: Any) -> ClusterConfig:
+def _config(
+    ctx: BenchContext, tp: int, pp: int = 1, overrides: dict[str, Any] | None = None
+) -> ClusterConfig:
     threads = max(1, 2 // (tp * pp))
     return ctx.config.replace(
         {
@@ -57,7 +59,7 @@ def _config(ctx: BenchContext, tp: int, pp: int = 1, **overrides: Any) -> Cluste
             "model.pipeline_parallel_size": pp,
             "model.num_threads": threads,
             "cache.num_blocks": 1024,
-            **overrides,
+            **(overrides or {}),
         }
     )
 
@@ -132,7 +134,7 @@ def _pull_s(prefill_tp: int, ctx: BenchContext, prompt_len: int, reps: int) -> l
     base = _config(
         ctx,
         1,
-        **{
+        overrides={
             "transfer.transports": ["zmq"],
             "decode.local_prefill_threshold": 8,
             "scheduler.max_num_batched_tokens": 512,

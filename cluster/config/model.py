@@ -63,11 +63,13 @@ class ModelConfig:
     num_threads: int | None = None
     """Torch intra-op threads of this process; null: all its cores."""
     kernels: str = "auto"
-    """CPU fp32 fast paths. native: pdserve's native library (built by ``make setup`` or the
-    wheel, else compiled on first use) for the linear layers of every weight format, the layer
-    ops and paged decode attention; an error, naming why, where it cannot run (no library, e.g.
-    no C compiler; not a CPU fp32 model). torch: plain torch ops, any device. auto: native
-    where it can run, torch otherwise (the reason logged)."""
+    """The fast paths. On a CPU fp32 model, native: pdserve's native library (built by ``make
+    setup`` or the wheel, else compiled on first use) for the linear layers of every weight
+    format, the layer ops and paged decode attention; an error, naming why, where it cannot run
+    (no library, e.g. no C compiler; not a CPU fp32 model). torch: plain torch ops, any device,
+    and on CUDA none of the GPU path. auto: native where it can run, torch otherwise (the
+    reason logged); on CUDA, Triton paged attention, decode steps replayed from CUDA graphs and
+    sampling on the device where each can run (``engine/gpu/plan.py``, logged)."""
     weights: str = "auto"
     """Weight format. auto: gguf for a GGUF source, dense otherwise. dense: ``dtype`` weights (a
     GGUF file de-quantized once). gguf: the file's own Q4_0/Q4_1/Q8_0 blocks under native

@@ -16,6 +16,7 @@ import torch
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.engine import EngineRequest, LLMEngine
 from cluster.engine.gpu.plan import GpuPath
+from tests.gpu.test_cuda import _prompts
 from tests.helpers import greedy, make_config, run_until_done
 from tests.reference import capture_logits, check_run_against_references, hf_greedy, load_hf
 
@@ -23,20 +24,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("Triton's interpreter is on in this process", allow_module_level=True)
-
-TEXTS = [
-    "The quick brown fox",
-    "def fibonacci(n):\n    ",
-    "Once upon a time, in a kingdom by the sea, there lived a princess who",
-    "In 1969, the first humans landed on the Moon. The mission was called",
-]
-
-
-def _prompts(model_dir: Path) -> dict[str, list[int]]:
-    from cluster.common.tokenizer import Tokenizer
-
-    tok = Tokenizer(model_dir)
-    return {f"p{i}": tok.encode(t * (1 + 6 * (i % 2))) for i, t in enumerate(TEXTS)}
 
 
 def _engine(model_dir: Path, graphs: bool, **overrides: Any) -> LLMEngine:
