@@ -16,7 +16,8 @@ How:
      prefill replica at TP=1 (lower is better; 1.0: re-sharding costs nothing). Both pairs of
      pool cores run in this process (``PrefillWorker`` and ``DecodeWorker``, zmq ipc), the
      decode side's prefix cache off so each prompt's blocks all move; the time is the decode
-     side's receiver's ``transfer_time_s`` for that pull. A TP=2 replica's ranks share one
+     side's receiver's ``transfer_time_s`` summed over that prompt's pulls (a long prompt's KV
+     is streamed in several while it prefills). A TP=2 replica's ranks share one
      cache holding every head, so the decode side pulls the same bytes from the same
      layout: there is no re-sharding step to pay for.
 
@@ -161,7 +162,8 @@ def _pull_s(prefill_tp: int, ctx: BenchContext, prompt_len: int, reps: int) -> l
 
             asyncio.run(run())
             hist = decode.stats()["transfer"]["transfer_time_s"]
-            assert hist["count"] == before[1] + 1, "the prompt's KV did not move"
+            # (a long prompt's KV may move in several pulls, streamed while it prefills)
+            assert hist["count"] > before[1], "the prompt's KV did not move"
             if rep:
                 times.append(hist["sum"] - before[0])
     finally:
