@@ -16,8 +16,9 @@ How:
      prefill replica at TP=1 (lower is better; 1.0: re-sharding costs nothing). Both pairs of
      pool cores run in this process (``PrefillWorker`` and ``DecodeWorker``, zmq ipc), the
      decode side's prefix cache off so each prompt's blocks all move; the time is the decode
-     side's receiver's ``transfer_time_s`` summed over that prompt's pulls (a long prompt's KV
-     is streamed in several while it prefills). A TP=2 replica's ranks share one
+     side's receiver's ``transfer_time_s`` for that prompt's pull, streaming off
+     (``transfer.stream_min_tokens: 0``: one pull once the prefill is done, so the time is
+     the transfer's alone, not the prefill's it would overlap). A TP=2 replica's ranks share one
      cache holding every head, so the decode side pulls the same bytes from the same
      layout: there is no re-sharding step to pay for.
 
@@ -137,6 +138,8 @@ def _pull_s(prefill_tp: int, ctx: BenchContext, prompt_len: int, reps: int) -> l
         1,
         overrides={
             "transfer.transports": ["zmq"],
+            # one pull after the prefill, not streamed while it runs: the transfer alone
+            "transfer.stream_min_tokens": 0,
             "decode.local_prefill_threshold": 8,
             "scheduler.max_num_batched_tokens": 512,
             "scheduler.chunk_size": 512,
@@ -162,8 +165,7 @@ def _pull_s(prefill_tp: int, ctx: BenchContext, prompt_len: int, reps: int) -> l
 
             asyncio.run(run())
             hist = decode.stats()["transfer"]["transfer_time_s"]
-            # (a long prompt's KV may move in several pulls, streamed while it prefills)
-            assert hist["count"] > before[1], "the prompt's KV did not move"
+            assert hist["count"] == before[1] + 1, "the prompt's KV did not move in one pull"
             if rep:
                 times.append(hist["sum"] - before[0])
     finally:
