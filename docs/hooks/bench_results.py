@@ -28,6 +28,7 @@ BENCHMARKS = {
     "P9": "P9 `spec`: speculative decoding",
     "P10": "P10 `gpu`: the GPU run",
     "P11": "P11 `quant`: quantized weights and KV",
+    "P12": "P12 `parallel`: tensor and pipeline parallelism",
     "structured": "`structured`: constrained decoding",
     "anchor-serve": "`anchor-serve`: GuideLLM against pdserve and llama-server",
     "models": "`models`: every architecture against transformers",
