@@ -351,10 +351,7 @@ class TorchModelRunner:
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         if self.config.model.pipeline_parallel_size > 1:
             return execute_pipelined(self, batch)
-        rows = self._collect(batch)
-        if self._group is not None:  # the other ranks run the same step on their shards
-            self._group.broadcast(rows.wire())
-        inputs = self._inputs(rows)
+        inputs = self.prepare(batch)
         logits = self.forward(inputs)
         assert logits is not None
         s = inputs.sample_rows.shape[0]
@@ -385,7 +382,12 @@ class TorchModelRunner:
         return self.model.compute_logits(hidden[rows])
 
     def prepare(self, batch: ScheduledBatch) -> ForwardInputs:
-        return self._inputs(self._collect(batch))
+        """The step's tensors; with other tensor-parallel ranks, its rows go to them too (they
+        then run the step: ``forward`` must follow)."""
+        rows = self._collect(batch)
+        if self._group is not None:  # the other ranks run the same step on their shards
+            self._group.broadcast(rows.wire())
+        return self._inputs(rows)
 
     def step_inputs(self, rows: _StepRows) -> ForwardInputs:
         return self._inputs(rows)
