@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -34,6 +35,20 @@ def _prompts(model_dir: Path) -> dict[str, list[int]]:
     return {f"p{i}": tok.encode(t * (1 + 6 * (i % 2))) for i, t in enumerate(TEXTS)}
 
 
+def cuda_references(model_dir: Path) -> tuple[dict[str, list[int]], dict[str, Any]]:
+    """The prompts and transformers' 32 greedy tokens of each on CUDA (EOS suppressed), the
+    reference model freed before the engine loads."""
+    from cluster.common.tokenizer import Tokenizer
+
+    prompts = _prompts(model_dir)
+    hf = load_hf(model_dir).to("cuda")
+    suppress = Tokenizer(model_dir).eos_token_ids
+    refs = {rid: hf_greedy(hf, p, 32, suppress) for rid, p in prompts.items()}
+    del hf
+    torch.cuda.empty_cache()
+    return prompts, refs
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -44,14 +59,7 @@ def _prompts(model_dir: Path) -> dict[str, list[int]]:
     ids=["batched", "chunked", "preempted"],
 )
 def test_engine_on_cuda_matches_transformers(real_model_dir: Path, overrides: dict) -> None:
-    prompts = _prompts(real_model_dir)
-    hf = load_hf(real_model_dir).to("cuda")
-    from cluster.common.tokenizer import Tokenizer
-
-    suppress = Tokenizer(real_model_dir).eos_token_ids
-    refs = {rid: hf_greedy(hf, p, 32, suppress) for rid, p in prompts.items()}
-    del hf
-    torch.cuda.empty_cache()
+    prompts, refs = cuda_references(real_model_dir)
     cfg = make_config(
         **{
             "model.path": str(real_model_dir),

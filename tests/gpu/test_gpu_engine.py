@@ -11,14 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from cluster.common.sampling_params import SamplingParams
 from cluster.engine.engine import EngineRequest, LLMEngine
 from cluster.engine.gpu.plan import GpuPath
-from tests.gpu.test_cuda import _prompts
+from tests.gpu.test_cuda import _prompts, cuda_references
 from tests.helpers import greedy, make_config, run_until_done
-from tests.reference import capture_logits, check_run_against_references, hf_greedy, load_hf
+from tests.reference import capture_logits, check_run_against_references
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -65,14 +64,7 @@ def test_graphs_on_and_off_match_transformers(real_model_dir: Path) -> None:
     """fp32 (as the reference): graphs on, graphs off and the plain torch path each within
     test_cuda's tolerances of transformers on CUDA; graphs on and off token-identical; the
     graphs did run."""
-    prompts = _prompts(real_model_dir)
-    hf = load_hf(real_model_dir).to("cuda")
-    from cluster.common.tokenizer import Tokenizer
-
-    suppress = Tokenizer(real_model_dir).eos_token_ids
-    refs = {rid: hf_greedy(hf, p, 32, suppress) for rid, p in prompts.items()}
-    del hf
-    torch.cuda.empty_cache()
+    prompts, refs = cuda_references(real_model_dir)
     arms = {
         "graphs": (True, {}),
         "eager": (False, {}),
