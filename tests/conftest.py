@@ -16,6 +16,17 @@ os.environ.setdefault("OMP_NUM_THREADS", str(max(1, min(2, (os.cpu_count() or 2)
 
 from tests.helpers import make_config  # noqa: E402 (after the thread count, before torch)
 
+# Triton's interpreter where there is no CUDA device (the GPU path's kernels run on CPU in
+# tests/unit/gpu_path). Its jit decorator reads the switch when a kernel module is imported, so
+# it is set here, before any test module is collected: an xdist worker collects tests/gpu, whose
+# modules import Triton, before tests/unit/gpu_path's own conftest (a fresh-clone run failed
+# every interpreter test so). With CUDA, the device tests get the compiled kernels.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
