@@ -77,9 +77,11 @@ def test_plan_validate_smoke(
     # Each measured figure's own sampling interval (bootstrap; inf where the figure is 0).
     assert all(r["sampling_%"] >= 0 for r in rows)
     # The tiny model can outrun the stream: a request's later tokens then arrive in one message
-    # and its TPOT is 0 (a colocated_chunked tpot_p50 of 0.0 failed a fresh-clone run). TTFT and
-    # goodput are never 0 for requests that were served.
-    assert all(r["measured"] > 0 for r in rows if not r["figure"].startswith("tpot"))
+    # and its TPOT is 0 (a colocated_chunked tpot_p50 of 0.0 failed a fresh-clone run). TTFT is
+    # never 0 for requests that were served. Goodput (requests inside their SLOs per second) may
+    # be: a fresh-clone run on 2 loaded cores measured an arm with none inside.
+    ttft = [r for r in rows if r["figure"].startswith("ttft")]
+    assert all(r["measured"] > 0 for r in ttft), [(r["arm"], r["figure"]) for r in ttft]
     assert (tmp_path / "results" / "profile.json").exists()
     # The serving section was re-calibrated on this deployment, for every arm.
     assert set(payload["serving"]) == {"disagg", "colocated", "colocated_chunked"}
