@@ -8,10 +8,31 @@ and paths only.
 
 from __future__ import annotations
 
+import mmap
+import os
 import threading
 
 _lock = threading.Lock()
 _regions: dict[int, tuple[str, int]] = {}
+
+
+def new_region(name: str, nbytes: int) -> tuple[mmap.mmap, int, str]:
+    """A zeroed memfd of ``nbytes``, mapped here: (the mapping, its fd, the path another process
+    on this host opens to map it: ``map_region``)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)  # zero-filled
+        region = mmap.mmap(fd, nbytes)
+    except BaseException:
+        os.close(fd)
+        raise
+    return region, fd, f"/proc/{os.getpid()}/fd/{fd}"
+
+
+def map_region(path: str, nbytes: int) -> mmap.mmap:
+    """Another process's region (``new_region``'s path), read-write."""
+    with open(path, "r+b") as f:
+        return mmap.mmap(f.fileno(), nbytes)
 
 
 def register(address: int, path: str, fd: int = -1) -> None:

@@ -75,6 +75,13 @@ def decode_row_index(
     return (row_bt.unsqueeze(0) + head_ids).reshape(-1)  # [H * B * T]
 
 
+def padding_mask(ctx_lens: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """The torch gather's additive mask [B, width]: 0 over each row's context, -inf past it."""
+    cols = torch.arange(width, device=ctx_lens.device)
+    mask = torch.zeros((ctx_lens.shape[0], width), dtype=dtype, device=ctx_lens.device)
+    return mask.masked_fill_(cols[None, :] >= ctx_lens[:, None], float("-inf"))
+
+
 def cache_rows(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
     """The whole cache as [rows, row_width], one (token, KV head) a row, and the heads a
     token's row holds: also for a tensor-parallel rank's view of its heads, which it reads

@@ -43,7 +43,7 @@ class StageRunner(Protocol):
     @property
     def group(self) -> ShmGroup | None: ...
 
-    def collect_items(self, items: list[ScheduledRequest]) -> Any: ...
+    def collect_rows(self, items: list[ScheduledRequest]) -> Any: ...
 
     def step_inputs(self, rows: Any) -> ForwardInputs: ...
 
@@ -69,7 +69,7 @@ def execute_pipelined(runner: StageRunner, batch: ScheduledBatch) -> RunnerOutpu
     group = runner.group
     assert group is not None
     parts = deal(batch.items, runner.config.model.pipeline_microbatches)
-    rows = [runner.collect_items(items) for items in parts]
+    rows = [runner.collect_rows(items) for items in parts]
     group.broadcast({"micro_batches": [r.wire() for r in rows]})
     inputs = [runner.step_inputs(r) for r in rows]
     logits = run_stage(runner, inputs)

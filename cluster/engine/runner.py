@@ -13,7 +13,6 @@ every transfer relies on:
 from __future__ import annotations
 
 import mmap
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -83,17 +82,9 @@ def shared_kv_allocator(layout: KVLayout, num_blocks: int, device: torch.device)
     by ``shared_kv_path``): a tensor-parallel engine's ranks share one cache this way."""
     if device.type != "cpu":
         raise ValueError("a shared KV cache lives in host memory (model.device cpu)")
-    nbytes = num_blocks * layout.bytes_per_block
-    fd = os.memfd_create("pdserve-kv", os.MFD_CLOEXEC)
-    try:
-        os.ftruncate(fd, nbytes)  # zero-filled
-        region = mmap.mmap(fd, nbytes)
-    except BaseException:
-        os.close(fd)
-        raise
-    dtype = KV_STORAGE_DTYPES[layout.storage_dtype]
-    tensor = torch.frombuffer(region, dtype=dtype).view(num_blocks, *layout.block_shape)
-    shared_regions.register(tensor.data_ptr(), f"/proc/{os.getpid()}/fd/{fd}", fd)
+    region, fd, path = shared_regions.new_region("pdserve-kv", num_blocks * layout.bytes_per_block)
+    tensor = _kv_over(region, layout, num_blocks)
+    shared_regions.register(tensor.data_ptr(), path, fd)
     return tensor
 
 
@@ -105,9 +96,12 @@ def shared_kv_path(kv_cache: torch.Tensor) -> str | None:
 
 def map_shared_kv(path: str, layout: KVLayout, num_blocks: int) -> torch.Tensor:
     """Another process's shared KV cache (``shared_kv_path``), read-write."""
-    nbytes = num_blocks * layout.bytes_per_block
-    with open(path, "r+b") as f:
-        region = mmap.mmap(f.fileno(), nbytes)
+    return _kv_over(
+        shared_regions.map_region(path, num_blocks * layout.bytes_per_block), layout, num_blocks
+    )
+
+
+def _kv_over(region: mmap.mmap, layout: KVLayout, num_blocks: int) -> torch.Tensor:
     dtype = KV_STORAGE_DTYPES[layout.storage_dtype]
     return torch.frombuffer(region, dtype=dtype).view(num_blocks, *layout.block_shape)
 

@@ -19,7 +19,12 @@ from cluster.common.tokenizer import Tokenizer
 from cluster.config import ClusterConfig
 from cluster.config.model_paths import model_name
 from cluster.engine import prompt_logprobs
-from cluster.engine.attention import AttentionMetadata, PrefillSeq, decode_row_index
+from cluster.engine.attention import (
+    AttentionMetadata,
+    PrefillSeq,
+    decode_row_index,
+    padding_mask,
+)
 from cluster.engine.gpu.device_sampler import sample_rows
 from cluster.engine.gpu.graphs import DEFAULT_BUCKETS, StepGraphs
 from cluster.engine.gpu.plan import GpuPath, choose_gpu_path, triton_imports
@@ -186,15 +191,14 @@ class TorchModelRunner:
                 "devices (NCCL) are not built: use 1 there"
             )
         timeout = config.model.tensor_parallel_timeout_s
+        pipes = PIPE_SLOTS if config.model.pipeline_parallel_size > 1 else 0
         if rank is None:
-            pipes = PIPE_SLOTS if config.model.pipeline_parallel_size > 1 else 0
             group = self._group = ShmGroup.create(world, timeout, pipe_slots=pipes)
             ranks = self._ranks = spawn_ranks(config, model_dir, group.path, world)
             group.peer_alive = ranks.peer_alive
             group.wake_fds = ranks.wake_fds
             self._release = weakref.finalize(self, _stop_ranks, ranks, group, self._shared_kv)
             return
-        pipes = PIPE_SLOTS if config.model.pipeline_parallel_size > 1 else 0
         self._group = ShmGroup.attach(rank.group_path, rank.rank, world, timeout, pipe_slots=pipes)
         self._group.peer_alive = lambda: driver_gone(rank.driver_pid)
         self._group.wake_fd = rank.wake_fd
@@ -250,9 +254,9 @@ class TorchModelRunner:
             assert isinstance(message, dict)
             if "micro_batches" in message:  # a pipeline stage
                 parts = message["micro_batches"]
-                run_stage(self, [self._inputs(_StepRows.from_wire(w)) for w in parts])
+                run_stage(self, [self.step_inputs(_StepRows.from_wire(w)) for w in parts])
                 continue
-            self.forward(self._inputs(_StepRows.from_wire(message)))
+            self.forward(self.step_inputs(_StepRows.from_wire(message)))
 
     def problem(self) -> str | None:
         """Why a step cannot run: a tensor-parallel rank that exited (its exit code); None."""
@@ -384,32 +388,26 @@ class TorchModelRunner:
     def prepare(self, batch: ScheduledBatch) -> ForwardInputs:
         """The step's tensors; with other tensor-parallel ranks, its rows go to them too (they
         then run the step: ``forward`` must follow)."""
-        rows = self._collect(batch)
+        rows = self.collect_rows(batch.items)
         if self._group is not None:  # the other ranks run the same step on their shards
             self._group.broadcast(rows.wire())
-        return self._inputs(rows)
+        return self.step_inputs(rows)
 
-    def step_inputs(self, rows: _StepRows) -> ForwardInputs:
-        return self._inputs(rows)
-
-    def collect_items(self, items: list[ScheduledRequest]) -> _StepRows:
-        """``_collect`` of some of a step's requests (a pipeline's micro-batch)."""
-        return self._collect(ScheduledBatch(items))
-
-    def _collect(self, batch: ScheduledBatch) -> _StepRows:
+    def collect_rows(self, items: list[ScheduledRequest]) -> _StepRows:
+        """The rows of a step's requests (all of them, or a pipeline's micro-batch)."""
         # A decode with drafts is 1 + k decode rows over its one table (row j sees its context
         # up to itself): the same batched pass verifies them. Decode rows come first.
         # Under fast numerics every row is a decode row, prefill chunks too: see rows_as_decodes.
         rows = _StepRows()
-        decodes = [it for it in batch.items if self._as_decode(it)]
+        decodes = [it for it in items if self._as_decode(it)]
         for it in decodes:
             self._add_decode(rows, it)
-        for it in batch.items:
+        for it in items:
             if not self._as_decode(it):
                 self._add_prefill(rows, it)
         return rows
 
-    def _inputs(self, rows: _StepRows) -> ForwardInputs:
+    def step_inputs(self, rows: _StepRows) -> ForwardInputs:
         """The step's tensors from its rows (on every rank, from the same rows)."""
         dev = self.device
 
@@ -495,9 +493,7 @@ class TorchModelRunner:
             meta.decode_rows = decode_row_index(
                 tables, bs, layout.num_layers, layout.num_kv_heads, self.kv_heads
             )
-            cols = torch.arange(width * bs, device=self.device)
-            mask = torch.zeros((len(lens), width * bs), dtype=self.model.dtype, device=self.device)
-            meta.decode_mask = mask.masked_fill_(cols[None, :] >= lens[:, None], float("-inf"))
+            meta.decode_mask = padding_mask(lens, width * bs, self.model.dtype)
         return meta
 
     @staticmethod

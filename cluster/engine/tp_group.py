@@ -33,9 +33,12 @@ import os
 import select
 import time
 from collections.abc import Callable
+from functools import partial
 
 import msgpack
 import torch
+
+from cluster.common import shared_regions
 
 _LINE = 8  # int64s per rank's header line (64 bytes: one cache line each)
 _HEADER_BYTES = 4096
@@ -100,15 +103,9 @@ class ShmGroup:
     ) -> ShmGroup:
         """Rank 0's group: a new zeroed memfd region others attach to by ``path``."""
         size = cls.region_bytes(world, slot_bytes, pipe_slots)
-        fd = os.memfd_create("pdserve-tp", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(fd, size)
-            region = mmap.mmap(fd, size)
-        except BaseException:
-            os.close(fd)
-            raise
+        region, fd, path = shared_regions.new_region("pdserve-tp", size)
         group = cls(region, 0, world, timeout_s, slot_bytes, pipe_slots=pipe_slots)
-        group.path, group._fd = f"/proc/{os.getpid()}/fd/{fd}", fd
+        group.path, group._fd = path, fd
         return group
 
     @classmethod
@@ -121,8 +118,7 @@ class ShmGroup:
         slot_bytes: int = SLOT_BYTES,
         pipe_slots: int = 0,
     ) -> ShmGroup:
-        with open(path, "r+b") as f:
-            region = mmap.mmap(f.fileno(), cls.region_bytes(world, slot_bytes, pipe_slots))
+        region = shared_regions.map_region(path, cls.region_bytes(world, slot_bytes, pipe_slots))
         return cls(region, rank, world, timeout_s, slot_bytes, pipe_slots=pipe_slots)
 
     def close(self) -> None:
@@ -133,25 +129,49 @@ class ShmGroup:
     # -- waiting ----------------------------------------------------------------------------
 
     def _wait(self, seq: int, ranks: range | list[int], deadline: float | None) -> None:
-        """Until each of ``ranks`` has published ``seq`` or later: spinning for ``_SPIN_S``
-        (checking the clock every 256 reads), then yielding, then sleeping at every read."""
-        lines = self._lines
-        start = time.monotonic()
+        """Until each of ``ranks`` has published ``seq`` or later."""
         t0 = time.perf_counter()
+        for r in ranks:
+            root = deadline is None and r == 0
+            self._until(partial(self._reached, r, seq), deadline, partial(self._late, r, seq), root)
+        self.wait_s += time.perf_counter() - t0
+
+    def _reached(self, rank: int, seq: int) -> bool:
+        return int(self._lines[rank, 0]) >= seq
+
+    def _late(self, rank: int, seq: int) -> str:
+        return (
+            f"tensor-parallel rank {rank} did not reach collective {seq} within "
+            f"{self.timeout_s:g} s (model.tensor_parallel_timeout_s): it hangs or died"
+        )
+
+    def _until(
+        self,
+        ready: Callable[[], bool],
+        deadline: float | None,
+        late: Callable[[], str],
+        for_root: bool = False,
+    ) -> None:
+        """Until ``ready()``: spinning for ``_SPIN_S`` (the clock and the peers checked every
+        256 reads), then dozing at every read (``_doze``). RankFailure when a peer is gone, or
+        with ``late()`` past ``deadline``."""
+        start = time.monotonic()
         spins = 0
         patient = False
-        for r in ranks:
-            while int(lines[r, 0]) < seq:
-                spins += 1
-                if spins & 255 and not patient:
-                    continue
-                now = time.monotonic()
-                self._check(now, deadline, r, seq)
-                waited = now - start
-                if waited > _SPIN_S:
-                    patient = True
-                    self._doze(waited, deadline is None and r == 0)
-        self.wait_s += time.perf_counter() - t0
+        while not ready():
+            spins += 1
+            if spins & 255 and not patient:
+                continue
+            now = time.monotonic()
+            gone = self.peer_alive()
+            if gone is not None:
+                raise RankFailure(gone)
+            if deadline is not None and now > deadline:
+                raise RankFailure(late())
+            waited = now - start
+            if waited > _SPIN_S:
+                patient = True
+                self._doze(waited, for_root)
 
     def _doze(self, waited: float, for_root: bool) -> None:
         """A pause in a long wait: a yield at first; then, waiting for rank 0's next message
@@ -166,16 +186,6 @@ class ShmGroup:
                     os.eventfd_read(self.wake_fd)
         else:
             time.sleep(min(0.001, waited / 100))
-
-    def _check(self, now: float, deadline: float | None, rank: int, seq: int) -> None:
-        gone = self.peer_alive()
-        if gone is not None:
-            raise RankFailure(gone)
-        if deadline is not None and now > deadline:
-            raise RankFailure(
-                f"tensor-parallel rank {rank} did not reach collective {seq} within "
-                f"{self.timeout_s:g} s (model.tensor_parallel_timeout_s): it hangs or died"
-            )
 
     def _begin(self, deadline: float | None) -> tuple[int, int]:
         """The next operation's seq and slot parity, once its slots are free to write."""
@@ -276,9 +286,11 @@ class ShmGroup:
         deadline = time.monotonic() + self.timeout_s
         for a in range(0, max(1, data.numel()), self.slot_bytes):
             part = data[a : a + self.slot_bytes]
-            spins = 0
-            while pipe.head() - pipe.tail() >= pipe.slots:
-                spins = self._pipe_wait(deadline, dst, spins)
+            self._until(
+                lambda: pipe.head() - pipe.tail() < pipe.slots,
+                deadline,
+                _stuck(dst, self.timeout_s),
+            )
             pipe.slot(pipe.head())[: part.numel()].copy_(part)
             pipe.advance_head()
 
@@ -290,32 +302,20 @@ class ShmGroup:
         t0 = time.perf_counter()
         for a in range(0, max(1, data.numel()), self.slot_bytes):
             part = data[a : a + self.slot_bytes]
-            spins = 0
-            while pipe.head() <= pipe.tail():
-                spins = self._pipe_wait(deadline, self.rank, spins)
+            self._until(
+                lambda: pipe.head() > pipe.tail(), deadline, _stuck(self.rank, self.timeout_s)
+            )
             part.copy_(pipe.slot(pipe.tail())[: part.numel()])
             pipe.advance_tail()
         self.wait_s += time.perf_counter() - t0
         return out
 
-    def _pipe_wait(self, deadline: float, rank: int, spins: int) -> int:
-        """One turn of a queue wait: a spin; every 256th, the clock and the peers, and after
-        ``_SPIN_S`` of it a yield."""
-        spins += 1
-        if spins & 255:
-            return spins
-        now = time.monotonic()
-        gone = self.peer_alive()
-        if gone is not None:
-            raise RankFailure(gone)
-        if now > deadline:
-            raise RankFailure(
-                f"pipeline: rank {rank}'s queue did not move within {self.timeout_s:g} s "
-                "(model.tensor_parallel_timeout_s): a stage hangs or died"
-            )
-        if now > deadline - self.timeout_s + _SPIN_S:
-            time.sleep(0)
-        return spins
+
+def _stuck(rank: int, timeout_s: float) -> Callable[[], str]:
+    return lambda: (
+        f"pipeline: rank {rank}'s queue did not move within {timeout_s:g} s "
+        "(model.tensor_parallel_timeout_s): a stage hangs or died"
+    )
 
 
 def _pipe_bytes(pipe_slots: int, slot_bytes: int) -> int:

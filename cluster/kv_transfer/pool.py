@@ -88,16 +88,14 @@ class KVPool:
         if device != "cpu":
             raise ValueError("a shared KV pool lives in host memory (device must be cpu)")
         nbytes = num_blocks * layout.bytes_per_block
-        fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
+        region, fd, path = shared_regions.new_region(MEMFD_NAME, nbytes)
         try:
-            os.ftruncate(fd, nbytes)  # zero-filled
-            region = mmap.mmap(fd, nbytes)
             _prefault(region)
         except BaseException:
             os.close(fd)
             raise
         tensor = torch.frombuffer(region, dtype=dtype).view(shape)
-        pool = cls(tensor, layout, shm_path=f"/proc/{os.getpid()}/fd/{fd}")
+        pool = cls(tensor, layout, shm_path=path)
         pool._memfd = fd
         # the engine's tensor-parallel ranks map this cache too (cluster.common.shared_regions)
         shared_regions.register(tensor.data_ptr(), pool.shm_path, fd)

@@ -37,7 +37,12 @@ from typing import Any
 
 import torch
 
-from cluster.engine.attention import AttentionMetadata, _decode_attention, decode_row_index
+from cluster.engine.attention import (
+    AttentionMetadata,
+    _decode_attention,
+    decode_row_index,
+    padding_mask,
+)
 from cluster.engine.kv_codec import FloatKV, Int8KV, KVCodec
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -60,10 +65,7 @@ def gather_decode(
     _, _, _, bs, hkv, _ = kv_cache.shape
     d = q.shape[-1]
     codec: KVCodec = Int8KV(d) if kv_cache.dtype == torch.uint8 else FloatKV(kv_cache.dtype)
-    width = block_tables.shape[1] * bs
-    cols = torch.arange(width, device=q.device)
-    mask = torch.zeros((q.shape[0], width), dtype=q.dtype, device=q.device)
-    mask.masked_fill_(cols[None, :] >= ctx_lens[:, None], float("-inf"))
+    mask = padding_mask(ctx_lens, block_tables.shape[1] * bs, q.dtype)
     meta = AttentionMetadata(
         slot_blocks=ctx_lens,
         slot_offsets=ctx_lens,

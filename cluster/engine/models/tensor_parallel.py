@@ -149,10 +149,10 @@ def take_rows(w: Weight, ranges: list[tuple[int, int]]) -> Weight:
             lo, hi = max(a, start), min(b, start + seg.rows)
             if lo < hi:
                 rows = _segment_rows(seg, lo - start, hi - start)
-                parts.append(PackedWeight((rows,), w.cols, w.fp32_activations))
+                parts.append(PackedWeight((rows,), w.cols))
             start += seg.rows
     out = PackedWeight.cat(parts)
-    out.fp32_activations = w.fp32_activations
+    out.fp32_activations = w.fp32_activations  # (cat keeps rows and formats only)
     return out
 
 
